@@ -1,0 +1,158 @@
+"""Report rendering: Markdown table (baseline, solution, ratio), summary, PNG plot."""
+from __future__ import annotations
+
+GIB = 2**30
+
+
+def _fmt(v, unit=""):
+    if v is None:
+        return "n/a"
+    if isinstance(v, float):
+        return f"{v:,.3g}{unit}" if abs(v) < 100 else f"{v:,.1f}{unit}"
+    return f"{v}{unit}"
+
+
+def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
+    b, s = rep["baseline"], rep["solution"]
+    kb, ks = rep["kernel_split"]["baseline"], rep["kernel_split"]["solution"]
+
+    def mem(r, key):
+        v = r.get(key)
+        return v / GIB if v else None
+
+    def final_loss(r):
+        runs = r.get("tracker", {}).get("runs") or [{}]
+        return runs[0].get("final_loss")
+
+    def soup_duration(r):
+        runs = r.get("tracker", {}).get("runs") or [{}]
+        return runs[0].get("duration_secs")
+
+    steps = b.get("step_times_s") or []
+    return [
+        ("total wall time (s)", b.get("wall_s"), s.get("wall_s"), "lower"),
+        ("training time, Soup's duration (s)", soup_duration(b), soup_duration(s), "lower"),
+        ("training time excl. first 2 steps (s)", b.get("train_excl_first2_s"), s.get("train_excl_first2_s"), "lower"),
+        ("mean step time excl. first 2 (ms)",
+         1e3 * b["train_excl_first2_s"] / max(len(steps) - 2, 1) if b.get("train_excl_first2_s") else None,
+         1e3 * s["train_excl_first2_s"] / max(len(s.get("step_times_s") or []) - 2, 1) if s.get("train_excl_first2_s") else None,
+         "lower"),
+        ("tokens/s excl. first 2 (non-pad)", b.get("tokens_per_s_excl_first2"), s.get("tokens_per_s_excl_first2"), "higher"),
+        ("peak GPU memory allocated (GiB)", mem(b, "peak_mem_allocated_bytes"), mem(s, "peak_mem_allocated_bytes"), "lower"),
+        ("peak GPU memory reserved (GiB)", mem(b, "peak_mem_reserved_bytes"), mem(s, "peak_mem_reserved_bytes"), "lower"),
+        ("GPU kernel time, steps 3-64 (s)", kb["total_gpu_s"] if kb else None, ks["total_gpu_s"] if ks else None, "lower"),
+        ("final loss", final_loss(b), final_loss(s), "same"),
+    ]
+
+
+def _ratio(b, s, better):
+    if not b or not s:
+        return "n/a"
+    if better == "lower":
+        return f"{b / s:.2f}x"
+    if better == "higher":
+        return f"{s / b:.2f}x"
+    return f"{(s - b) / abs(b):+.2e} rel"
+
+
+def summary_table(rep: dict) -> str:
+    lines = [f"{'':40} {'baseline':>12} {'solution':>12} {'gain':>12}"]
+    for name, b, s, better in _rows(rep):
+        lines.append(f"{name:40} {_fmt(b):>12} {_fmt(s):>12} {_ratio(b, s, better):>12}")
+    share = rep.get("own_kernel_share")
+    lines.append(f"own-kernel share of training time (excl. first 2): "
+                 f"{'n/a' if share is None else f'{share:.1%}'}")
+    return "\n".join(lines)
+
+
+def markdown(rep: dict) -> str:
+    v = rep["versions"]
+    out = [f"# Baseline vs solution: {rep['model']}", "",
+           f"- date: {rep['date']}", f"- GPU: {rep['gpu']['name']}"
+           + (f" (sm {rep['gpu']['capability']}, {rep['gpu'].get('memory_gib')} GiB)" if rep['gpu'].get('capability') else ""),
+           "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
+           f"- command: `{rep['command']}`",
+           f"- workload: {rep['workload']['examples']} examples, batch {rep['workload']['batch_size']}, "
+           f"max length {rep['workload']['max_length']}, {rep['workload']['steps']} steps",
+           f"- precision: {rep['solution'].get('precision_emulation') or 'as Soup chooses on this device'}",
+           f"- installed by apply(): {', '.join(rep['solution'].get('installed') or {}) or 'nothing'}", "",
+           "| metric | baseline | solution | gain (baseline/solution) |", "| --- | ---: | ---: | ---: |"]
+    for name, b, s, better in _rows(rep):
+        out.append(f"| {name} | {_fmt(b)} | {_fmt(s)} | {_ratio(b, s, better)} |")
+    share = rep.get("own_kernel_share")
+    out += ["", f"Own-kernel share of training time excluding the first two steps: "
+            f"**{'n/a' if share is None else f'{share:.1%}'}**"
+            + ("" if share is not None else f" ({rep.get('own_kernel_share_note')})"),
+            f"Own kernels that ran: {', '.join(rep.get('own_kernels_ran') or []) or 'none'}", ""]
+    for variant in ("baseline", "solution"):
+        ks = rep["kernel_split"][variant]
+        if not ks:
+            continue
+        out += [f"## Where GPU time goes: {variant} (steps 3-{rep['workload']['steps']}, profiled pass)", "",
+                "| category | GPU s | share |", "| --- | ---: | ---: |"]
+        for cat, t in ks["by_category_s"].items():
+            out.append(f"| {cat} | {t:.3f} | {t / ks['total_gpu_s']:.1%} |")
+        out += ["", "Top kernels:", ""]
+        out += [f"- {t:.3f} s  `{name[:110]}`" for name, t in ks["top_kernels_s"][:10]]
+        out.append("")
+    out += ["## Rule check", ""]
+    for r in rep["rules"]:
+        status = "PASS" if r["ok"] else ("n/a" if r["ok"] is None else "FAIL")
+        out.append(f"- **{status}** {r['check']}: {r['figure']}")
+    if rep["gpu"]["name"] == "cpu":
+        out += ["", "## What differs from the GPU run", "",
+                "- CPU: Soup switches 4-bit quantization off (bitsandbytes NF4 training needs CUDA), so the NF4 "
+                "and LoRA-on-NF4 patches do not take part; Soup trains in fp32 (no fp16 autocast).",
+                "- The model is the tiny stand-in (same architecture and 151936 vocabulary, hidden 64, 2 layers).",
+                "- Our kernels run in Triton's CPU interpreter: this checks the wiring and numerics, not speed; "
+                "times on the CPU say nothing about the GPU.",
+                "- No GPU profiler: the own-kernel share is not measured; kernels that ran are counted by their "
+                "launchers."]
+    return "\n".join(out) + "\n"
+
+
+def _series(result: dict, key: str):
+    pts = [(int(l["step"]), float(l[key])) for l in result.get("trainer_logs", []) if key in l and "train_runtime" not in l]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def plot(rep: dict, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    ax = axes[0]
+    for variant, style in (("baseline", "-"), ("solution", "--")):
+        x, y = _series(rep[variant], "loss")
+        ax.plot(x, y, style, label=variant)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title("Loss curve (same inputs, same seed)")
+    ax.legend()
+    ax = axes[1]
+    ks = rep["kernel_split"]
+    if ks["baseline"] or ks["solution"]:
+        cats = sorted({c for v in ks.values() if v for c in v["by_category_s"]})
+        bottom = {"baseline": 0.0, "solution": 0.0}
+        for cat in cats:
+            vals = [(ks[v]["by_category_s"].get(cat, 0.0) if ks[v] else 0.0) for v in ("baseline", "solution")]
+            ax.bar(["baseline", "solution"], vals, bottom=[bottom["baseline"], bottom["solution"]], label=cat)
+            bottom["baseline"] += vals[0]
+            bottom["solution"] += vals[1]
+        ax.set_ylabel("GPU time, steps 3-N (s)")
+        ax.set_title("Where GPU time goes")
+        ax.legend(fontsize=7)
+    else:
+        steps_b = rep["baseline"].get("step_times_s") or []
+        steps_s = rep["solution"].get("step_times_s") or []
+        ax.plot(range(1, len(steps_b) + 1), steps_b, label="baseline")
+        ax.plot(range(1, len(steps_s) + 1), steps_s, "--", label="solution")
+        ax.set_xlabel("step")
+        ax.set_ylabel("step time (s)")
+        ax.set_title("Step times (no GPU profile on this machine)")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,260 @@
+"""One real Soup training run in this process, measured. Used by bench.compare, one fresh
+process per run, so patches and allocator state never leak from one run into another.
+
+    python -m bench.run_one --variant baseline|solution --model DIR --data FILE --workdir DIR [--profile]
+
+What it does: (solution only) calls solution.apply(); adds a measurement callback to every
+transformers Trainer built in this process (the same for baseline and solution: it only reads
+clocks, logs and memory counters); renders the workload into a Soup YAML and runs
+`soup train --config <yaml> --yes` in-process through Soup's own CLI; then reads back Soup's
+SQLite tracker and output files, and writes result.json into the workdir.
+With --profile, torch.profiler records GPU kernels from step 3 to the end (a separate pass:
+the timed runs are never profiled).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sqlite3
+import sys
+import time
+from pathlib import Path
+
+SKIP_STEPS = 2  # the challenge measures training time excluding the first two steps
+
+
+def _sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Trainer callback: step end times (after a device sync), logs, optional profiler."""
+
+    def __init__(self, profile: bool):
+        from transformers import TrainerCallback
+
+        clock = self
+
+        class _CB(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kw):
+                _sync()
+                clock.t_begin = time.perf_counter()
+
+            def on_step_begin(self, args, state, control, **kw):
+                if clock.profile and state.global_step == SKIP_STEPS and clock.prof is None:
+                    clock.start_profiler()
+
+            def on_step_end(self, args, state, control, **kw):
+                _sync()
+                clock.step_ends.append(time.perf_counter())
+
+            def on_log(self, args, state, control, logs=None, **kw):
+                clock.logs.append({"step": state.global_step, **(logs or {})})
+
+            def on_train_end(self, args, state, control, **kw):
+                _sync()
+                clock.t_end = time.perf_counter()
+                clock.stop_profiler()
+
+        self.callback = _CB()
+        self.profile = profile
+        self.prof = None
+        self.t_begin = self.t_end = None
+        self.step_ends: list[float] = []
+        self.logs: list[dict] = []
+        self.kernel_times: dict[str, float] = {}
+
+    def start_profiler(self):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self.prof = profile(activities=acts, record_shapes=False, with_stack=False)
+        self.prof.__enter__()
+        self.t_prof_begin = time.perf_counter()
+
+    def stop_profiler(self):
+        if self.prof is None or getattr(self, "t_prof_end", None):
+            return
+        _sync()
+        self.t_prof_end = time.perf_counter()
+        self.prof.__exit__(None, None, None)
+        from torch.autograd import DeviceType
+
+        times: dict[str, float] = {}
+        for evt in self.prof.events():
+            if evt.device_type == DeviceType.CUDA:
+                dt = getattr(evt, "device_time", None)
+                if dt is None:
+                    dt = evt.cuda_time
+                times[evt.name] = times.get(evt.name, 0.0) + float(dt) / 1e6  # us -> s
+        self.kernel_times = times
+
+    def step_times(self) -> list[float]:
+        out, prev = [], self.t_begin
+        for t in self.step_ends:
+            out.append(t - prev)
+            prev = t
+        return out
+
+
+def emulate_t4_precision() -> str | None:
+    """Make Soup take its T4 precision path on a newer GPU (harness only, both variants).
+
+    Soup picks bf16 where the card has bf16 units (sm_80+) and fp16 on a T4. The challenge
+    workload is the T4's: fp16 autocast + GradScaler, bnb compute dtype fp16, fp16 load dtype.
+    On an H100/H200 we answer Soup's one capability question, soup_cli.utils.gpu.
+    cuda_supports_bf16(), with False, so that every decision downstream of it is the T4's.
+    Returns a description, or None when nothing needed changing.
+    """
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 0):
+        return None
+    import soup_cli.utils.gpu as soup_gpu
+
+    soup_gpu.cuda_supports_bf16 = lambda: False
+    return (f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}) "
+            "made to take Soup's T4 precision path: fp16 autocast, fp16 compute and load dtype")
+
+
+def install_clock(clock: StepClock):
+    """Add our callback to every Trainer built from now on (measurement only, both variants)."""
+    import transformers
+
+    orig_init = transformers.Trainer.__init__
+
+    def init_with_clock(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        self.add_callback(clock.callback)
+
+    transformers.Trainer.__init__ = init_with_clock
+
+
+def read_tracker(db_path: Path) -> dict:
+    if not db_path.exists():
+        return {"error": f"tracker database missing: {db_path}"}
+    con = sqlite3.connect(str(db_path))
+    con.row_factory = sqlite3.Row
+    runs = [dict(r) for r in con.execute("select * from runs order by created_at")]
+    metrics = [dict(r) for r in con.execute("select * from metrics order by id")]
+    con.close()
+    for r in runs:
+        r.pop("config_json", None)
+    return {"runs": runs, "metrics": metrics}
+
+
+def output_files(out_dir: Path) -> dict:
+    want = ["adapter_model.safetensors", "adapter_config.json", "tokenizer_config.json"]
+    present = {name: (out_dir / name).exists() for name in want}
+    keys = []
+    st = out_dir / "adapter_model.safetensors"
+    if st.exists():
+        from safetensors import safe_open
+
+        with safe_open(str(st), "pt") as f:
+            keys = sorted(f.keys())
+    return {"present": present, "adapter_keys": keys, "dir": str(out_dir)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", choices=["baseline", "solution"], required=True)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--workload", default=None, help="workload YAML (default: workload/workload.yaml)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--native-precision", action="store_true",
+                    help="on an sm_80+ GPU keep Soup's bf16 choice instead of the T4's fp16 path")
+    args = ap.parse_args(argv)
+
+    work = Path(args.workdir).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    os.environ["SOUP_DB_PATH"] = str(work / "soup.db")
+    for stale in (work / "soup.db", work / "result.json"):
+        stale.unlink(missing_ok=True)
+
+    import torch
+
+    from bench.rules import PROHIBITED
+    from solution.kernels import _launches
+    from workload.config import WORKLOAD_FILE, load_workload
+
+    workload = load_workload(args.workload or WORKLOAD_FILE)
+    out_dir = work / "output"
+    cfg_path = work / "soup.yaml"
+    cfg_path.write_text(workload.soup_yaml(args.model, args.data, str(out_dir)), encoding="utf-8")
+
+    emulation = emulate_t4_precision() if not args.native_precision else None
+    installed = {}
+    t_start = time.perf_counter()
+    if args.variant == "solution":
+        import solution
+
+        installed = solution.apply()
+    clock = StepClock(profile=args.profile)
+    install_clock(clock)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    _launches.reset()
+
+    from soup_cli.cli import app
+
+    rc = 0
+    try:
+        app(["train", "--config", str(cfg_path), "--yes"], standalone_mode=False)
+    except SystemExit as exc:  # Soup exits through typer on errors
+        rc = exc.code if isinstance(exc.code, int) else 1
+    wall = time.perf_counter() - t_start
+
+    steps = clock.step_times()
+    timed = steps[SKIP_STEPS:]
+    tok_logs = [l for l in clock.logs if "num_tokens" in l]
+    tokens_total = float(tok_logs[-1]["num_tokens"]) if tok_logs else None
+    tokens_after_skip = None
+    if tok_logs and len(tok_logs) > SKIP_STEPS:
+        by_step = {l["step"]: float(l["num_tokens"]) for l in tok_logs}
+        if SKIP_STEPS in by_step:
+            tokens_after_skip = tokens_total - by_step[SKIP_STEPS]
+    result = {
+        "variant": args.variant,
+        "rc": rc,
+        "installed": installed,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+        "precision_emulation": emulation,
+        "wall_s": wall,
+        "train_s": (clock.t_end - clock.t_begin) if clock.t_end else None,
+        "steps": len(steps),
+        "step_times_s": steps,
+        "train_excl_first2_s": sum(timed) if timed else None,
+        "tokens_total": tokens_total,
+        "tokens_excl_first2": tokens_after_skip,
+        "tokens_per_s": (tokens_total / (clock.t_end - clock.t_begin)) if tokens_total and clock.t_end else None,
+        "tokens_per_s_excl_first2": (tokens_after_skip / sum(timed)) if tokens_after_skip and timed else None,
+        "peak_mem_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
+        "peak_mem_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
+        "trainer_logs": clock.logs,
+        "tracker": read_tracker(work / "soup.db"),
+        "outputs": output_files(out_dir),
+        "launches": dict(_launches.LAUNCHES),
+        "prohibited_modules_loaded": sorted({m.split(".")[0] for m in sys.modules} & set(PROHIBITED)),
+        "profile": None,
+    }
+    if args.profile and clock.kernel_times:
+        result["profile"] = {
+            "window_s": clock.t_prof_end - clock.t_prof_begin,
+            "kernel_times_s": clock.kernel_times,
+        }
+    (work / "result.json").write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+    print(f"[run_one] {args.variant}: rc={rc} steps={len(steps)} wall={wall:.1f}s -> {work / 'result.json'}", flush=True)
+    return 0 if rc == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job: set up .venv if needed, then run baseline vs solution on the embedded default
+# workload (full-size stand-in on a CUDA GPU, tiny stand-in on a CPU) and print the report.
+# Extra arguments go to bench.compare (e.g. --model PATH --data FILE for the real ones).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+. .venv/bin/activate
+exec python -m bench.compare "$@"

@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# One call on a CUDA machine that has torch, triton, transformers, peft and accelerate but no
+# network (the lent GPU machine): install the carried wheels (.whl/, from
+# scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
+# the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
+#   bash scripts/gpu_run.sh [tests] [bench] [compare]     (default: all three)
+# Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
+# most 8 files), with the comparison's report.md beside it.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+FINAL=${OUT:-$PWD/out}
+OUT=${WORK:-/tmp/gpuwork}
+mkdir -p "$OUT" "$FINAL"
+pack() { cp "$OUT"/compare/report.md "$FINAL"/ 2>/dev/null; tar czf "$FINAL/results.tgz" -C "$OUT" . ; }
+trap pack EXIT
+steps=${*:-tests bench compare}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+python3 - <<'PY'
+import importlib.metadata as md, torch
+print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name(0))
+for d in ("triton", "transformers", "peft", "accelerate", "trl", "bitsandbytes", "soup-cli", "datasets"):
+    try: print(d, md.version(d))
+    except Exception as e: print(d, "MISSING", e)
+PY
+nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
+rc=0
+for step in $steps; do
+  case $step in
+    tests)
+      python3 -m pytest tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
+      python3 -m solution.kernels.sm75_check 2>&1 | tee "$OUT/sm75.log" | tail -30 ;;
+    bench)
+      : > "$OUT/kernels.md"
+      for b in bench/kernels/bench_*.py; do
+        n=$(basename "$b" .py)
+        timeout 300 python3 "$b" --out "$OUT/$n.json" 2>&1 | tee -a "$OUT/kernels.md" | tail -20 || rc=1
+      done ;;
+    compare)
+      python3 -m bench.compare --out "$OUT/compare" 2>&1 | tail -60 || rc=1 ;;
+  esac
+done
+exit $rc

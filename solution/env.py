@@ -1,0 +1,58 @@
+"""Environment checks that decide whether our kernels may run.
+
+apply() never crashes on an unsupported environment: it falls back to the stock path and says
+why. The rules here are deliberately explicit so a user can read them in one minute.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    device: str  # "cuda", "interpreter" (CPU through TRITON_INTERPRET=1) or "none"
+    reason: str
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_support() -> Support:
+    """Can our Triton kernels run here, and on what?
+
+    - CUDA GPU with compute capability >= 7.5 (the T4 is 7.5) and Triton importable: yes.
+    - No CUDA but TRITON_INTERPRET=1 (CI, CPU tests): yes, through the interpreter (slow,
+      for correctness only).
+    - Anything else: no, with the reason.
+    """
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency
+        return Support(False, "none", "PyTorch is not installed")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return Support(False, "none", "Triton is not installed (pip install triton)")
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        if (major, minor) < (7, 5):
+            return Support(False, "none",
+                           f"GPU compute capability {major}.{minor} < 7.5 (T4) is not supported")
+        if interpreter_enabled():
+            return Support(True, "interpreter", "TRITON_INTERPRET=1: kernels run on the CPU interpreter")
+        return Support(True, "cuda", f"CUDA GPU {torch.cuda.get_device_name()} (sm_{major}{minor})")
+    if interpreter_enabled():
+        return Support(True, "interpreter", "no CUDA; TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter")
+    return Support(False, "none", "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)")
+
+
+def bf16_native() -> bool:
+    """bf16 arithmetic in hardware (sm_80+). torch.cuda.is_bf16_supported() says True on a T4
+    through emulation, so gate on the compute capability instead."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)

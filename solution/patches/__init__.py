@@ -1,0 +1,5 @@
+"""Wiring of our kernels into transformers / peft / bitsandbytes / trl: one file per thing patched.
+
+PATCHES lists them in install order; solution._apply walks it.
+"""
+PATCHES: list[str] = []

@@ -1,0 +1,41 @@
+"""Test setup shared by every test.
+
+Without CUDA, Triton kernels run through Triton's CPU interpreter: TRITON_INTERPRET=1 must be
+set before triton is first imported, which is why it happens here, at collection time.
+GPU-only tests carry @pytest.mark.gpu and skip cleanly without CUDA.
+"""
+import os
+
+import pytest
+
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs in full on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    """Where kernel tests run: the GPU when there is one, else the CPU interpreter."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64 (NaN-safe: NaN anywhere gives inf)."""
+    out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref64.norm().item()
+    return (out64 - ref64).norm().item() / (denom if denom > 0 else 1.0)

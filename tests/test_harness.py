@@ -1,0 +1,141 @@
+"""The workload reproduction and the measurement tools (no GPU needed)."""
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from bench import rules
+from bench.own_kernels import categorize, is_own_kernel, own_kernel_names
+from workload.config import WORKLOAD_FILE, WorkloadConfigError, load_workload, validate_with_soup
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _write(tmp_path, data):
+    p = tmp_path / "w.yaml"
+    p.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return p
+
+
+def test_default_workload_is_the_challenge_workload():
+    w = load_workload()
+    assert (w.steps, w.examples, w.batch_size, w.max_length) == (64, 256, 4, 512)
+    d = w.soup_dict("/m", "/d.jsonl", "/o")
+    assert d["training"]["lora"] == {"r": 16, "alpha": 32, "target_modules": ["q_proj", "v_proj"]}
+    assert d["training"]["quantization"] == "4bit"
+    assert d["training"]["gradient_accumulation_steps"] == 1 and d["training"]["epochs"] == 1
+    assert d["data"]["val_split"] == 0.0 and d["data"]["max_length"] == 512
+
+
+def test_rendered_yaml_passes_soups_own_loader():
+    text = load_workload().soup_yaml("/m", "/d.jsonl", "/o")
+    assert "q_proj" in text
+
+
+def test_soup_rejects_unknown_key_in_rendered_yaml():
+    text = load_workload().soup_yaml("/m", "/d.jsonl", "/o") + "\nnot_a_soup_key: 1\n"
+    with pytest.raises(ValueError):
+        validate_with_soup(text)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.__setitem__("surprise", 1), "unknown key 'surprise'"),
+    (lambda d: d["training"].__setitem__("lr_typo", 1), "unknown key training.lr_typo"),
+    (lambda d: d["training"].pop("seed"), "missing training.seed"),
+    (lambda d: d["training"].__setitem__("steps", 65), "64 steps"),
+])
+def test_bad_workload_file_gets_a_clear_error(tmp_path, mutate, message):
+    data = yaml.safe_load(WORKLOAD_FILE.read_text(encoding="utf-8"))
+    mutate(data)
+    path = _write(tmp_path, data)
+    before = path.read_bytes()
+    with pytest.raises(WorkloadConfigError, match=message.replace(".", r"\.")):
+        load_workload(path)
+    assert path.read_bytes() == before  # nothing written is lost
+
+
+def test_missing_workload_file(tmp_path):
+    with pytest.raises(WorkloadConfigError, match="not found"):
+        load_workload(tmp_path / "nope.yaml")
+
+
+def test_compare_rejects_missing_model_path(tmp_path, capsys):
+    from bench.compare import main
+
+    rc = main(["--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "out")])
+    assert rc == 2
+    assert "not a Hugging Face model dir" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_compare_refuses_to_overwrite_a_report(tmp_path, capsys):
+    from bench.compare import main
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.json").write_text("{}")
+    model = tmp_path / "m"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    rc = main(["--model", str(model), "--out", str(out)])
+    assert rc == 2 and "already holds a report" in capsys.readouterr().err
+    assert (out / "report.json").read_text() == "{}"
+
+
+def test_static_rules_pass_on_this_repo():
+    rows = rules.check_static()
+    assert all(r["ok"] for r in rows), rows
+
+
+def test_own_kernel_discovery_and_categories():
+    names = own_kernel_names()
+    assert names, "solution/ must hold @triton.jit kernels"
+    some = sorted(names)[0]
+    assert is_own_kernel(some) and categorize(some).startswith("ours")
+    assert categorize("ampere_fp16_s16816gemm_fp16_128x128") .startswith("matmul")
+    assert categorize("void at::native::vectorized_elementwise_kernel<4>") .startswith("elementwise")
+
+
+def _fake_result(variant, losses, tokens, grad=1.0):
+    logs = [{"step": i + 1, "loss": l, "grad_norm": grad, "entropy": 11.0, "mean_token_accuracy": 0.1,
+             "num_tokens": tokens * (i + 1)} for i, l in enumerate(losses)]
+    return {"variant": variant, "steps": len(losses), "trainer_logs": logs}
+
+
+def test_metric_comparison_catches_divergence():
+    base = _fake_result("baseline", [2.0, 1.9, 1.8], 100)
+    same = _fake_result("solution", [2.0, 1.9, 1.8001], 100)
+    off = _fake_result("solution", [2.0, 1.9, 1.5], 100)
+    reorder = _fake_result("solution", [2.0, 1.9, 1.8], 101)
+    assert all(r["ok"] for r in rules.compare_metrics(base, same))
+    assert not all(r["ok"] for r in rules.compare_metrics(base, off))
+    assert not all(r["ok"] for r in rules.compare_metrics(base, reorder))
+
+
+def test_apply_falls_back_without_cuda_or_interpreter(monkeypatch, capsys):
+    import solution
+    from solution import _apply
+
+    solution.revert()
+    monkeypatch.setattr(_apply, "check_support", lambda: type("S", (), {"ok": False, "reason": "no CUDA GPU"})())
+    assert solution.apply() == {}
+    assert "falling back to the stock path: no CUDA GPU" in capsys.readouterr().out
+    solution.revert()
+
+
+def test_apply_is_idempotent_and_revert_restores(monkeypatch):
+    import solution
+    from transformers.models.qwen2 import modeling_qwen2
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    solution.revert()
+    originals = (modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.apply_rotary_pos_emb,
+                 modeling_qwen2.Qwen2MLP.forward)
+    first = solution.apply(verbose=False)
+    assert first, "on the interpreter at least one patch installs"
+    assert solution.apply(verbose=False) == first
+    solution.revert()
+    assert (modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.apply_rotary_pos_emb,
+            modeling_qwen2.Qwen2MLP.forward) == originals
+    assert solution.installed() == {}
