@@ -5,7 +5,8 @@ without a T4, and check what the T4 imposes.
 
 Each kernel module exposes ``sm75_specs()``, yielding dicts with keys
     name, fn (the @triton.jit function), signature ({arg: "*fp16" | "i32" | "fp32" | "constexpr" ...}),
-    constexprs ({arg: value}), num_warps
+    constexprs ({arg: value}), num_warps, and optionally options (other launch options, e.g.
+    {"enable_fp_fusion": False})
 Checks per spec: compiles for GPUTarget("cuda", 75, 32); static shared memory <= 65,536 bytes
 (the T4's per-block limit); PTX targets sm_75 and holds no bf16 instruction; no pointer
 argument is bf16. Must run WITHOUT TRITON_INTERPRET=1 (the interpreter replaces @triton.jit).
@@ -38,8 +39,8 @@ def compile_spec(spec: dict):
 
     src = triton.compiler.ASTSource(fn=spec["fn"], signature=spec["signature"],
                                     constexprs=spec.get("constexprs", {}))
-    return triton.compile(src, target=GPUTarget("cuda", 75, 32),
-                          options={"num_warps": spec.get("num_warps", 4), "num_stages": 1})
+    options = {"num_warps": spec.get("num_warps", 4), "num_stages": 1, **spec.get("options", {})}
+    return triton.compile(src, target=GPUTarget("cuda", 75, 32), options=options)
 
 
 def check_all() -> list[dict]:

@@ -2,4 +2,8 @@
 
 PATCHES lists them in install order; solution._apply walks it.
 """
-PATCHES: list[str] = []
+PATCHES = [
+    "solution.patches.qwen2_rmsnorm",
+    "solution.patches.qwen2_rope",
+    "solution.patches.qwen2_mlp",
+]

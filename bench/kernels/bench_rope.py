@@ -1,0 +1,115 @@
+"""GPU benchmark: stock apply_rotary_pos_emb vs solution's Triton RoPE (q and k in one launch).
+
+    python bench/kernels/bench_rope.py --out rope.json
+
+Shapes as in Qwen2.5-1.5B's attention: q [4, 12, L, 128] and k [4, 2, L, 128] as views of the
+projections' outputs ([4, L, H*128] -> view -> transpose: non-contiguous), cos/sin [1, L, 128]
+(Qwen2Model builds position_ids of shape [1, L] when the collator passes none, as trl's does without
+padding-free). L = 512 (4 x 512 = 2048 tokens) and 375 (~1500 tokens). Dtypes: fp32 everywhere (the
+workload: bitsandbytes' Linear4bit returns its input's dtype, and the input is the fp32 normed
+residual) and fp16 q/k with fp32 cos/sin. Reports median fwd and fwd+bwd times (do_bench),
+the memory the forward keeps for backward, and the peak memory of fwd + bwd.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from solution.kernels.rope import rope  # noqa: E402
+
+B, HQ, HK, D = 4, 12, 2, 128
+CASES = [(512, torch.float32, torch.float32), (375, torch.float32, torch.float32),
+         (512, torch.float16, torch.float32)]
+
+
+def _inputs(seq, qk_dtype, cs_dtype):
+    q_flat = torch.randn(B, seq, HQ * D, device="cuda", dtype=qk_dtype, requires_grad=True)
+    k_flat = torch.randn(B, seq, HK * D, device="cuda", dtype=qk_dtype, requires_grad=True)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, D, 2, device="cuda", dtype=torch.float32) / D))
+    freqs = torch.arange(seq, device="cuda", dtype=torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)[None]
+    return q_flat, k_flat, emb.cos().to(cs_dtype), emb.sin().to(cs_dtype)
+
+
+def _views(q_flat, k_flat, seq):
+    return (q_flat.view(B, seq, HQ, D).transpose(1, 2), k_flat.view(B, seq, HK, D).transpose(1, 2))
+
+
+def bench_case(seq, qk_dtype, cs_dtype):
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb as stock  # never patched here
+
+    torch.manual_seed(0)
+    q_flat, k_flat, cos, sin = _inputs(seq, qk_dtype, cs_dtype)
+    out_dtype = torch.promote_types(qk_dtype, cs_dtype)
+    gq = torch.randn(B, HQ, seq, D, device="cuda", dtype=out_dtype)
+    gk = torch.randn(B, HK, seq, D, device="cuda", dtype=out_dtype)
+    fns = {"stock": stock, "ours": rope}
+    rows = []
+    for name, fn in fns.items():
+        def fwd():
+            q, k = _views(q_flat, k_flat, seq)
+            return fn(q, k, cos, sin)
+
+        def fwd_bwd():
+            qo, ko = fwd()
+            torch.autograd.backward((qo, ko), (gq, gk))
+
+        with torch.no_grad():
+            t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
+        t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[q_flat, k_flat],
+                                       return_mode="median")
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        qo, ko = fwd()
+        out_bytes = (qo.numel() + ko.numel()) * qo.element_size()
+        kept = torch.cuda.memory_allocated() - base - out_bytes
+        torch.autograd.backward((qo, ko), (gq, gk))
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
+        q_flat.grad = k_flat.grad = None
+        del qo, ko
+        rows.append({"impl": name, "tokens": B * seq, "qk_dtype": str(qk_dtype).split(".")[-1],
+                     "cos_dtype": str(cs_dtype).split(".")[-1], "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
+                     "saved_for_bwd_MiB": kept / 2**20, "peak_fwd_bwd_MiB": peak / 2**20})
+    with torch.no_grad():  # correctness guard: ours must equal stock bit for bit
+        q, k = _views(q_flat, k_flat, seq)
+        a, b = rope(q, k, cos, sin), stock(q, k, cos, sin)
+        rows[1]["bit_equal_to_stock"] = bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    results = []
+    for seq, qk_dtype, cs_dtype in CASES:
+        results += bench_case(seq, qk_dtype, cs_dtype)
+    print(f"GPU: {torch.cuda.get_device_name()}\n")
+    print("| impl | tokens | q/k | cos/sin | fwd ms | fwd+bwd ms | saved for bwd MiB | peak fwd+bwd MiB | speedup fwd+bwd |")
+    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for i, r in enumerate(results):
+        base = results[i - i % 2]["fwd_bwd_ms"]
+        print(f"| {r['impl']} | {r['tokens']} | {r['qk_dtype']} | {r['cos_dtype']} | {r['fwd_ms']:.4f} | "
+              f"{r['fwd_bwd_ms']:.4f} | {r['saved_for_bwd_MiB']:.2f} | {r['peak_fwd_bwd_MiB']:.2f} | "
+              f"{base / r['fwd_bwd_ms']:.2f}x |")
+    print("\nours bit-equal to stock:", [r.get("bit_equal_to_stock") for r in results if r["impl"] == "ours"])
+    with open(args.out, "w") as f:
+        json.dump({"op": "rope", "gpu": torch.cuda.get_device_name(), "shape": {"B": B, "Hq": HQ, "Hk": HK, "D": D},
+                   "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,248 @@
+"""Fused RMSNorm forward + backward (replaces ``Qwen2RMSNorm.forward``).
+
+Stock transformers computes, per row of the hidden states (hidden size N):
+
+    h   = x.to(fp32)
+    r   = rsqrt(mean(h * h) + eps)          # one fp32 scalar per row ("rstd")
+    out = weight * (h * r).to(x.dtype)      # output dtype = promote(weight.dtype, x.dtype)
+
+as ~6 separate GPU kernels, each reading and writing the whole [rows, N] tensor, and autograd keeps
+several of those intermediates alive for backward. Here one program handles one row: it reads the
+row once, reduces it in registers and writes the output once. Backward is one kernel too: it
+recomputes the normalized row from x and the saved rstd (4 bytes per row) instead of storing it.
+
+Exact semantics kept (they matter when x is fp16):
+  * the normalized value is rounded to x.dtype BEFORE the weight multiply, as stock does;
+  * in backward, grad * weight is rounded to x.dtype (autograd's grad of that ``.to(x.dtype)``),
+    then the fp32 normalization gradient is applied; dx is stored in x.dtype.
+In the real workload x (the fp32 residual stream) and weight (cast to fp32 by peft's
+prepare_model_for_kbit_training) are both fp32, so all roundings above are no-ops.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from solution.kernels._launches import record
+
+# Rows longer than this are left to the stock code (one row must fit in one program's registers).
+MAX_HIDDEN = 8192
+_SUPPORTED_DTYPES = (torch.float16, torch.float32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, x_row_stride, out_row_stride, n_cols, eps,
+                        BLOCK: tl.constexpr):
+    """out[row] = w * (x[row] * rstd).to(x.dtype), rstd[row] = 1 / sqrt(mean(x[row]^2) + eps).
+
+    One program per row; BLOCK >= n_cols (a power of two), the tail is masked off.
+    All arithmetic in fp32; rstd is saved (fp32) for the backward kernel."""
+    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 on big inputs
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / n_cols  # masked lanes are 0 and add nothing
+    rstd = tl.rsqrt(mean_sq + eps)
+    # Round the normalized value to the input dtype first, exactly like stock (no-op for fp32).
+    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = normed * w
+    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + row, rstd)
+
+
+@triton.jit
+def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, x_row_stride, g_row_stride,
+                           dx_row_stride, n_cols, BLOCK: tl.constexpr):
+    """dx[row] = rstd * (dy - xhat * mean(dy * xhat)), with xhat = x * rstd and
+    dy = (g * w) rounded to x.dtype (the gradient that reaches the normalized value in stock).
+
+    One program per row, fp32 arithmetic, dx stored in x.dtype."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + row)
+    xhat = x * rstd
+    dy = (g * w).to(x_ptr.dtype.element_ty).to(tl.float32)
+    mean_dy_xhat = tl.sum(dy * xhat, axis=0) / n_cols
+    dx = (dy - xhat * mean_dy_xhat) * rstd
+    tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_bwd_dw_kernel(x_ptr, g_ptr, rstd_ptr, partial_ptr, x_row_stride, g_row_stride,
+                           n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """partial[tile, col] = sum over the BLOCK_M rows of this tile of g * (x * rstd).to(x.dtype).
+
+    Grid (column blocks, row tiles): each program reduces one [BLOCK_M, BLOCK_N] tile in fp32.
+    The launcher sums the row-tile partials with torch (deterministic, no atomics). No loop
+    with a runtime trip count, so the same kernel also runs in Triton's CPU interpreter."""
+    col_block = tl.program_id(0)
+    row_tile = tl.program_id(1)
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    g = tl.load(g_ptr + rows64[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    normed = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    partial = tl.sum(g.to(tl.float32) * normed, axis=0)
+    tl.store(partial_ptr + row_tile.to(tl.int64) * n_cols + cols, partial, mask=col_mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch configuration
+# --------------------------------------------------------------------------------------------------
+def _row_config(n_cols: int) -> tuple[int, int]:
+    """(BLOCK, num_warps) for one row of n_cols elements: ~8-16 fp32 values per thread."""
+    block = triton.next_power_of_2(max(n_cols, 1))
+    if block <= 1024:
+        warps = 4
+    elif block <= 4096:
+        warps = 8
+    else:
+        warps = 16
+    return block, warps
+
+
+_DW_BLOCK_M, _DW_BLOCK_N, _DW_WARPS = 32, 64, 4
+
+
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """View t as [rows, n_cols] with unit column stride; copies only when no such view exists."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, n_cols)
+    except RuntimeError:  # leading dims cannot be merged into one row stride
+        return t.reshape(-1, n_cols)
+
+
+def rmsnorm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Can the kernels handle these tensors (dtype, shape, size)? Device is checked by the caller."""
+    return (x.dtype in _SUPPORTED_DTYPES and weight.dtype in _SUPPORTED_DTYPES
+            and weight.dim() == 1 and x.dim() >= 1 and 0 < weight.numel() <= MAX_HIDDEN
+            and x.shape[-1] == weight.numel() and x.device == weight.device)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+def _launch_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
+    n_rows, n_cols = x2.shape
+    out = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x2.dtype, weight.dtype), device=x2.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    if n_rows > 0:
+        block, warps = _row_config(n_cols)
+        _rmsnorm_fwd_kernel[(n_rows,)](x2, weight, out, rstd, x2.stride(0), out.stride(0), n_cols, eps,
+                                       BLOCK=block, num_warps=warps)
+        record("_rmsnorm_fwd_kernel")
+    return out, rstd
+
+
+def _launch_backward_dx(x2, weight, g2, rstd):
+    n_rows, n_cols = x2.shape
+    dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
+    if n_rows > 0:
+        block, warps = _row_config(n_cols)
+        _rmsnorm_bwd_dx_kernel[(n_rows,)](x2, weight, g2, rstd, dx, x2.stride(0), g2.stride(0), dx.stride(0),
+                                          n_cols, BLOCK=block, num_warps=warps)
+        record("_rmsnorm_bwd_dx_kernel")
+    return dx
+
+
+def _launch_backward_dw(x2, g2, rstd, weight_dtype):
+    n_rows, n_cols = x2.shape
+    if n_rows == 0:
+        return torch.zeros(n_cols, dtype=weight_dtype, device=x2.device)
+    row_tiles = triton.cdiv(n_rows, _DW_BLOCK_M)
+    # [row tiles, N] fp32 partial sums: 2048 rows x 1536 -> 64 x 1536 x 4 B = 384 KB.
+    partial = torch.empty((row_tiles, n_cols), dtype=torch.float32, device=x2.device)
+    grid = (triton.cdiv(n_cols, _DW_BLOCK_N), row_tiles)
+    _rmsnorm_bwd_dw_kernel[grid](x2, g2, rstd, partial, x2.stride(0), g2.stride(0), n_rows, n_cols,
+                                 BLOCK_M=_DW_BLOCK_M, BLOCK_N=_DW_BLOCK_N, num_warps=_DW_WARPS)
+    record("_rmsnorm_bwd_dw_kernel")
+    return partial.sum(0).to(weight_dtype)
+
+
+class RMSNormFunction(torch.autograd.Function):
+    """autograd wrapper: forward saves x (as a [rows, N] view, no copy when possible) and rstd."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        n_cols = x.shape[-1]
+        x2 = _as_rows(x, n_cols)
+        w = weight if weight.is_contiguous() else weight.contiguous()
+        out, rstd = _launch_forward(x2, w, float(eps))
+        ctx.save_for_backward(x2, w, rstd)
+        ctx.x_shape = x.shape
+        ctx.weight_dtype = weight.dtype
+        return out.view(x.shape)
+
+    @staticmethod
+    @once_differentiable  # no double backward: raise instead of silently wrong 2nd derivatives
+    def backward(ctx, grad_out: torch.Tensor):
+        x2, w, rstd = ctx.saved_tensors
+        g2 = _as_rows(grad_out, x2.shape[1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _launch_backward_dx(x2, w, g2, rstd).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            dw = _launch_backward_dw(x2, g2, rstd, ctx.weight_dtype)
+        return dx, dw, None
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm with Qwen2RMSNorm's exact semantics: ``weight * (x.float() * rstd).to(x.dtype)``.
+
+    x: [..., N] fp16/fp32 (any strides); weight: [N] fp16/fp32. Returns a contiguous tensor of
+    x's shape in dtype promote(x.dtype, weight.dtype). Differentiable w.r.t. x and weight."""
+    return RMSNormFunction.apply(x, weight, eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# sm_75 compile check
+# --------------------------------------------------------------------------------------------------
+_TRITON_TYPE = {torch.float16: "*fp16", torch.float32: "*fp32"}
+
+
+def sm75_specs():
+    """Launch configurations: the workload's (x fp32, weight fp32, hidden 1536 -> BLOCK 2048) plus
+    the other dtype pairs and the smallest / largest row blocks."""
+    f32, f16 = torch.float32, torch.float16
+    configs = [(f32, f32, 1536), (f16, f32, 1536), (f16, f16, 1536), (f32, f16, 1536),
+               (f32, f32, 100), (f32, f32, MAX_HIDDEN)]
+    for x_dt, w_dt, hidden in configs:
+        block, warps = _row_config(hidden)
+        out_dt = torch.promote_types(x_dt, w_dt)
+        tag = f"x={_TRITON_TYPE[x_dt][1:]} w={_TRITON_TYPE[w_dt][1:]} BLOCK={block} w{warps}"
+        yield {"name": f"fwd {tag}", "fn": _rmsnorm_fwd_kernel, "num_warps": warps,
+               "signature": {"x_ptr": _TRITON_TYPE[x_dt], "w_ptr": _TRITON_TYPE[w_dt],
+                             "out_ptr": _TRITON_TYPE[out_dt], "rstd_ptr": "*fp32", "x_row_stride": "i32",
+                             "out_row_stride": "i32", "n_cols": "i32", "eps": "fp32", "BLOCK": "constexpr"},
+               "constexprs": {"BLOCK": block}}
+        yield {"name": f"bwd dx {tag}", "fn": _rmsnorm_bwd_dx_kernel, "num_warps": warps,
+               "signature": {"x_ptr": _TRITON_TYPE[x_dt], "w_ptr": _TRITON_TYPE[w_dt],
+                             "g_ptr": _TRITON_TYPE[out_dt], "rstd_ptr": "*fp32", "dx_ptr": _TRITON_TYPE[x_dt],
+                             "x_row_stride": "i32", "g_row_stride": "i32", "dx_row_stride": "i32",
+                             "n_cols": "i32", "BLOCK": "constexpr"},
+               "constexprs": {"BLOCK": block}}
+    for x_dt, g_dt in ((f32, f32), (f16, f16), (f16, f32)):
+        yield {"name": f"bwd dw x={_TRITON_TYPE[x_dt][1:]} g={_TRITON_TYPE[g_dt][1:]}", "fn": _rmsnorm_bwd_dw_kernel,
+               "num_warps": _DW_WARPS,
+               "signature": {"x_ptr": _TRITON_TYPE[x_dt], "g_ptr": _TRITON_TYPE[g_dt], "rstd_ptr": "*fp32",
+                             "partial_ptr": "*fp32", "x_row_stride": "i32", "g_row_stride": "i32",
+                             "n_rows": "i32", "n_cols": "i32",
+                             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
+               "constexprs": {"BLOCK_M": _DW_BLOCK_M, "BLOCK_N": _DW_BLOCK_N}}

@@ -1,0 +1,65 @@
+"""Route ``Qwen2RMSNorm.forward`` through our fused Triton RMSNorm (solution/kernels/rmsnorm.py).
+
+The replacement calls the kernel when the input lives where our kernels run (a CUDA tensor, or a
+CPU tensor while Triton's interpreter is on) and dtypes/shapes are ones it handles (fp16/fp32 input
+and weight, hidden size <= 8192); anything else (bf16, fp64, other devices...) goes to the stock
+forward unchanged. Output dtype and values follow stock exactly in semantics:
+``weight * (x.float() * rstd).to(x.dtype)``.
+
+Autocast: the kernel runs inside a torch.autograd.Function that autocast does not touch, and the
+stock forward's ops are not changed by autocast either (its inputs are already fp32 where autocast
+would upcast), so the dtypes seen downstream are the same with and without the patch.
+"""
+from __future__ import annotations
+
+import inspect
+
+NAME = "qwen2_rmsnorm"
+
+
+def _stock_forward_is_expected(forward) -> str | None:
+    """The kernel reproduces this exact formula; refuse to install if transformers changed it."""
+    try:
+        src = inspect.getsource(forward)
+    except (OSError, TypeError):
+        return "cannot read Qwen2RMSNorm.forward's source to confirm its formula"
+    needed = ("hidden_states.to(torch.float32)", "pow(2).mean(-1, keepdim=True)",
+              "torch.rsqrt(variance + self.variance_epsilon)", "self.weight * hidden_states.to(input_dtype)")
+    missing = [s for s in needed if s not in src]
+    return f"Qwen2RMSNorm.forward differs from the formula the kernel implements (missing {missing})" if missing else None
+
+
+def check() -> str | None:
+    try:
+        from transformers.models.qwen2 import modeling_qwen2
+    except Exception as exc:  # transformers missing or broken
+        return f"transformers' Qwen2 is not importable ({type(exc).__name__}: {exc})"
+    cls = getattr(modeling_qwen2, "Qwen2RMSNorm", None)
+    if cls is None:
+        return "transformers has no Qwen2RMSNorm"
+    return _stock_forward_is_expected(cls.forward)
+
+
+def install(swaps) -> str:
+    import torch
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from solution.env import check_support
+    from solution.kernels.rmsnorm import rmsnorm, rmsnorm_supported
+
+    cls = modeling_qwen2.Qwen2RMSNorm
+    stock_forward = cls.forward
+    interpreter = check_support().device == "interpreter"
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        device_ok = hidden_states.is_cuda or (interpreter and hidden_states.device.type == "cpu")
+        if device_ok and isinstance(weight, torch.Tensor) and rmsnorm_supported(hidden_states, weight):
+            return rmsnorm(hidden_states, weight, self.variance_epsilon)
+        return stock_forward(self, hidden_states)
+
+    forward.__doc__ = "Qwen2RMSNorm.forward through solution's fused Triton RMSNorm (stock fallback)."
+    forward.__qualname__ = "Qwen2RMSNorm.forward"
+    forward._solution_stock = stock_forward
+    swaps.set(cls, "forward", forward)
+    return "Qwen2RMSNorm.forward -> fused Triton RMSNorm fwd+bwd (fp16/fp32; stock for anything else)"

@@ -1,0 +1,71 @@
+"""Route ``modeling_qwen2.apply_rotary_pos_emb`` through our Triton RoPE (solution/kernels/rope.py).
+
+Qwen2Attention.forward looks the function up as a module global at call time, so swapping the
+global is enough. The replacement rotates q and k in one kernel launch when the call is the one
+Qwen2 makes (``apply_rotary_pos_emb(q, k, cos, sin)``, unsqueeze_dim 1, q/k 4-D [B, H, L, D],
+cos/sin [B or 1, L, D], fp16/fp32, on CUDA or on the CPU under Triton's interpreter) and hands
+everything else (other unsqueeze_dim, extra arguments, bf16, cos/sin requiring grad...) to the
+stock function unchanged.
+"""
+from __future__ import annotations
+
+import inspect
+
+NAME = "qwen2_rope"
+
+
+def _stock_is_expected(modeling_qwen2) -> str | None:
+    """The kernel reproduces `x * cos + rotate_half(x) * sin`; refuse if transformers changed it."""
+    try:
+        src = inspect.getsource(modeling_qwen2.apply_rotary_pos_emb)
+        rot = inspect.getsource(modeling_qwen2.rotate_half)
+    except (OSError, TypeError, AttributeError):
+        return "cannot read apply_rotary_pos_emb / rotate_half source to confirm the formula"
+    needed = [(src, "cos = cos.unsqueeze(unsqueeze_dim)"), (src, "sin = sin.unsqueeze(unsqueeze_dim)"),
+              (src, "q_embed = (q * cos) + (rotate_half(q) * sin)"),
+              (src, "k_embed = (k * cos) + (rotate_half(k) * sin)"),
+              (rot, "torch.cat((-x2, x1), dim=-1)")]
+    missing = [s for text, s in needed if s not in text]
+    return f"apply_rotary_pos_emb differs from the formula the kernel implements (missing {missing})" if missing else None
+
+
+def check() -> str | None:
+    try:
+        from transformers.models.qwen2 import modeling_qwen2
+    except Exception as exc:
+        return f"transformers' Qwen2 is not importable ({type(exc).__name__}: {exc})"
+    if not callable(getattr(modeling_qwen2, "apply_rotary_pos_emb", None)):
+        return "transformers' modeling_qwen2 has no apply_rotary_pos_emb"
+    return _stock_is_expected(modeling_qwen2)
+
+
+def install(swaps) -> str:
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from solution.env import check_support
+    from solution.kernels.rope import rope, rope_supported
+
+    stock = modeling_qwen2.apply_rotary_pos_emb
+    interpreter = check_support().device == "interpreter"
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        # Only the call Qwen2 makes: unsqueeze_dim == 1 (positional or keyword), nothing else.
+        if len(args) + len(kwargs) == 0:
+            unsqueeze_dim = 1
+        elif len(args) == 1 and not kwargs:
+            unsqueeze_dim = args[0]
+        elif not args and set(kwargs) == {"unsqueeze_dim"}:
+            unsqueeze_dim = kwargs["unsqueeze_dim"]
+        else:
+            unsqueeze_dim = None
+        if unsqueeze_dim == 1 and rope_supported(q, k, cos, sin):
+            dev = q.device
+            if dev.type == "cuda" or (interpreter and dev.type == "cpu"):
+                return rope(q, k, cos, sin)
+        return stock(q, k, cos, sin, *args, **kwargs)
+
+    apply_rotary_pos_emb.__doc__ = ("modeling_qwen2.apply_rotary_pos_emb through solution's Triton RoPE "
+                                    "(q and k in one launch; stock fallback). " + (stock.__doc__ or ""))
+    apply_rotary_pos_emb._solution_stock = stock
+    swaps.set(modeling_qwen2, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    return "modeling_qwen2.apply_rotary_pos_emb -> Triton RoPE, q and k in one launch (fp16/fp32; stock otherwise)"
