@@ -85,7 +85,8 @@ def write_standin(out: Path, size: str = "full", seed: int = 1234, tokenizer_sou
     config = Qwen2Config(**{k: v for k, v in cfg_dict.items() if k not in ("architectures", "model_type", "torch_dtype")})
     config.architectures = ["Qwen2ForCausalLM"]
     torch.manual_seed(seed)
-    with torch.device("cpu"):
+    # Initialise on the GPU when there is one (1.5B parameters: seconds instead of a minute).
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen2ForCausalLM(config)
     model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
