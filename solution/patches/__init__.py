@@ -6,4 +6,7 @@ PATCHES = [
     "solution.patches.qwen2_rmsnorm",
     "solution.patches.qwen2_rope",
     "solution.patches.qwen2_mlp",
+    "solution.patches.bnb_linear4bit",
+    "solution.patches.peft_lora_bnb",
+    "solution.patches.qwen2_lm_head_loss",
 ]

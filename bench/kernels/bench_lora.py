@@ -1,0 +1,130 @@
+"""GPU benchmark: peft's LoRA-on-NF4 layer (lora.bnb.Linear4bit: q_proj, v_proj) stock vs ours,
+forward and forward + backward, under torch.autocast(fp16) as in training.
+
+    python bench/kernels/bench_lora.py --out lora.json
+
+Shapes: x [4, 512, 1536] (2048 tokens) and [3, 500, 1536] (1500 tokens), fp32 activations (the
+fp32 residual stream after RMSNorm); q_proj [1536, 1536] and v_proj [256, 1536], NF4 with double
+quantization, fp32 bias (after prepare_model_for_kbit_training); LoRA r=16, alpha=32 with fp32
+adapter weights (what Soup leaves on an fp16 card) and bf16 (trl's cast on bf16 cards); dropout
+0.05 (Soup's default) and 0. Stock = peft's forward with bnb's Linear4bit forward; ours = the
+patched forward (one autograd Function). Median times (triton.testing.do_bench) and the peak
+memory of one forward + backward above the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+HIDDEN = 1536
+PROJ = {"q_proj": 1536, "v_proj": 256}
+TOKENS = [(4, 512), (3, 500)]
+CASES = [(0.05, torch.float32), (0.0, torch.float32), (0.05, torch.bfloat16)]
+
+
+def _ms(fn, **kw):
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median", **kw)
+
+
+def make_layer(out_f, dropout, lora_dtype):
+    import bitsandbytes as bnb
+    from peft import LoraConfig
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    base = bnb.nn.Linear4bit(HIDDEN, out_f, bias=True, compute_dtype=torch.float16, compress_statistics=True,
+                             quant_type="nf4")
+    base.weight = bnb.nn.Params4bit((torch.randn(out_f, HIDDEN) * 0.02).half(), requires_grad=False,
+                                    compress_statistics=True, quant_type="nf4")
+    base.bias = torch.nn.Parameter(torch.randn(out_f) * 0.1, requires_grad=False)
+    base = base.cuda()
+    cfg = LoraConfig(r=16, lora_alpha=32, lora_dropout=dropout, target_modules=["q_proj"], bias="none")
+    layer = LoraLinear4bit(base, "default", config=cfg, r=16, lora_alpha=32)
+    for lin in (layer.lora_A["default"], layer.lora_B["default"]):
+        lin.weight = torch.nn.Parameter((torch.randn(lin.weight.shape) * 0.02).to("cuda", lora_dtype))
+    return layer.train()
+
+
+def bench_case(proj, out_f, tokens, dropout, lora_dtype):
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+    from solution.patches.peft_lora_bnb import make_forward
+
+    torch.manual_seed(0)
+    layer = make_layer(out_f, dropout, lora_dtype)
+    stock_forward = LoraLinear4bit.__dict__["forward"]  # this script never calls apply()
+    ours_forward = make_forward(stock_forward)
+    fns = {"stock": lambda t: stock_forward(layer, t), "ours": lambda t: ours_forward(layer, t)}
+    x = torch.randn(*tokens, HIDDEN, device="cuda", requires_grad=True)
+    g = torch.randn(*tokens, out_f, device="cuda")
+    params = [x, layer.lora_A["default"].weight, layer.lora_B["default"].weight]
+    rows = []
+    for impl, fn in fns.items():
+        def fwd(fn=fn):
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+                fn(x)
+
+        def fwd_bwd(fn=fn):
+            with torch.autocast("cuda", dtype=torch.float16):
+                y = fn(x)
+            y.backward(g)
+
+        t_f, t_fb = _ms(fwd), _ms(fwd_bwd, grad_to_none=params)
+        torch.cuda.synchronize()
+        base_mem = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fwd_bwd()
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base_mem) / 2**20
+        for p in params:
+            p.grad = None
+        rows.append({"proj": proj, "tokens": tokens[0] * tokens[1], "dropout": dropout,
+                     "lora_dtype": str(lora_dtype).split(".")[-1], "impl": impl, "fwd_ms": t_f,
+                     "fwd_bwd_ms": t_fb, "peak_fwd_bwd_MiB": peak})
+    # guard: same work (same seed -> same dropout mask)
+    outs = {}
+    for impl, fn in fns.items():
+        torch.manual_seed(1)
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            outs[impl] = fn(x)
+    rows[-1]["fwd_equal_to_stock"] = torch.equal(outs["ours"], outs["stock"])
+    rows[-1]["speedup_fwd_bwd"] = rows[0]["fwd_bwd_ms"] / rows[1]["fwd_bwd_ms"]
+    return rows
+
+
+def _x(v) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    results = []
+    for proj, out_f in PROJ.items():
+        for tokens in TOKENS:
+            for dropout, lora_dtype in CASES:
+                results += bench_case(proj, out_f, tokens, dropout, lora_dtype)
+    print(f"GPU: {torch.cuda.get_device_name()}\n")
+    print("| proj | tokens | dropout | LoRA dtype | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd | fwd equal |")
+    print("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |")
+    for r in results:
+        print(f"| {r['proj']} | {r['tokens']} | {r['dropout']} | {r['lora_dtype']} | {r['impl']} | {r['fwd_ms']:.4f} | "
+              f"{r['fwd_bwd_ms']:.4f} | {r['peak_fwd_bwd_MiB']:.1f} | {_x(r.get('speedup_fwd_bwd'))} | "
+              f"{r.get('fwd_equal_to_stock', '')} |")
+    with open(args.out, "w") as f:
+        json.dump({"op": "lora_nf4", "gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""GPU benchmark: NF4 dequantization (ours vs bitsandbytes) and the frozen NF4 linear forward +
+backward (ours vs bnb's Linear4bit), at Qwen2.5-1.5B's weight shapes.
+
+    python bench/kernels/bench_nf4.py --out nf4.json
+
+Part 1, dequantization of one weight (double quantization on, fp16 out): bnb's
+``dequantize_4bit`` (2 launches + a temporary scale tensor + an add, fresh output) vs our single
+kernel into a reused buffer. Effective bandwidth = bytes that must move (packed codes n/2 +
+uint8 scales n/64 + fp16 output 2n) / time, also as % of a device-to-device copy measured here
+(and of the nominal DRAM bandwidth when torch reports the memory clock). A small sweep over our
+kernel's launch configuration (blocks per program, warps, LUT gather vs select tree) shows
+whether the default is best (a configuration that is not bit-exact is reported as NaN).
+Part 2, Linear4bit forward and forward + backward (input grad only: frozen weight) under
+torch.autocast(fp16) with fp32 activations as in training, tokens 4 x 512 = 2048 and 3 x 500 =
+1500: stock bnb forward vs our patched forward; median times (triton.testing.do_bench) and
+the peak memory of one forward + backward above the baseline.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
+          "down_proj": (1536, 8960)}
+TOKENS = [(4, 512), (3, 500)]
+# (blocks of 64 per program, warps, level lookup: gather in a 16-entry table or select tree)
+SWEEP = [(nb, w, g) for g in (True, False) for nb, w in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8))]
+
+
+def _ms(fn, **kw):
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median", **kw)
+
+
+def copy_bandwidth_gbs() -> float:
+    """A device-to-device copy of 512 MiB: read + write bytes / time (an achievable reference)."""
+    a = torch.empty(256 * 2**20, dtype=torch.float16, device="cuda")
+    b = torch.empty_like(a)
+    t = _ms(lambda: b.copy_(a))
+    return 2 * a.numel() * 2 / (t * 1e-3) / 1e9
+
+
+def nominal_bandwidth_gbs() -> float | None:
+    p = torch.cuda.get_device_properties(0)
+    clock_khz, bus_bits = getattr(p, "memory_clock_rate", None), getattr(p, "memory_bus_width", None)
+    if not clock_khz or not bus_bits:
+        return None
+    return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9  # DDR: two transfers per clock
+
+
+def bench_dequant(copy_gbs, nominal_gbs):
+    import bitsandbytes.functional as bnbF
+
+    from solution.kernels import nf4_dequant as nd
+
+    rows = []
+    for name, shape in SHAPES.items():
+        torch.manual_seed(0)
+        w = (torch.randn(shape, device="cuda") * 0.02).half()
+        packed, qs = bnbF.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+        n = math.prod(shape)
+        buf = torch.empty(shape, dtype=torch.float16, device="cuda")
+        ours = nd.dequantize_nf4(packed, qs, out=buf)
+        ref = bnbF.dequantize_4bit(packed, qs)
+        exact = torch.equal(ours.view(torch.int16), ref.view(torch.int16))
+        nbytes = n // 2 + n // 64 + 2 * n
+        t_bnb = _ms(lambda: bnbF.dequantize_4bit(packed, qs))
+        t_ours = _ms(lambda: nd.dequantize_nf4(packed, qs, out=buf))
+        sweep = {}
+        lut = nd._nf4_lut(packed.device)
+        for nb, warps, gather in SWEEP:
+            grid = (triton.cdiv(n // 64, nb),)
+
+            def launch(nb=nb, warps=warps, gather=gather, grid=grid):
+                nd.nf4_dequant_kernel[grid](packed, qs.absmax, qs.state2.code, qs.state2.absmax, qs.offset, lut,
+                                            buf, n, n // 2, n // 64, BLOCKSIZE=64, NESTED=True, NESTED_BS=256,
+                                            NB=nb, ROUND_BF16=False, LUT_GATHER=gather, num_warps=warps,
+                                            enable_fp_fusion=False)
+
+            launch()
+            ok = torch.equal(buf.view(torch.int16), ref.view(torch.int16))
+            sweep[f"NB{nb}_w{warps}_{'gather' if gather else 'select'}"] = _ms(launch) if ok else float("nan")
+        for impl, t in (("bnb dequantize_4bit", t_bnb), ("ours", t_ours)):
+            gbs = nbytes / (t * 1e-3) / 1e9
+            rows.append({"weight": name, "shape": list(shape), "impl": impl, "ms": t, "GB_s": gbs,
+                         "pct_of_copy": 100 * gbs / copy_gbs,
+                         "pct_of_nominal": None if nominal_gbs is None else 100 * gbs / nominal_gbs})
+        rows[-1]["bit_exact_vs_bnb"] = exact
+        rows[-1]["speedup"] = t_bnb / t_ours
+        rows[-1]["sweep_ms"] = sweep
+    return rows
+
+
+def _make_linear(in_f, out_f, bias):
+    import bitsandbytes as bnb
+
+    lin = bnb.nn.Linear4bit(in_f, out_f, bias=bias, compute_dtype=torch.float16, compress_statistics=True,
+                            quant_type="nf4")
+    lin.weight = bnb.nn.Params4bit((torch.randn(out_f, in_f) * 0.02).half(), requires_grad=False,
+                                   compress_statistics=True, quant_type="nf4")
+    if bias:
+        lin.bias = torch.nn.Parameter(torch.randn(out_f) * 0.1, requires_grad=False)  # fp32, as after k-bit prep
+    return lin.cuda().train()
+
+
+def _peak(fn, x, g):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn(x).backward(g)
+    torch.cuda.synchronize()
+    x.grad = None
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def bench_linear():
+    import bitsandbytes as bnb
+
+    from solution.patches.bnb_linear4bit import make_forward
+
+    stock_forward = bnb.nn.Linear4bit.__dict__["forward"]  # this script never calls apply()
+    ours_forward = make_forward(stock_forward)
+    rows = []
+    for name, (out_f, in_f) in SHAPES.items():
+        torch.manual_seed(0)
+        layer = _make_linear(in_f, out_f, bias=name.startswith(("q", "k")))
+        for tokens in TOKENS:
+            x = torch.randn(*tokens, in_f, device="cuda", requires_grad=True)
+            g = torch.randn(*tokens, out_f, device="cuda")
+            fns = {"stock": lambda t: stock_forward(layer, t), "ours": lambda t: ours_forward(layer, t)}
+            res = {}
+            for impl, fn in fns.items():
+                def fwd(fn=fn):
+                    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+                        fn(x)
+
+                def fwd_bwd(fn=fn):
+                    with torch.autocast("cuda", dtype=torch.float16):
+                        y = fn(x)
+                    y.backward(g)
+
+                def ac(fn=fn):
+                    def run(t):
+                        with torch.autocast("cuda", dtype=torch.float16):
+                            return fn(t)
+                    return run
+
+                res[impl] = {"fwd_ms": _ms(fwd), "fwd_bwd_ms": _ms(fwd_bwd, grad_to_none=[x]),
+                             "peak_fwd_bwd_MiB": _peak(ac(), x, g)}
+            with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+                same = torch.equal(fns["ours"](x), fns["stock"](x))
+            for impl in ("stock", "ours"):
+                rows.append({"weight": name, "tokens": tokens[0] * tokens[1], "impl": impl, **res[impl]})
+            rows[-1]["fwd_equal_to_stock"] = same
+            rows[-1]["speedup_fwd_bwd"] = res["stock"]["fwd_bwd_ms"] / res["ours"]["fwd_bwd_ms"]
+    return rows
+
+
+def _x(v) -> str:
+    return "" if v is None else f"{v:.2f}x"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="JSON file to write")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU", file=sys.stderr)
+        return 1
+    copy_gbs, nominal_gbs = copy_bandwidth_gbs(), nominal_bandwidth_gbs()
+    deq = bench_dequant(copy_gbs, nominal_gbs)
+    lin = bench_linear()
+    print(f"GPU: {torch.cuda.get_device_name()}; device copy {copy_gbs:.0f} GB/s; nominal DRAM "
+          f"{'unknown' if nominal_gbs is None else f'{nominal_gbs:.0f} GB/s'}\n")
+    print("| weight | impl | ms | GB/s | % of copy | speedup | bit-exact | best sweep config |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
+    for r in deq:
+        best = min(r["sweep_ms"], key=r["sweep_ms"].get) if "sweep_ms" in r else ""
+        best = f"{best} {r['sweep_ms'][best]:.4f} ms" if best else ""
+        print(f"| {r['weight']} {tuple(r['shape'])} | {r['impl']} | {r['ms']:.4f} | {r['GB_s']:.0f} | "
+              f"{r['pct_of_copy']:.0f}% | {_x(r.get('speedup'))} | {r.get('bit_exact_vs_bnb', '')} | {best} |")
+    print("\n| weight | tokens | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd | fwd equal |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    for r in lin:
+        print(f"| {r['weight']} | {r['tokens']} | {r['impl']} | {r['fwd_ms']:.4f} | {r['fwd_bwd_ms']:.4f} | "
+              f"{r['peak_fwd_bwd_MiB']:.1f} | {_x(r.get('speedup_fwd_bwd'))} | {r.get('fwd_equal_to_stock', '')} |")
+    with open(args.out, "w") as f:
+        json.dump({"op": "nf4", "gpu": torch.cuda.get_device_name(), "copy_GB_s": copy_gbs,
+                   "nominal_GB_s": nominal_gbs, "dequant": deq, "linear": lin}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

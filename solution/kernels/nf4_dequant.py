@@ -1,0 +1,298 @@
+"""NF4 dequantization: bitsandbytes' 4-bit NormalFloat weight (double quantization included) to
+fp16, in ONE Triton kernel, bit for bit equal to ``bitsandbytes.functional.dequantize_4bit``.
+
+Storage (bitsandbytes 0.50.2, ``Params4bit`` + ``QuantState``):
+  - packed weight: uint8, two 4-bit codes per byte. Flattened element 2i is the HIGH nibble of
+    byte i, element 2i+1 the LOW nibble.
+  - every ``blocksize`` (64) consecutive elements share one scale ("absmax").
+  - double quantization (``quant_state.nested``): those scales are themselves stored as uint8
+    codes ``q`` with a second level: scale[b] = code2[q[b]] * absmax2[b // 256] + offset, where
+    code2 is bnb's 256-entry signed dynamic map (fp32), absmax2 fp32 (one per 256 scales) and
+    offset a fp32 scalar (the mean of the original scales).
+  - value = NF4[code] * scale[b], computed in fp32 and rounded ONCE to the output dtype.
+
+Exactness (read in bnb 0.50.2): ``dequantize_4bit`` first runs ``dequantize_blockwise`` on the
+scales (fp32 product code2[q] * absmax2, one rounding), then ``absmax += offset`` as a separate
+torch op (a second rounding; no fused multiply-add), then the 4-bit kernel computes
+``(T)(NF4[code] * scale)`` in fp32 and converts to T with round-to-nearest-even. We do exactly
+that and launch with ``enable_fp_fusion=False`` so the compiler may not fuse the
+multiply and add into an FMA (which rounds once and would change some scales by 1 ulp).
+
+Why one kernel helps: bnb needs two launches (scales, then weights) plus a temporary fp32 scale
+tensor and a torch add in between. Here a program takes NB blocks: it loads their packed bytes
+with wide vector loads, rebuilds the NB scales in registers (the 1 KB second-level map stays in
+L1), looks up each element's NF4 level (a gather in a 64-byte table, or a select tree on the code
+bits between 16 constants: see LUT_GATHER), multiplies by the block's scale, rounds to fp16 and
+writes 8 KB of fp16 with 16-byte stores.
+
+``rounding_dtype``: bnb's MatMul4Bit.backward dequantizes to ``quant_state.dtype`` and then casts
+to the gradient's dtype. When the checkpoint was quantized from bf16 (quant_state.dtype bf16)
+that is fp16(bf16(x)), a double rounding; ROUND_BF16 reproduces it with integer ops (sm_75 has
+no bf16 instructions).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from solution.kernels._launches import record
+
+KERNEL_NAME = "nf4_dequant"
+
+# The 16 NF4 levels, exactly bitsandbytes' get_4bit_type("nf4") (tests check equality).
+NF4_LEVELS = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+# Launch configuration used on the GPU: 64 blocks of 64 elements per program (2 KB of packed
+# bytes in, 8 KB of fp16 out), 4 warps -> 32 elements per thread.
+GPU_BLOCKS_PER_PROGRAM = 64
+GPU_NUM_WARPS = 4
+# How an element's NF4 level is found. Select tree (default): ~20 integer / select instructions
+# per element, no memory access, and layouts that flow straight from the 16-byte loads to the
+# 16-byte stores (checked in the sm_75 TTGIR/PTX). Gather: one load per element from a 64-byte
+# table (a single L1 line) is fewer instructions, but Triton gives the gather a 1-element-per-
+# thread layout and converts through shared memory around it (5 barriers per program). Which is
+# faster on a T4 (~30 simple instructions per element at full bandwidth) is measured by
+# bench_nf4.py; both are bit-exact.
+LUT_GATHER = False
+# In the CPU interpreter each program costs Python overhead, so fewer, larger programs.
+INTERPRETER_BLOCKS_PER_PROGRAM = 1024
+
+
+@triton.jit
+def _nf4_level(packed, SHIFT: tl.constexpr):
+    """fp32 NF4 level of the 4-bit code at bits SHIFT..SHIFT+3 of every packed byte: a binary
+    select tree on the code's 4 bits between the 16 constants (15 selects, no memory access)."""
+    b0 = (packed & (1 << SHIFT)) != 0
+    s0 = tl.where(b0, -0.6961928009986877, -1.0)
+    s1 = tl.where(b0, -0.39491748809814453, -0.5250730514526367)
+    s2 = tl.where(b0, -0.18477343022823334, -0.28444138169288635)
+    s3 = tl.where(b0, 0.0, -0.09105003625154495)
+    s4 = tl.where(b0, 0.16093020141124725, 0.07958029955625534)
+    s5 = tl.where(b0, 0.33791524171829224, 0.24611230194568634)
+    s6 = tl.where(b0, 0.5626170039176941, 0.44070982933044434)
+    s7 = tl.where(b0, 1.0, 0.7229568362236023)
+    b1 = (packed & (2 << SHIFT)) != 0
+    u0 = tl.where(b1, s1, s0)
+    u1 = tl.where(b1, s3, s2)
+    u2 = tl.where(b1, s5, s4)
+    u3 = tl.where(b1, s7, s6)
+    b2 = (packed & (4 << SHIFT)) != 0
+    v0 = tl.where(b2, u1, u0)
+    v1 = tl.where(b2, u3, u2)
+    return tl.where((packed & (8 << SHIFT)) != 0, v1, v0)
+
+
+@triton.jit
+def _to_fp16(p, ROUND_BF16: tl.constexpr):
+    """Round the fp32 products to fp16 (round-to-nearest-even), optionally through bf16."""
+    if ROUND_BF16:
+        # fp32 -> bf16 round-to-nearest-even with integer ops (values are finite), then the
+        # exact bf16 -> fp16 cast below: reproduces dequantize_4bit(bf16 state).to(fp16).
+        bits = p.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        p = bits.to(tl.float32, bitcast=True)
+    return p.to(tl.float16)
+
+
+@triton.jit
+def nf4_dequant_kernel(
+    packed_ptr,    # *u8   packed codes, (n_elements + 1) // 2 bytes
+    absmax_ptr,    # *u8 (NESTED) or *fp32: one entry per block of BLOCKSIZE elements
+    code2_ptr,     # *fp32 [256] second-level code map (NESTED only)
+    absmax2_ptr,   # *fp32 one per NESTED_BS scales (NESTED only)
+    offset_ptr,    # *fp32 scalar added to the decoded scales (NESTED only)
+    lut_ptr,       # *fp32 [16] the NF4 levels (LUT_GATHER only)
+    out_ptr,       # *fp16 n_elements, row-major [out_features, in_features]
+    n_elements, n_bytes, n_blocks,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
+    NB: tl.constexpr, ROUND_BF16: tl.constexpr, LUT_GATHER: tl.constexpr,
+):
+    """out[e] = fp16(NF4[code(e)] * scale(e // BLOCKSIZE)) for the NB blocks of this program.
+
+    NF4[code] comes from a gather in the 16-entry table (LUT_GATHER) or from a select tree on
+    the code bits between constants; both give the same fp32 levels.
+
+    scale(b) = absmax[b] (fp32), or with double quantization
+    scale(b) = fp32(fp32(code2[absmax[b]] * absmax2[b // NESTED_BS]) + offset[0]).
+    """
+    HALF: tl.constexpr = BLOCKSIZE // 2  # packed bytes per block
+    pid = tl.program_id(0)
+    blk = pid * NB + tl.arange(0, NB)  # [NB] block indices of this program
+    blk_ok = blk < n_blocks
+
+    # 1. per-block scale, rebuilt in registers
+    if NESTED:
+        q = tl.load(absmax_ptr + blk, mask=blk_ok, other=0).to(tl.int32)
+        c2 = tl.load(code2_ptr + q)  # gather from the 1 KB second-level map (L1 resident)
+        a2 = tl.load(absmax2_ptr + blk // NESTED_BS, mask=blk_ok, other=0.0)
+        scale = c2 * a2               # rounded to fp32 here (no FMA: enable_fp_fusion=False)
+        scale = scale + tl.load(offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + blk, mask=blk_ok, other=0.0).to(tl.float32)
+    scale = scale[:, None]
+
+    # 2. packed bytes of the NB blocks: [NB, HALF], contiguous -> wide vector loads
+    byte_idx = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    packed = tl.load(packed_ptr + byte_idx, mask=byte_idx < n_bytes, other=0).to(tl.int32)
+    if LUT_GATHER:
+        # one load per element from the 64-byte table: all lanes of a warp hit one L1 line
+        lvl_hi = tl.load(lut_ptr + (packed >> 4))
+        lvl_lo = tl.load(lut_ptr + (packed & 15))
+    else:
+        # no memory access: 15 selects per element between the 16 constants
+        lvl_hi = _nf4_level(packed, 4)
+        lvl_lo = _nf4_level(packed, 0)
+    hi = _to_fp16(lvl_hi * scale, ROUND_BF16)  # element 2j: high nibble of byte j
+    lo = _to_fp16(lvl_lo * scale, ROUND_BF16)  # element 2j+1: low nibble
+
+    # 3. interleave hi/lo and store [NB, BLOCKSIZE] fp16 (16-byte stores)
+    vals = tl.reshape(tl.join(hi, lo), [NB, BLOCKSIZE])
+    out_idx = blk[:, None] * BLOCKSIZE + tl.arange(0, BLOCKSIZE)[None, :]
+    tl.store(out_ptr + out_idx, vals, mask=out_idx < n_elements)
+
+
+# --------------------------------------------------------------------------------------------
+# launcher
+
+_offset_cache: dict = {}
+_lut_cache: dict = {}
+
+
+def _nf4_lut(device: torch.device) -> torch.Tensor:
+    key = (device.type, device.index)
+    lut = _lut_cache.get(key)
+    if lut is None:
+        lut = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+        _lut_cache[key] = lut
+    return lut
+
+
+def _offset_tensor(offset, device: torch.device) -> torch.Tensor:
+    if isinstance(offset, torch.Tensor):
+        return offset if offset.dtype == torch.float32 else offset.float()
+    key = (device.type, device.index, float(offset))
+    t = _offset_cache.get(key)
+    if t is None:
+        t = torch.tensor([float(offset)], dtype=torch.float32, device=device)
+        _offset_cache[key] = t
+    return t
+
+
+def unsupported_reason(weight: torch.Tensor, quant_state) -> str | None:
+    """None when dequantize_nf4 handles this weight; else why not (callers fall back to bnb)."""
+    qs = quant_state
+    if qs is None:
+        return "no quant_state"
+    if getattr(qs, "quant_type", None) != "nf4":
+        return f"quant_type {getattr(qs, 'quant_type', None)!r} is not nf4"
+    bs = qs.blocksize
+    if bs not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+        return f"blocksize {bs} not supported"
+    if getattr(qs, "packing_format_for_cpu", False):
+        return "weight repacked for bnb's CPU inference format"
+    if qs.shape is None:
+        return "quant_state.shape unknown"
+    n = math.prod(qs.shape)
+    if n == 0 or n >= 2**31 - 8192:
+        return f"{n} elements (int32 indexing)"
+    if weight.numel() * weight.element_size() < (n + 1) // 2:
+        return "packed weight smaller than the shape needs"
+    if qs.nested:
+        s2 = qs.state2
+        if s2 is None or s2.blocksize not in (32, 64, 128, 256, 512, 1024, 2048, 4096):
+            return "nested state with unsupported second-level blocksize"
+        if qs.absmax.dtype != torch.uint8:
+            return f"nested absmax dtype {qs.absmax.dtype}"
+        if s2.code is None or s2.code.numel() != 256:
+            return "nested code map is not 256 entries"
+    return None
+
+
+def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,
+                   rounding_dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Dequantize a bitsandbytes NF4 weight to fp16 ``quant_state.shape`` ([out, in]).
+
+    weight: the packed uint8 ``Params4bit`` data (any shape; other quant_storage dtypes are
+    reinterpreted as bytes, as bnb does). quant_state: its ``QuantState`` (double-quantized or
+    not). out: optional fp16 contiguous buffer with ``prod(shape)`` elements, reused (written in
+    place and returned viewed as ``shape``).
+    rounding_dtype: the dtype bnb would dequantize into before a cast to fp16. fp16 / fp32: the
+    result equals ``dequantize_4bit`` into fp16 (one rounding of the fp32 product). bf16: equals
+    ``dequantize_4bit(...)`` of a bf16 state followed by ``.to(torch.float16)``.
+    """
+    reason = unsupported_reason(weight, quant_state)
+    if reason is not None:
+        raise ValueError(f"dequantize_nf4: {reason}")
+    qs = quant_state
+    shape = tuple(qs.shape)
+    n = math.prod(shape)
+    dev = weight.device
+    packed = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)
+    if not packed.is_contiguous():
+        packed = packed.contiguous()
+    if out is None:
+        out = torch.empty(shape, dtype=torch.float16, device=dev)
+    else:
+        if out.dtype != torch.float16 or not out.is_contiguous() or out.numel() != n:
+            raise ValueError("dequantize_nf4: out must be a contiguous fp16 tensor of prod(shape) elements")
+        out = out.view(shape)
+    bs = qs.blocksize
+    n_blocks = -(-n // bs)
+    if qs.nested:
+        s2 = qs.state2
+        absmax = qs.absmax
+        code2 = s2.code if s2.code.dtype == torch.float32 else s2.code.float()
+        absmax2 = s2.absmax if s2.absmax.dtype == torch.float32 else s2.absmax.float()
+        offset = _offset_tensor(qs.offset, dev)
+        nested_bs = s2.blocksize
+    else:
+        absmax = qs.absmax if qs.absmax.dtype == torch.float32 else qs.absmax.float()
+        code2 = absmax2 = offset = absmax  # unused by the kernel when NESTED is False
+        nested_bs = 256
+    interp = dev.type != "cuda"
+    nb = INTERPRETER_BLOCKS_PER_PROGRAM if interp else max(1, GPU_BLOCKS_PER_PROGRAM * 64 // bs)
+    grid = (triton.cdiv(n_blocks, nb),)
+    nf4_dequant_kernel[grid](
+        packed, absmax, code2, absmax2, offset, _nf4_lut(dev), out,
+        n, (n + 1) // 2, n_blocks,
+        BLOCKSIZE=bs, NESTED=bool(qs.nested), NESTED_BS=nested_bs, NB=nb,
+        ROUND_BF16=(rounding_dtype == torch.bfloat16), LUT_GATHER=LUT_GATHER,
+        num_warps=GPU_NUM_WARPS, enable_fp_fusion=False,
+    )
+    record(KERNEL_NAME)
+    return out
+
+
+def sm75_specs():
+    """The launch configurations used in training (blocksize 64, double quant on; the bf16
+    rounding variant runs in backward when the state was quantized from bf16; the non-nested
+    variant for states without double quantization)."""
+    common = {
+        "packed_ptr": "*u8", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
+        "lut_ptr": "*fp32", "out_ptr": "*fp16", "n_elements": "i32", "n_bytes": "i32",
+        "n_blocks": "i32", "BLOCKSIZE": "constexpr", "NESTED": "constexpr", "NESTED_BS": "constexpr",
+        "NB": "constexpr", "ROUND_BF16": "constexpr", "LUT_GATHER": "constexpr",
+    }
+    for lut_gather in (False, True):  # default first; the gather variant is the benchmark's alternative
+        for nested in (True, False):
+            for round_bf16 in (False, True):
+                sig = dict(common)
+                sig["absmax_ptr"] = "*u8" if nested else "*fp32"
+                yield {
+                    "name": f"nf4_dequant(nested={int(nested)},bf16_round={int(round_bf16)},"
+                            f"{'gather' if lut_gather else 'select'})",
+                    "fn": nf4_dequant_kernel,
+                    "signature": sig,
+                    "constexprs": {"BLOCKSIZE": 64, "NESTED": nested, "NESTED_BS": 256,
+                                   "NB": GPU_BLOCKS_PER_PROGRAM, "ROUND_BF16": round_bf16,
+                                   "LUT_GATHER": lut_gather},
+                    "num_warps": GPU_NUM_WARPS,
+                }

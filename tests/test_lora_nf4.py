@@ -1,0 +1,232 @@
+"""LoRA on NF4 (q_proj / v_proj) vs real peft 0.21.2 ``lora.bnb.Linear4bit`` on a bnb Linear4bit.
+
+Stock and ours run the same layer on the same inputs with the same RNG seed (torch's dropout is
+called on x in both, so the masks are identical). Under torch.autocast(fp16) our forward performs
+the same fp16 GEMMs and the same roundings as peft + bnb, so the output must be EQUAL. Gradients:
+equal on the CPU (same matmuls); on the GPU cuBLAS may pick other kernels for the weight-gradient
+GEMMs, so they are compared with an fp16 tolerance. An fp64 reference checks the math itself.
+
+On the CPU, peft decides "autocast or not" with ``torch.is_autocast_enabled()`` (the CUDA
+autocast); the fixture ``autocast_ctx`` makes that question mean the CPU autocast there, so peft
+takes the same branch as in GPU training.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from peft import LoraConfig
+from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+
+import solution._apply as apply_mod
+from solution.kernels import _launches
+from solution.kernels.nf4_dequant import dequantize_nf4
+from solution.patches import bnb_linear4bit, peft_lora_bnb
+from solution.patches._base import Swaps
+from tests.conftest import rel_err
+from tests.test_nf4_linear import fresh_x, make_linear4bit
+
+R, ALPHA = 16, 32  # the workload's LoRA: scaling 2.0
+
+
+@pytest.fixture
+def autocast_ctx(monkeypatch, device):
+    """A factory of torch.autocast(fp16) contexts on the test device, with peft's
+    torch.is_autocast_enabled() answering for that device."""
+    if device == "cpu":
+        original = torch.is_autocast_enabled
+
+        def is_autocast_enabled(device_type=None):
+            return original("cpu" if device_type is None else device_type)
+
+        monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
+    return lambda: torch.autocast(device_type=device, dtype=torch.float16)
+
+
+def make_lora_layer(in_f, out_f, dropout, lora_dtype, device, seed=0):
+    base = make_linear4bit(in_f, out_f, bias=True, device=device, seed=seed)
+    cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=dropout, target_modules=["q_proj"], bias="none")
+    layer = LoraLinear4bit(base, "default", config=cfg, r=R, lora_alpha=ALPHA)
+    g = torch.Generator().manual_seed(seed + 7)
+    # peft initialises B to zero; random A and B make every gradient non-trivial
+    for lin, std in ((layer.lora_A["default"], 0.05), (layer.lora_B["default"], 0.05)):
+        lin.weight = torch.nn.Parameter((torch.randn(lin.weight.shape, generator=g) * std).to(device, lora_dtype))
+    return layer.train()
+
+
+class Patched:
+    def __init__(self, *modules):
+        self.modules = modules or (bnb_linear4bit, peft_lora_bnb)
+
+    def __enter__(self):
+        self.swaps = Swaps()
+        for m in self.modules:
+            m.install(self.swaps)
+        return self
+
+    def __exit__(self, *exc):
+        self.swaps.restore()
+
+
+def run(layer, x, ctx, seed=123, grad_seed=5, checkpoint=False):
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    x.grad = a.grad = b.grad = None
+    torch.manual_seed(seed)
+    with ctx():
+        if checkpoint:
+            out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        else:
+            out = layer(x)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(grad_seed)).to(out.device, out.dtype)
+    out.backward(g)
+    grad = lambda t: None if t.grad is None else t.grad.clone()  # noqa: E731
+    return {"out": out.detach(), "x": grad(x), "A": grad(a), "B": grad(b), "g": g}
+
+
+def fp64_reference(layer, x, g, dropout, seed=123):
+    """out = x16 W^T + b16 + s (xd16 A16^T) B16^T and its gradients, in fp64 (the mask is drawn
+    again with the same seed, as the layer drew it)."""
+    base = layer.get_base_layer()
+    w = dequantize_nf4(base.weight, base.weight.quant_state).double()
+    a = layer.lora_A["default"].weight.detach().to(torch.float16).double()
+    b = layer.lora_B["default"].weight.detach().to(torch.float16).double()
+    s = layer.scaling["default"]
+    x64 = x.detach().to(torch.float16).double()
+    torch.manual_seed(seed)
+    keep = (F.dropout(torch.ones_like(x, dtype=torch.float32), dropout, training=True) != 0).double()
+    xd = x64 * keep / (1 - dropout)
+    out = x64 @ w.t() + base.bias.detach().double() + s * (xd @ a.t()) @ b.t()
+    g64 = g.double()
+    gh = s * g64 @ b
+    return {"out": out, "x": g64 @ w + (gh @ a) * keep / (1 - dropout),
+            "A": gh.reshape(-1, a.shape[0]).t() @ xd.reshape(-1, a.shape[1]),
+            "B": s * g64.reshape(-1, b.shape[0]).t() @ (xd @ a.t()).reshape(-1, a.shape[0])}
+
+
+def check_against_stock(ours, ref, lora_dtype, device):
+    assert ours["out"].dtype == ref["out"].dtype
+    assert torch.equal(ours["out"], ref["out"])
+    for k in ("x", "A", "B"):
+        assert ours[k].dtype == ref[k].dtype
+        if device == "cpu":
+            assert torch.equal(ours[k], ref[k]), k
+        else:
+            # fp16 GEMM outputs (fp32 accumulation, one rounding each) -> ~2^-11 relative; bf16
+            # parameter grads add a 2^-8 rounding
+            tol = 1e-2 if (k != "x" and lora_dtype == torch.bfloat16) else 3e-3
+            assert rel_err(ours[k], ref[k]) < tol, k
+
+
+CASES = [
+    # (in, out, x prefix, pad rows, non-contiguous x)
+    (192, 128, (2, 6), 0, False),   # q-like
+    (192, 32, (3, 5), 2, False),    # v-like (out < in), right-padded rows
+    (256, 64, (2, 7), 0, True),     # strided input
+    (99, 40, (2, 5), 1, False),     # odd sizes
+]
+
+
+@pytest.mark.parametrize("in_f,out_f,prefix,pad,noncontig", CASES)
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_peft(in_f, out_f, prefix, pad, noncontig, dropout, lora_dtype, device, autocast_ctx):
+    layer = make_lora_layer(in_f, out_f, dropout, lora_dtype, device)
+    x = fresh_x((*prefix, in_f), device, pad_rows=pad, noncontig=noncontig)
+    _launches.reset()
+    with Patched():
+        ours = run(layer, x, autocast_ctx)
+    assert _launches.LAUNCHES["lora_combine"] == 1 and _launches.LAUNCHES["lora_grad_split"] == 1
+    assert _launches.LAUNCHES["nf4_dequant"] == 2
+    assert _launches.LAUNCHES["lora_grad_sum"] == (1 if dropout == 0 else 0)
+    ref = run(layer, x, autocast_ctx)  # stock peft + bnb
+    check_against_stock(ours, ref, lora_dtype, device)
+    r64 = fp64_reference(layer, x, ours["g"], dropout)
+    # fp16 intermediates (x16, h16, base16, lora16) each round at 2^-11 relative
+    assert rel_err(ours["out"], r64["out"]) < 2e-3
+    for k in ("x", "A", "B"):
+        assert rel_err(ours[k], r64[k]) < (1e-2 if lora_dtype == torch.bfloat16 and k != "x" else 3e-3), k
+
+
+def test_fp16_input(device, autocast_ctx):
+    """x already fp16 (no cast in bnb, fp16 + fp16 sum in peft): output and grads stay fp16."""
+    for dropout in (0.0, 0.1):
+        layer = make_lora_layer(128, 64, dropout, torch.float32, device)
+        x = fresh_x((3, 4, 128), device, dtype=torch.float16)
+        with Patched():
+            ours = run(layer, x, autocast_ctx)
+        ref = run(layer, x, autocast_ctx)
+        assert ours["out"].dtype == torch.float16
+        check_against_stock(ours, ref, torch.float32, device)
+
+
+def test_gradient_checkpointing_same_mask(device, autocast_ctx):
+    """Under torch.utils.checkpoint the forward runs twice; torch restores the RNG state, and
+    since our path calls torch's dropout the recomputed mask is the stock one."""
+    layer = make_lora_layer(128, 48, 0.3, torch.float32, device)
+    x = fresh_x((2, 5, 128), device)
+    with Patched():
+        ours = run(layer, x, autocast_ctx, checkpoint=True)
+    ref = run(layer, x, autocast_ctx, checkpoint=True)
+    check_against_stock(ours, ref, torch.float32, device)
+
+
+def test_fallbacks_to_peft(device, autocast_ctx):
+    """Cases we do not handle run peft's own forward: no autocast, adapters disabled, two active
+    adapters, a LoRA variant."""
+    layer = make_lora_layer(128, 32, 0.0, torch.float32, device)
+    x = fresh_x((2, 3, 128), device)
+    cases = {
+        "no autocast": (contextlib.nullcontext, lambda: None, lambda: None),
+        "disabled": (autocast_ctx, lambda: layer.enable_adapters(False), lambda: layer.enable_adapters(True)),
+    }
+    for name, (ctx, setup, teardown) in cases.items():
+        setup()
+        _launches.reset()
+        with Patched(peft_lora_bnb):
+            ours = run(layer, x, ctx)
+        assert _launches.LAUNCHES["lora_combine"] == 0, name
+        ref = run(layer, x, ctx)
+        assert torch.equal(ours["out"], ref["out"]) and torch.equal(ours["x"], ref["x"]), name
+        teardown()
+    # reasons reported for configurations we do not run
+    with torch.autocast(device_type=device, dtype=torch.float16):
+        assert peft_lora_bnb.unsupported_reason(layer, x, (), {})[0] is None
+        cfg = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+        layer.update_layer("other", 4, lora_alpha=8, config=cfg)
+        layer.set_adapter(["default", "other"])
+        assert "active adapters" in peft_lora_bnb.unsupported_reason(layer, x, (), {})[0]
+        layer.set_adapter("default")
+        layer.lora_variant["default"] = object()
+        assert "variant" in peft_lora_bnb.unsupported_reason(layer, x, (), {})[0]
+        del layer.lora_variant["default"]
+        assert peft_lora_bnb.unsupported_reason(layer, x, (), {"adapter_names": ["default"]})[0]
+
+
+def test_apply_revert_restores_original(monkeypatch):
+    original = LoraLinear4bit.__dict__["forward"]
+    monkeypatch.setattr(apply_mod, "PATCHES", ["solution.patches.bnb_linear4bit", "solution.patches.peft_lora_bnb"])
+    apply_mod.revert()
+    try:
+        installed = apply_mod.apply(verbose=False)
+        assert "peft_lora_bnb4bit" in installed
+        assert LoraLinear4bit.__dict__["forward"].__wrapped__ is original
+    finally:
+        apply_mod.revert()
+    assert LoraLinear4bit.__dict__["forward"] is original
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_f", [1536, 256])  # q_proj, v_proj
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+@pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16])
+def test_model_shapes_gpu(out_f, dropout, lora_dtype, autocast_ctx):
+    """[4, 512, 1536] fp32 activations (the residual stream after RMSNorm), as in training."""
+    layer = make_lora_layer(1536, out_f, dropout, lora_dtype, "cuda")
+    x = fresh_x((4, 512, 1536), "cuda")
+    with Patched():
+        ours = run(layer, x, autocast_ctx)
+    ref = run(layer, x, autocast_ctx)
+    check_against_stock(ours, ref, lora_dtype, "cuda")
+    with Patched():
+        ours_ckpt = run(layer, x, autocast_ctx, checkpoint=True)
+    check_against_stock(ours_ckpt, ref, lora_dtype, "cuda")

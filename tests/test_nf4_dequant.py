@@ -1,0 +1,162 @@
+"""NF4 dequantization kernel vs bitsandbytes 0.50.2: bit for bit.
+
+The oracle is bnb itself (``bitsandbytes.functional.dequantize_4bit``; on the GPU its CUDA
+kernels, on the CPU its C++ kernel or its torch fallback for odd last dims). Exactness is the
+contract, so every comparison is on the fp16 bit patterns (no tolerance), plus an independent
+formula (``formula_ref``) built from the storage format with torch ops.
+
+Found while writing these tests: bnb 0.50.2's CPU C++ kernel (cdequantize_blockwise_cpu_nf4_*)
+indexes blocks wrongly when the last dim is a multiple of 16 but not of the blocksize (e.g.
+[96, 160]: 10x the quantization error). Model shapes are multiples of 64 and unaffected; for those
+shapes the CPU oracle is the formula (bnb's own torch fallback agrees with it), the GPU test
+compares with bnb's CUDA kernel, which indexes the flat array.
+"""
+import math
+
+import pytest
+import torch
+
+import bitsandbytes.functional as bnbF
+from bitsandbytes.functional import QuantState
+
+from solution.kernels import _launches
+from solution.kernels import nf4_dequant
+from solution.kernels.nf4_dequant import NF4_LEVELS, dequantize_nf4, unsupported_reason
+from tests.conftest import HAS_CUDA
+
+# Qwen2.5-1.5B weight shapes [out, in]: q/o, k/v, gate/up, down
+MODEL_SHAPES = [(1536, 1536), (256, 1536), (8960, 1536), (1536, 8960)]
+# odd shapes: element count not a multiple of 64 (partial last block), odd last dim (a byte
+# shared by two rows), a single element, fewer elements than one block, blocks spanning rows
+ODD_SHAPES = [(7, 30), (3, 65), (5, 33), (1, 1), (2, 21), (129, 3), (96, 160)]
+
+
+def quantize(shape, dtype=torch.float16, nested=True, device="cpu", blocksize=64, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    w = (torch.randn(shape, generator=g) * 0.02).to(dtype).to(device)
+    # a few large outliers so block scales span a wide range (as in real checkpoints)
+    w.view(-1)[:: max(1, w.numel() // 17)] *= 40
+    return bnbF.quantize_4bit(w, blocksize=blocksize, compress_statistics=nested, quant_type="nf4")
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def with_dtype(qs: QuantState, dtype) -> QuantState:
+    """The same state with another output dtype: bnb then dequantizes straight into ``dtype``
+    (what its gemm_4bit fallback does with the fp16 activation dtype)."""
+    return QuantState(absmax=qs.absmax, shape=qs.shape, code=qs.code, blocksize=qs.blocksize,
+                      quant_type=qs.quant_type, dtype=dtype, offset=qs.offset, state2=qs.state2)
+
+
+def bnb_cpu_kernel_trusted(shape, blocksize=64) -> bool:
+    return shape[-1] % 16 != 0 or shape[-1] % blocksize == 0
+
+
+def formula_ref(packed: torch.Tensor, qs: QuantState) -> torch.Tensor:
+    """Independent reference of the storage format: codes unpacked in Python/torch, scales
+    rebuilt with bnb's two fp32 roundings, product in fp32, one rounding to fp16."""
+    n = math.prod(qs.shape)
+    flat = packed.reshape(-1).to(torch.int64).cpu()
+    codes = torch.stack([flat >> 4, flat & 15], 1).reshape(-1)[:n]
+    if qs.nested:
+        q = qs.absmax.cpu().long()
+        a2 = qs.state2.absmax.cpu().repeat_interleave(qs.state2.blocksize)[: q.numel()]
+        scale = (qs.state2.code.cpu()[q] * a2).float() + qs.offset.cpu().float()  # two roundings
+    else:
+        scale = qs.absmax.cpu().float()
+    table = torch.tensor(NF4_LEVELS, dtype=torch.float32)
+    prod32 = table[codes] * scale.repeat_interleave(qs.blocksize)[:n]
+    return prod32.to(torch.float16).reshape(qs.shape)
+
+
+@pytest.fixture(params=[False, True], ids=["select", "gather"])
+def lut_mode(request, monkeypatch):
+    """Both ways of finding an element's NF4 level (select tree: the default; table gather)."""
+    monkeypatch.setattr(nf4_dequant, "LUT_GATHER", request.param)
+    return request.param
+
+
+def test_nf4_table_is_bnbs():
+    assert torch.equal(torch.tensor(NF4_LEVELS, dtype=torch.float32), bnbF.get_4bit_type("nf4", device="cpu"))
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES[:2] + ODD_SHAPES)
+@pytest.mark.parametrize("nested", [True, False])
+def test_bit_exact_fp16_state(shape, nested, device, lut_mode):
+    packed, qs = quantize(shape, torch.float16, nested, device)
+    ours = dequantize_nf4(packed, qs)
+    assert same_bits(ours.cpu(), formula_ref(packed, qs))
+    if device == "cuda" or bnb_cpu_kernel_trusted(shape):
+        assert same_bits(ours, bnbF.dequantize_4bit(packed, qs))
+
+
+@pytest.mark.parametrize("shape", [(256, 1536), (7, 30), (3, 65)])
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
+def test_bit_exact_other_state_dtypes(shape, state_dtype, device, lut_mode):
+    """States quantized from bf16 / fp32 weights. rounding_dtype=state dtype reproduces bnb's
+    backward (dequantize_4bit(...) in the state dtype, then .to(fp16)); the default reproduces
+    bnb's forward (dequantized straight into the fp16 activation dtype)."""
+    packed, qs = quantize(shape, state_dtype, True, device)
+    ref_bwd = bnbF.dequantize_4bit(packed, qs).to(torch.float16)
+    assert same_bits(dequantize_nf4(packed, qs, rounding_dtype=qs.dtype), ref_bwd)
+    ref_fwd = bnbF.dequantize_4bit(packed, with_dtype(qs, torch.float16))
+    assert same_bits(dequantize_nf4(packed, qs), ref_fwd)
+
+
+@pytest.mark.parametrize("blocksize", [32, 128, 256])
+def test_other_blocksizes(blocksize, device):
+    shape = (24, 200)  # 200 % 16 != 0: bnb's CPU kernel is right here
+    packed, qs = quantize(shape, torch.float16, True, device, blocksize=blocksize)
+    ours = dequantize_nf4(packed, qs)
+    assert same_bits(ours, bnbF.dequantize_4bit(packed, qs))
+    assert same_bits(ours.cpu(), formula_ref(packed, qs))
+
+
+def test_out_buffer_is_reused(device):
+    packed, qs = quantize((96, 192), torch.float16, True, device)
+    big = torch.full((96 * 192 + 50,), float("nan"), dtype=torch.float16, device=device)
+    view = big[: 96 * 192]
+    _launches.reset()
+    res = dequantize_nf4(packed, qs, out=view)
+    assert _launches.LAUNCHES["nf4_dequant"] == 1
+    assert res.shape == (96, 192) and res.data_ptr() == big.data_ptr()
+    assert same_bits(res, bnbF.dequantize_4bit(packed, qs))
+    assert torch.isnan(big[96 * 192:]).all()  # nothing written past the weight
+    with pytest.raises(ValueError):
+        dequantize_nf4(packed, qs, out=torch.empty(10, dtype=torch.float16, device=device))
+
+
+def test_rejects_fp4(device):
+    w = torch.randn(8, 64, dtype=torch.float16, device=device)
+    packed, qs = bnbF.quantize_4bit(w, quant_type="fp4")
+    assert unsupported_reason(packed, qs) is not None
+    with pytest.raises(ValueError):
+        dequantize_nf4(packed, qs)
+
+
+@pytest.mark.parametrize("shape", MODEL_SHAPES[2:])
+def test_bit_exact_mlp_shapes_cpu(shape):
+    """The two big MLP shapes through the interpreter too (a few seconds each)."""
+    if HAS_CUDA:
+        pytest.skip("covered by the GPU test")
+    packed, qs = quantize(shape, torch.float16, True, "cpu")
+    assert same_bits(dequantize_nf4(packed, qs), bnbF.dequantize_4bit(packed, qs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES)
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("nested", [True, False])
+def test_bit_exact_gpu(shape, state_dtype, nested, lut_mode):
+    """On the GPU against bnb's CUDA kernels: every model shape, both state dtypes, with and
+    without double quantization. A fused multiply-add in the scale (code2*absmax2 + offset)
+    would show up here as 1-ulp differences in some blocks."""
+    packed, qs = quantize(shape, state_dtype, nested, "cuda")
+    ref_fwd = bnbF.dequantize_4bit(packed, with_dtype(qs, torch.float16))
+    assert same_bits(dequantize_nf4(packed, qs), ref_fwd)
+    ref_bwd = bnbF.dequantize_4bit(packed, qs).to(torch.float16)
+    assert same_bits(dequantize_nf4(packed, qs, rounding_dtype=qs.dtype), ref_bwd)
+    if state_dtype == torch.float16:
+        assert same_bits(dequantize_nf4(packed, qs).cpu(), formula_ref(packed, qs))
