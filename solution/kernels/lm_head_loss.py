@@ -1,0 +1,309 @@
+"""Fused LM head + cross-entropy (+ trl's entropy and token-accuracy inputs), chunked over tokens.
+
+What it replaces (stock transformers 5.17 + trl 0.29.1 + accelerate, fp16 autocast, [N, H] hidden
+states, vocab V = 151936, N = batch x seq tokens):
+
+    logits = lm_head(hidden)                       # [N, V] fp16 (autocast casts hidden and W to fp16)
+    loss   = ForCausalLMLoss(logits, labels, ...)  # .float() -> [N, V] fp32 copy, log_softmax -> another,
+                                                   # sum over non -100 labels / num_items_in_batch
+    outputs.logits.float()                         # accelerate converts the outputs to fp32: a third copy
+    entropy_from_logits(outputs.logits)            # trl: log_softmax + exp + mul + sum, chunk by chunk
+    outputs.logits[..., :-1, :].contiguous().argmax(-1)   # trl: mean token accuracy (a fourth copy)
+    backward: d(loss)/d(logits) in fp32 [N, V], cast to fp16, then grad_hidden = dlogits @ W
+
+i.e. ~15 full passes over [N, V] tensors (each 0.6 - 1.2 GB at N = 2048) and ~3-4 GB of transient
+memory. Here, per chunk of a few hundred token rows:
+
+    1. logits_chunk = hidden_chunk.to(fp16) @ W16.T      cuBLAS, the very fp16 values autocast gives
+    2. ONE Triton kernel, one program per row: a first sweep over the row computes in fp32 the online
+       log-sum-exp, the entropy -sum p log p, the argmax (first index of the max, as torch.argmax) and
+       the label's logit -> row loss = lse - logit[label]; a second sweep overwrites the row IN PLACE
+       with the loss gradient (softmax - onehot) * GRAD_SCALE (zero for ignored rows).
+    3. grad_hidden_chunk = dlogits_chunk @ W16          cuBLAS (the head is frozen: no weight grad)
+
+so the logits never exist for more than one chunk, the gradient needs no second lm_head matmul in
+backward, and backward is one multiply: grad_hidden = G * grad_output / GRAD_SCALE.
+
+Why the gradient is stored unscaled (and not recomputed in backward): forward cannot know
+grad_output (it carries the GradScaler factor and 1 / num_items_in_batch, applied outside this
+function by autograd). The loss gradient is linear in grad_output, so we compute
+G = fp16((softmax - onehot) * GRAD_SCALE) @ W16 once in forward and multiply by
+grad_output / GRAD_SCALE in fp32 in backward: the GradScaler factor is applied exactly (one fp32
+multiply). GRAD_SCALE = 1024 is a power of two (exact in fp32) chosen so the fp16 dlogits keep at
+least the resolution stock has (stock rounds (softmax - onehot) * 65536 / num_items, ~65 for ~1000
+label tokens) while G stays far from the fp16 limit (|G| <= 2 * 1024 * max|W|). Recomputing instead
+would cost a third [N, H] x [H, V] matmul (~25 ms per step on a T4) to save nothing but 6 MB.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from solution.kernels._launches import record
+
+IGNORE_INDEX = -100
+# The fp16 gradient buffer holds (softmax - onehot) * GRAD_SCALE; backward divides it out in fp32.
+GRAD_SCALE = 1024.0
+# Vocabulary columns per step of the row sweep, and warps per row program (8 fp16 = 16 bytes per
+# thread per load: one vectorized transaction).
+BLOCK_V = 2048
+NUM_WARPS = 8
+# Memory for one chunk of logits (the only [rows, V] buffer alive). 256 MiB -> 883 rows of
+# V = 151936 fp16, so 4 x 512 tokens take 3 chunks and the 467 MB fp16 head is streamed 3 times.
+DEFAULT_CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
+# Chunk rows are a multiple of this (tensor-core friendly GEMM shapes).
+ROW_ALIGN = 16
+SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.float32)
+QWEN2_VOCAB = 151936  # Qwen2.5's vocabulary: the VOCAB the workload compiles the kernel for
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernel
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argmax_ptr,
+                            row_stride, grad_scale, VOCAB: tl.constexpr,
+                            IGNORE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per row r of a [rows, vocab] logits chunk (one program per row), with y = labels[r]:
+
+        loss[r]    = logsumexp(x) - x[y]           (0 when y == IGNORE; NaN when y is out of range)
+        entropy[r] = -sum_v p_v log p_v, p = softmax(x)   (for every row, ignored or not: trl does)
+        argmax[r]  = first index of max(x)         (torch.argmax's tie rule)
+        if WRITE_GRAD: x[:] = (p - onehot(y)) * grad_scale, stored in the logits dtype; 0 if ignored.
+
+    First sweep (read only), in fp32, block by block with a running max m:
+        s = sum exp(x - m),  t = sum exp(x - m) * (x - m)
+    rescaled when m grows (s *= a, t = a * (t + s_old * (m_old - m_new)), a = exp(m_old - m_new)).
+    Then lse = m + log s and entropy = log s - t / s (no cancellation for large logits).
+    Second sweep (only if WRITE_GRAD): reread each block, write the gradient over it. Ignored rows
+    skip the reread (masked load) and just write zeros."""
+    row = tl.program_id(0).to(tl.int64)  # int64: row * row_stride exceeds 2^31 at V = 151936
+    base = logits_ptr + row * row_stride
+    label = tl.load(labels_ptr + row).to(tl.int32)
+    offs = tl.arange(0, BLOCK_V)
+
+    m = tl.full([], -3.0e38, tl.float32)  # finite "minus infinity": keeps 0 * (m_old - m_new) finite
+    s = tl.full([], 0.0, tl.float32)
+    t = tl.full([], 0.0, tl.float32)
+    best = tl.full([], 0, tl.int32)
+    for start in range(0, VOCAB, BLOCK_V):
+        cols = start + offs
+        in_row = cols < VOCAB
+        x = tl.load(base + cols, mask=in_row, other=float("-inf")).to(tl.float32)
+        # one reduction gives the block's max and the first index where it occurs
+        block_max, block_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+        best = tl.where(block_max > m, start + block_arg, best)  # strict: earlier block wins ties
+        m_new = tl.maximum(m, block_max)
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(x - m_new)  # masked lanes: exp(-inf) = 0
+        shifted = tl.where(in_row, x - m_new, 0.0)
+        t = alpha * (t + s * (m - m_new)) + tl.sum(e * shifted, axis=0)
+        s = s * alpha + tl.sum(e, axis=0)
+        m = m_new
+
+    log_s = tl.log(s)
+    lse = m + log_s
+    ignored = label == IGNORE
+    in_range = (label >= 0) & (label < VOCAB)
+    x_label = tl.load(base + tl.where(in_range, label, 0), mask=in_range, other=0.0).to(tl.float32)
+    loss = tl.where(ignored, 0.0, tl.where(in_range, lse - x_label, float("nan")))
+    tl.store(loss_ptr + row, loss)
+    tl.store(entropy_ptr + row, log_s - t / s)
+    tl.store(argmax_ptr + row, best.to(tl.int64))
+
+    if WRITE_GRAD:
+        keep = tl.where(ignored, 0.0, 1.0)
+        for start in range(0, VOCAB, BLOCK_V):
+            cols = start + offs
+            in_row = cols < VOCAB
+            # Ignored rows: the load is masked off entirely (no memory traffic), the gradient is 0.
+            x = tl.load(base + cols, mask=in_row & (label != IGNORE), other=float("-inf")).to(tl.float32)
+            p = tl.exp(x - lse)
+            grad = tl.where(cols == label, p - 1.0, p) * (grad_scale * keep)
+            tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launch planning
+# --------------------------------------------------------------------------------------------------
+def plan_chunk_rows(n_rows: int, vocab: int, elem_bytes: int,
+                    budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES) -> int:
+    """Rows per chunk: as many as fit the logits budget (a multiple of ROW_ALIGN, at least one
+    ROW_ALIGN), then balanced so all chunks are about the same size (no tiny last chunk)."""
+    if n_rows <= 0:
+        return 1
+    max_rows = max(ROW_ALIGN, (budget_bytes // max(1, vocab * elem_bytes)) // ROW_ALIGN * ROW_ALIGN)
+    n_chunks = math.ceil(n_rows / max_rows)
+    rows = math.ceil(n_rows / n_chunks)
+    rows = math.ceil(rows / ROW_ALIGN) * ROW_ALIGN
+    return max(1, min(rows, n_rows))
+
+
+def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
+                       entropy: torch.Tensor, argmax: torch.Tensor, write_grad: bool,
+                       block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> None:
+    """Run the row kernel on a [rows, vocab] logits chunk (row stride free, column stride 1);
+    labels int64 [rows]; loss / entropy fp32 [rows] and argmax int64 [rows] are written."""
+    rows, vocab = logits.shape
+    assert logits.stride(1) == 1 and labels.dtype == torch.int64
+    if rows == 0:
+        return
+    _lm_head_ce_rows_kernel[(rows,)](logits, labels, loss, entropy, argmax, logits.stride(0),
+                                     GRAD_SCALE, VOCAB=vocab, IGNORE=IGNORE_INDEX, WRITE_GRAD=write_grad,
+                                     BLOCK_V=block_v, num_warps=num_warps)
+    record("_lm_head_ce_rows_kernel")
+
+
+# --------------------------------------------------------------------------------------------------
+# Forward driver (no autograd): loops over chunks
+# --------------------------------------------------------------------------------------------------
+def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor,
+                    compute_dtype: torch.dtype, want_grad: bool, chunk_rows: int | None,
+                    block_v: int):
+    n_rows, _ = hidden2d.shape
+    vocab = weight.shape[0]
+    device = hidden2d.device
+    # Exactly the operands autocast would hand to cuBLAS (round-to-nearest casts).
+    w_c = weight.to(compute_dtype)  # [V, H]; a 467 MB transient for the fp32 Qwen2.5 head
+    h_c = hidden2d.to(compute_dtype)
+    labels1d = labels1d.to(device=device, dtype=torch.int64)
+
+    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+    entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
+    argmax = torch.empty(n_rows, dtype=torch.int64, device=device)
+    grad_hidden = torch.empty((n_rows, hidden2d.shape[1]), dtype=compute_dtype, device=device) if want_grad else None
+
+    if chunk_rows is None:
+        chunk_rows = plan_chunk_rows(n_rows, vocab, torch.finfo(compute_dtype).bits // 8)
+    chunk_rows = max(1, min(chunk_rows, max(n_rows, 1)))
+    buf = torch.empty((chunk_rows, vocab), dtype=compute_dtype, device=device)
+    for r0 in range(0, n_rows, chunk_rows):
+        r1 = min(r0 + chunk_rows, n_rows)
+        logits = buf[: r1 - r0]  # a contiguous prefix of the reused buffer
+        torch.mm(h_c[r0:r1], w_c.t(), out=logits)
+        launch_rows_kernel(logits, labels1d[r0:r1], loss_rows[r0:r1], entropy[r0:r1], argmax[r0:r1],
+                           write_grad=want_grad, block_v=block_v)
+        if want_grad:
+            # logits now holds (softmax - onehot) * GRAD_SCALE: the hidden-state gradient, scaled.
+            torch.mm(logits, w_c, out=grad_hidden[r0:r1])
+    return loss_rows, entropy, argmax, grad_hidden
+
+
+class _FusedLMHeadCE(torch.autograd.Function):
+    """(hidden [N, H], weight [V, H] frozen, shift_labels [N]) -> (loss_sum fp32 scalar,
+    entropy fp32 [N], argmax int64 [N]); only loss_sum is differentiable (w.r.t. hidden)."""
+
+    @staticmethod
+    def forward(ctx, hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, want_grad):
+        with torch.autocast(hidden2d.device.type, enabled=False):
+            loss_rows, entropy, argmax, grad_hidden = _forward_chunks(
+                hidden2d, weight, labels1d, compute_dtype, want_grad, chunk_rows, block_v)
+        loss_sum = loss_rows.sum()
+        ctx.hidden_dtype = hidden2d.dtype
+        ctx.has_grad = grad_hidden is not None
+        if ctx.has_grad:
+            ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(entropy, argmax)
+        return loss_sum, entropy, argmax
+
+    @staticmethod
+    def backward(ctx, grad_loss_sum, _grad_entropy, _grad_argmax):
+        if not ctx.has_grad:
+            raise RuntimeError("fused_lm_head_loss: forward ran without gradient bookkeeping "
+                               "(want_grad=False) but a gradient was requested")
+        (scaled,) = ctx.saved_tensors
+        # grad_loss_sum carries the GradScaler factor and 1 / num_items_in_batch: applied in fp32.
+        factor = grad_loss_sum.to(torch.float32) / GRAD_SCALE
+        grad_hidden = (scaled.to(torch.float32) * factor).to(ctx.hidden_dtype)
+        return grad_hidden, None, None, None, None, None, None
+
+
+# --------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------
+@dataclass
+class LMHeadLossOutput:
+    """loss: fp32 scalar, normalized like transformers' ForCausalLMLoss (sum / num_items_in_batch,
+    or mean over non-ignored tokens when num_items_in_batch is None).
+    token_entropy: fp32 [...] entropy (nats) of softmax(logits) at every position (what trl's
+    entropy_from_logits returns). token_argmax: int64 [...] argmax of the logits at every position.
+    token_correct: bool [...] argmax == shift label and shift label != -100.
+    num_valid: int64 scalar tensor, number of non-ignored shift labels."""
+    loss: torch.Tensor
+    token_entropy: torch.Tensor
+    token_argmax: torch.Tensor
+    token_correct: torch.Tensor
+    num_valid: torch.Tensor
+
+
+def shift_labels_like_stock(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """ForCausalLMLoss's shift: position i is scored against labels[i + 1]; the last position of each
+    row gets ignore_index."""
+    return torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:].contiguous()
+
+
+def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, *,
+                       compute_dtype: torch.dtype | None = None,
+                       num_items_in_batch: torch.Tensor | int | None = None,
+                       chunk_rows: int | None = None, block_v: int = BLOCK_V) -> LMHeadLossOutput:
+    """LM head + causal-LM cross-entropy without materializing the [tokens, vocab] logits.
+
+    hidden: [..., H] (fp32 or fp16; requires_grad decides whether the gradient is prepared).
+    weight: [V, H] lm_head weight (frozen: no gradient is computed for it).
+    shift_labels: [...] int, already shifted (see shift_labels_like_stock), -100 = ignored.
+    compute_dtype: dtype of the matmul operands and logits (fp16 = what fp16 autocast does; fp32);
+        default: the autocast dtype if autocast is on for hidden's device, else hidden.dtype.
+    num_items_in_batch: divisor of the summed loss (the Trainer's count), None = mean.
+    Returns LMHeadLossOutput (see there); loss backpropagates into hidden.
+    """
+    if compute_dtype is None:
+        dev = hidden.device.type
+        compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else hidden.dtype
+    if compute_dtype not in SUPPORTED_COMPUTE_DTYPES:
+        raise ValueError(f"fused_lm_head_loss supports fp16/fp32 compute, got {compute_dtype}")
+    lead_shape = hidden.shape[:-1]
+    hidden2d = hidden.reshape(-1, hidden.shape[-1])
+    labels1d = shift_labels.reshape(-1)
+    if labels1d.numel() != hidden2d.shape[0]:
+        raise ValueError(f"shift_labels has {labels1d.numel()} tokens, hidden has {hidden2d.shape[0]}")
+    want_grad = torch.is_grad_enabled() and hidden.requires_grad
+    loss_sum, entropy, argmax = _FusedLMHeadCE.apply(hidden2d, weight, labels1d, compute_dtype,
+                                                     chunk_rows, block_v, want_grad)
+    labels1d = labels1d.to(argmax.device)
+    valid = labels1d != IGNORE_INDEX
+    num_valid = valid.sum()
+    # Same normalization as transformers' fixed_cross_entropy.
+    if num_items_in_batch is None:
+        loss = loss_sum / num_valid
+    else:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss_sum.device)
+        loss = loss_sum / num_items_in_batch
+    correct = (argmax == labels1d) & valid
+    return LMHeadLossOutput(loss=loss, token_entropy=entropy.view(lead_shape),
+                            token_argmax=argmax.view(lead_shape), token_correct=correct.view(lead_shape),
+                            num_valid=num_valid)
+
+
+# --------------------------------------------------------------------------------------------------
+# sm_75 compile check
+# --------------------------------------------------------------------------------------------------
+def sm75_specs():
+    """Every launch configuration used: fp16 logits (autocast) and fp32 logits, with and without
+    the in-place gradient."""
+    for dtype in ("fp16", "fp32"):
+        for write_grad in (True, False):
+            yield {
+                "name": f"lm_head_ce_rows {dtype} grad={int(write_grad)} B{BLOCK_V} w{NUM_WARPS}",
+                "fn": _lm_head_ce_rows_kernel,
+                "signature": {"logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "loss_ptr": "*fp32",
+                              "entropy_ptr": "*fp32", "argmax_ptr": "*i64", "row_stride": "i32",
+                              "grad_scale": "fp32", "VOCAB": "constexpr", "IGNORE": "constexpr",
+                              "WRITE_GRAD": "constexpr", "BLOCK_V": "constexpr"},
+                "constexprs": {"VOCAB": QWEN2_VOCAB, "IGNORE": IGNORE_INDEX, "WRITE_GRAD": write_grad, "BLOCK_V": BLOCK_V},
+                "num_warps": NUM_WARPS,
+            }

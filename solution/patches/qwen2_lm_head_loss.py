@@ -1,0 +1,256 @@
+"""Wire the fused LM head + loss (solution/kernels/lm_head_loss.py) into Qwen2 + trl's SFTTrainer.
+
+Two swaps, both needed, both exact mirrors of the stock code they replace except for the fused part:
+
+1. ``Qwen2ForCausalLM.forward``: when (and only when) trl's compute_loss below asks for it through a
+   context variable, and the call is one we support (labels given, all logits wanted, the stock
+   ForCausalLMLoss, a plain frozen bias-free nn.Linear head, fp16 autocast or plain fp16/fp32), it
+   computes loss, per-token entropy and per-token argmax with the fused kernel and returns
+   ``logits=None`` plus ``token_entropy`` / ``token_argmax``. Any other call (generation, eval,
+   a user asking for logits, bf16, another loss...) runs the stock forward unchanged.
+2. ``SFTTrainer.compute_loss`` (trl 0.29.1): in training, it sets that request, calls the same
+   ``Trainer.compute_loss`` stock calls, and logs ``entropy``, ``num_tokens`` and
+   ``mean_token_accuracy`` with trl's own formulas, reading the per-token entropy and argmax from the
+   outputs instead of recomputing them from the logits (if the forward declined, it falls back to the
+   logits exactly like stock). Anything trl does differently in other settings (Liger, eval,
+   prompt tuning, context parallel shift_labels, aux loss, custom compute_loss_func) goes to the
+   stock method.
+
+Why not only patch the loss: trl reads ``outputs.logits`` for its metrics, so the logits would have
+to exist anyway; without them trl crashes unless ``use_liger_kernel`` is set, which we must not
+require. The patch is refused (check()) unless the installed sources of both methods are exactly the
+ones mirrored here (sha256 of their source text).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+NAME = "qwen2_lm_head_loss"
+
+# sha256 of inspect.getsource() of the mirrored stock methods (transformers 5.17.0, trl 0.29.1).
+_QWEN2_FORWARD_SHA256 = "e7cc0724264fb97ab48ea8e9beeee6edadc87d486085501b2703576b2b2bc183"
+_SFT_COMPUTE_LOSS_SHA256 = "949aa5ebf4ec1e6a69c59a958effc389963427174d4fdb5bac6fc02606dc4fb0"
+
+# Set by the patched SFTTrainer.compute_loss around its model call: "I read the metrics from
+# token_entropy / token_argmax, logits are not needed". A context variable, so nothing is added to
+# the model's inputs and any other caller keeps the stock outputs.
+_FUSED_REQUESTED: contextvars.ContextVar[bool] = contextvars.ContextVar("lm_head_loss_requested", default=False)
+
+
+@contextlib.contextmanager
+def fused_lm_head_requested():
+    """Within this block, a supported Qwen2ForCausalLM forward with labels returns loss +
+    token_entropy + token_argmax and logits=None."""
+    token = _FUSED_REQUESTED.set(True)
+    try:
+        yield
+    finally:
+        _FUSED_REQUESTED.reset(token)
+
+
+@functools.lru_cache(maxsize=None)
+def _output_class():
+    """Defined once (ModelOutput subclasses register themselves as pytree nodes)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    @dataclass
+    class CausalLMOutputWithTokenStats(CausalLMOutputWithPast):
+        """CausalLMOutputWithPast with logits=None and what trl's metrics need instead:
+        token_entropy fp32 [batch, seq] (entropy of softmax(logits) at each position) and
+        token_argmax int64 [batch, seq] (argmax of the logits at each position)."""
+        token_entropy: torch.FloatTensor | None = None
+        token_argmax: torch.LongTensor | None = None
+
+    CausalLMOutputWithTokenStats.__qualname__ = "CausalLMOutputWithTokenStats"
+    return CausalLMOutputWithTokenStats
+
+
+def _source_sha256(fn) -> str:
+    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
+
+
+def _kernel_device_ok(device: torch.device) -> bool:
+    from solution.env import interpreter_enabled
+
+    if device.type == "cuda":
+        return not interpreter_enabled() and torch.cuda.get_device_capability(device) >= (7, 5)
+    return device.type == "cpu" and interpreter_enabled()
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    """The dtype stock's lm_head matmul runs in, if our kernel handles it, else None."""
+    dev = hidden.device.type
+    if torch.is_autocast_enabled(dev) and hidden.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        dtype = torch.get_autocast_dtype(dev)  # F.linear is on autocast's lower-precision list
+    elif hidden.dtype == weight.dtype:
+        dtype = hidden.dtype
+    else:
+        return None  # stock would raise a dtype mismatch: let it
+    return dtype if dtype in (torch.float16, torch.float32) else None  # bf16 etc.: stock
+
+
+def _head_ok(model, labels, logits_to_keep, kwargs) -> bool:
+    """Call-level conditions, checked before running the decoder."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    head = model.lm_head
+    return (labels is not None and _FUSED_REQUESTED.get()
+            and isinstance(logits_to_keep, int) and logits_to_keep == 0
+            and kwargs.get("shift_labels") is None and kwargs.get("ignore_index", -100) == -100
+            and type(head) is torch.nn.Linear and head.bias is None and not head.weight.requires_grad
+            and model.loss_function is ForCausalLMLoss
+            and head.weight.shape[0] == model.config.vocab_size)
+
+
+def _make_forward(stock_forward):
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils.generic import can_return_tuple
+
+    from solution.kernels.lm_head_loss import fused_lm_head_loss, shift_labels_like_stock
+
+    output_class = _output_class()
+
+    @can_return_tuple
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
+        if not _head_ok(self, labels, logits_to_keep, kwargs):
+            return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=past_key_values,
+                                 inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
+                                 logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+        # From here on: the stock forward's body, with the LM head + loss fused.
+        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                             past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                             use_cache=use_cache, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        weight = self.lm_head.weight
+        dtype = _compute_dtype(hidden_states, weight)
+        if (dtype is None or not _kernel_device_ok(hidden_states.device) or weight.device != hidden_states.device
+                or hidden_states.shape[-1] != weight.shape[1] or labels.shape != hidden_states.shape[:-1]):
+            # Stock tail (logits_to_keep == 0 here, so the slice is the whole sequence).
+            logits = self.lm_head(hidden_states)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
+                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        shift_labels = shift_labels_like_stock(labels.to(hidden_states.device))
+        res = fused_lm_head_loss(hidden_states, weight, shift_labels, compute_dtype=dtype,
+                                 num_items_in_batch=kwargs.get("num_items_in_batch"))
+        return output_class(loss=res.loss, logits=None, past_key_values=outputs.past_key_values,
+                            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+                            token_entropy=res.token_entropy, token_argmax=res.token_argmax)
+
+    # Same name, docstring and (through __wrapped__) signature as stock: the Trainer inspects the
+    # forward signature (label names, **kwargs => model_accepts_loss_kwargs).
+    functools.update_wrapper(forward, stock_forward)
+    return forward
+
+
+def _trainer_can_fuse(trainer, inputs) -> bool:
+    """Settings in which trl 0.29.1's compute_loss does exactly what the mirror below does."""
+    pc = getattr(trainer.accelerator, "parallelism_config", None)
+    return (trainer.model.training and not trainer.args.use_liger_kernel
+            and "labels" in inputs and "shift_labels" not in inputs
+            and getattr(trainer, "num_virtual_tokens", 0) == 0 and not getattr(trainer, "aux_loss_enabled", False)
+            and trainer.compute_loss_func is None and trainer.label_smoother is None
+            and not (pc is not None and getattr(pc, "sp_enabled", False)))
+
+
+def _make_compute_loss(sft_trainer_cls, stock_compute_loss):
+    import trl.trainer.sft_trainer as sft_module
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not _trainer_can_fuse(self, inputs):
+            return stock_compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        # Below: trl 0.29.1 SFTTrainer.compute_loss for training without Liger / prompt tuning /
+        # shift_labels / aux loss, with the metrics read from the fused outputs when present.
+        mode = "train"
+        inputs.pop("_prediction_loss_only", None)
+        labels = inputs["labels"]
+        inputs["use_cache"] = False
+        with fused_lm_head_requested():
+            (loss, outputs) = super(sft_trainer_cls, self).compute_loss(
+                model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        token_entropy = getattr(outputs, "token_entropy", None)
+        token_argmax = getattr(outputs, "token_argmax", None)
+
+        # Compute entropy
+        with torch.no_grad():
+            if token_entropy is not None:
+                per_token_entropy = token_entropy
+            else:  # the forward declined the fused path: stock computation from the logits
+                per_token_entropy = sft_module.entropy_from_logits(outputs.logits)
+            if "attention_mask" in inputs:
+                attention_mask = inputs["attention_mask"]
+                entropy = torch.sum(per_token_entropy * attention_mask) / attention_mask.sum()
+            elif "position_ids" in inputs:
+                entropy = torch.mean(per_token_entropy)
+            else:
+                raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+            entropy = self.accelerator.gather_for_metrics(entropy).mean().item()
+        self._metrics[mode]["entropy"].append(entropy)
+
+        if "attention_mask" in inputs:
+            num_tokens_in_batch = self.accelerator.gather_for_metrics(inputs["attention_mask"].sum()).sum().item()
+        elif "position_ids" in inputs:
+            local_num_tokens = torch.tensor(inputs["position_ids"].size(1), device=inputs["position_ids"].device)
+            num_tokens_in_batch = self.accelerator.gather_for_metrics(local_num_tokens).sum().item()
+        else:
+            raise ValueError("Expected 'attention_mask' or 'position_ids' in inputs.")
+        self._total_train_tokens += num_tokens_in_batch
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+
+        # Compute accuracy (argmax at position i vs label i + 1, on non -100 labels), as trl does
+        with torch.no_grad():
+            shift_labels = labels[..., 1:].contiguous()
+            if token_argmax is not None:
+                predictions = token_argmax[..., :-1]
+            else:
+                shift_logits = outputs.logits[..., :-1, :].contiguous()
+                predictions = shift_logits.argmax(dim=-1)
+            mask = shift_labels != -100
+            correct_predictions = (predictions == shift_labels) & mask
+            total_tokens = mask.sum()
+            correct_tokens = correct_predictions.sum()
+            correct_tokens = self.accelerator.gather_for_metrics(correct_tokens)
+            total_tokens = self.accelerator.gather_for_metrics(total_tokens)
+            total_sum = total_tokens.sum()
+            accuracy = (correct_tokens.sum() / total_sum).item() if total_sum > 0 else 0.0
+            self._metrics[mode]["mean_token_accuracy"].append(accuracy)
+
+        return (loss, outputs) if return_outputs else loss
+
+    functools.update_wrapper(compute_loss, stock_compute_loss)
+    return compute_loss
+
+
+def check() -> str | None:
+    try:
+        from transformers.models.qwen2 import modeling_qwen2
+        from trl.trainer.sft_trainer import SFTTrainer
+    except Exception as exc:  # noqa: BLE001 - any import problem means: keep stock
+        return f"transformers Qwen2 / trl SFTTrainer not importable ({type(exc).__name__}: {exc})"
+    if _source_sha256(modeling_qwen2.Qwen2ForCausalLM.forward) != _QWEN2_FORWARD_SHA256:
+        return "Qwen2ForCausalLM.forward is not the transformers 5.17.0 code this patch mirrors"
+    if _source_sha256(SFTTrainer.compute_loss) != _SFT_COMPUTE_LOSS_SHA256:
+        return "trl SFTTrainer.compute_loss is not the trl 0.29.1 code this patch mirrors"
+    return None
+
+
+def install(swaps) -> str:
+    from transformers.models.qwen2 import modeling_qwen2
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    stock_forward = modeling_qwen2.Qwen2ForCausalLM.forward
+    stock_compute_loss = SFTTrainer.compute_loss
+    swaps.set(modeling_qwen2.Qwen2ForCausalLM, "forward", _make_forward(stock_forward))
+    swaps.set(SFTTrainer, "compute_loss", _make_compute_loss(SFTTrainer, stock_compute_loss))
+    return ("Qwen2ForCausalLM.forward + SFTTrainer.compute_loss: LM head, loss, entropy and token "
+            "accuracy fused chunk by chunk (no [tokens, vocab] logits kept)")

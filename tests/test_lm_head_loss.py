@@ -1,0 +1,470 @@
+"""Fused LM head + cross-entropy (solution/kernels/lm_head_loss.py) and its wiring
+(solution/patches/qwen2_lm_head_loss.py).
+
+Compared with: an fp64 reference (exact math), stock transformers' ForCausalLMLoss on the stock
+logits (F.linear, fp16 operands when fp16), trl's entropy_from_logits and trl's argmax accuracy;
+loss value and the hidden-state gradient; ignored (-100) rows, all-ignored batches, one-token rows,
+large (fp16-range) logits, argmax ties inside and across vocab blocks, vocab not a multiple of the
+block, non-contiguous inputs, the GradScaler factor, no-grad mode. Then the patch: a tiny Qwen2
+(direct forward) and a real trl SFTTrainer run with / without the patch, comparing every logged
+metric.
+
+Tolerances (relative L2 error, tests.conftest.rel_err, unless said otherwise):
+  * fp32 compute: loss, entropy 1e-5 and gradient 1e-5 against stock. Same fp32 logits (the same
+    torch matmul), fp32 softmax math in another summation order (~1e-7 per element).
+  * fp16 compute (what fp16 autocast does), against stock: the logits are the same fp16 matmul, so
+    loss and entropy (fp32 math on identical fp16 values) agree to 1e-5. The gradient: stock
+    rounds (softmax - onehot) * grad / n to fp16, we round (softmax - onehot) * 1024 to fp16, and
+    both round the [rows, H] product to fp16; each rounding is 2^-11 ~ 4.9e-4 relative, so two
+    independent fp16 roundings of comparable size give ~1e-3: bound 3e-3. Against fp64 our gradient
+    is within the same bound (it has no more roundings than stock).
+  * argmax: identical (same logits values, same first-max tie rule).
+"""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from solution.kernels import _launches
+from solution.kernels.lm_head_loss import (IGNORE_INDEX, fused_lm_head_loss, plan_chunk_rows,
+                                           shift_labels_like_stock)
+from tests.conftest import rel_err
+
+loss_utils = pytest.importorskip("transformers.loss.loss_utils")
+trl_utils = pytest.importorskip("trl.trainer.utils")
+ForCausalLMLoss = loss_utils.ForCausalLMLoss
+entropy_from_logits = trl_utils.entropy_from_logits
+
+F16, F32 = torch.float16, torch.float32
+SMALL_BLOCK = 256  # interpreter tests: several blocks per row, vocab 1000 leaves a ragged tail
+
+
+# --------------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------------
+def make_inputs(b, seq, hidden, vocab, device, ignore_frac=0.3, scale=0.3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(b, seq, hidden, generator=g).to(device)
+    w = (torch.randn(vocab, hidden, generator=g) * scale).to(device)
+    labels = torch.randint(0, vocab, (b, seq), generator=g)
+    labels[torch.rand(b, seq, generator=g) < ignore_frac] = IGNORE_INDEX
+    return h, w, labels.to(device)
+
+
+def stock(h, w, labels, compute_dtype, num_items=None, grad_out=1.0):
+    """Stock path: logits = F.linear in compute_dtype (what autocast does), ForCausalLMLoss, trl's
+    entropy on the fp32 logits (accelerate converts outputs to fp32), trl's argmax accuracy."""
+    h = h.detach().requires_grad_(True)
+    logits = F.linear(h.to(compute_dtype), w.to(compute_dtype))
+    loss = ForCausalLMLoss(logits, labels, w.shape[0], num_items_in_batch=num_items)
+    (loss * grad_out).backward()
+    with torch.no_grad():
+        logits32 = logits.float()
+        entropy = entropy_from_logits(logits32)
+        preds = logits32[..., :-1, :].contiguous().argmax(dim=-1)
+        shift = labels[..., 1:]
+        mask = shift != IGNORE_INDEX
+        correct = ((preds == shift) & mask).sum()
+    return dict(loss=loss.detach(), grad=h.grad, entropy=entropy, argmax=logits32.argmax(-1),
+                correct=correct, total=mask.sum())
+
+
+def ours(h, w, labels, compute_dtype, num_items=None, grad_out=1.0, **kw):
+    h = h.detach().requires_grad_(True)
+    res = fused_lm_head_loss(h, w, shift_labels_like_stock(labels), compute_dtype=compute_dtype,
+                             num_items_in_batch=num_items, **kw)
+    (res.loss * grad_out).backward()
+    correct = res.token_correct.sum()
+    return dict(loss=res.loss.detach(), grad=h.grad, entropy=res.token_entropy, argmax=res.token_argmax,
+                correct=correct, total=res.num_valid, res=res)
+
+
+def ref_fp64(h, w, labels, num_items=None):
+    """Exact math in fp64: loss and d(loss)/d(hidden)."""
+    h64 = h.detach().double().requires_grad_(True)
+    logits = h64 @ w.double().t()
+    shift = shift_labels_like_stock(labels)
+    per_row = F.cross_entropy(logits.reshape(-1, w.shape[0]), shift.reshape(-1), ignore_index=IGNORE_INDEX,
+                              reduction="sum")
+    n = (shift != IGNORE_INDEX).sum() if num_items is None else num_items
+    loss = per_row / n
+    loss.backward()
+    return loss.detach(), h64.grad
+
+
+def assert_close_to_stock(a, s, compute_dtype, grad_tol=None):
+    grad_tol = grad_tol or (3e-3 if compute_dtype == F16 else 1e-5)
+    loose = compute_dtype == F16 and a["loss"].is_cuda
+    # On the GPU cuBLAS may pick another algorithm for a chunk of rows than for the whole matrix
+    # and flip the fp16 rounding of a few logits by one ulp (~1e-3 at |logit| ~ 4): a loss / entropy
+    # difference up to ~1e-4 and, on a near-tie, another argmax. On the CPU the values are identical.
+    val_tol = 1e-4 if loose else 1e-5
+    assert rel_err(a["loss"], s["loss"]) < val_tol, (a["loss"], s["loss"])
+    assert rel_err(a["entropy"], s["entropy"]) < val_tol
+    mismatches = int((a["argmax"].cpu() != s["argmax"].cpu()).sum())
+    assert mismatches <= (max(1, a["argmax"].numel() // 1000) if loose else 0), mismatches
+    assert abs(int(a["correct"]) - int(s["correct"])) <= mismatches and int(a["total"]) == int(s["total"])
+    assert rel_err(a["grad"], s["grad"]) < grad_tol, rel_err(a["grad"], s["grad"])
+
+
+# --------------------------------------------------------------------------------------------------
+# kernel vs stock / fp64 (CPU interpreter or GPU)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("compute_dtype", [F32, F16])
+@pytest.mark.parametrize("vocab", [1000, 1024])  # ragged tail / exact multiple of the block
+def test_matches_stock_and_fp64(device, compute_dtype, vocab):
+    h, w, labels = make_inputs(1, 37, 64, vocab, device)
+    _launches.reset()
+    a = ours(h, w, labels, compute_dtype, num_items=30, chunk_rows=16, block_v=SMALL_BLOCK)  # 3 chunks
+    assert _launches.LAUNCHES["_lm_head_ce_rows_kernel"] == 3
+    s = stock(h, w, labels, compute_dtype, num_items=30)
+    assert_close_to_stock(a, s, compute_dtype)
+    loss64, grad64 = ref_fp64(h, w, labels, num_items=30)
+    tol = 3e-3 if compute_dtype == F16 else 1e-5
+    assert rel_err(a["loss"], loss64) < tol and rel_err(a["grad"], grad64) < tol
+    assert a["loss"].dtype == F32 and a["loss"].dim() == 0 and a["grad"].dtype == h.dtype
+
+
+def test_mean_reduction_batch_and_noncontiguous(device):
+    """num_items_in_batch=None (mean over non-ignored), batch > 1, a non-contiguous hidden view."""
+    h, w, labels = make_inputs(3, 9, 48, 1000, device, seed=1)
+    h_nc = h.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous strides
+    assert not h_nc.is_contiguous()
+    a = ours(h_nc, w, labels, F32, block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F32)
+    assert_close_to_stock(a, s, F32)
+
+
+def test_grad_scaler_factor_is_exact(device):
+    """The upstream gradient (GradScaler's 65536 / num_items) multiplies the stored gradient in fp32:
+    scaling the upstream gradient by a power of two scales our gradient exactly."""
+    h, w, labels = make_inputs(1, 21, 32, 1000, device, seed=2)
+    g1 = ours(h, w, labels, F16, num_items=17, grad_out=1.0, block_v=SMALL_BLOCK)["grad"]
+    g2 = ours(h, w, labels, F16, num_items=17, grad_out=65536.0, block_v=SMALL_BLOCK)["grad"]
+    assert torch.equal(g2, g1 * 65536.0)
+    s = stock(h, w, labels, F16, num_items=17, grad_out=65536.0)
+    assert rel_err(g2, s["grad"]) < 3e-3
+
+
+def test_ignored_rows_and_one_token_rows(device):
+    """A row of all -100, one-token rows (no target at all after the shift), and an all-ignored batch."""
+    h, w, labels = make_inputs(3, 8, 32, 1000, device, seed=3)
+    labels[1] = IGNORE_INDEX
+    a = ours(h, w, labels, F16, num_items=int((labels[..., 1:] != IGNORE_INDEX).sum()), block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F16, num_items=int((labels[..., 1:] != IGNORE_INDEX).sum()))
+    assert_close_to_stock(a, s, F16)
+    assert torch.count_nonzero(a["grad"][1]) == 0  # an all-ignored row gets no gradient
+    assert torch.count_nonzero(a["grad"][:, -1]) == 0  # nor does the last position (its target is padding)
+
+    # one-token rows: the shift leaves nothing to predict; with the Trainer's count (0 -> we pass 1
+    # as a safe divisor, like a batch whose other micro-batches hold the labels) loss and grad are 0
+    h1, w1, labels1 = make_inputs(4, 1, 32, 1000, device, ignore_frac=0.0, seed=4)
+    a1 = ours(h1, w1, labels1, F16, num_items=1, block_v=SMALL_BLOCK)
+    s1 = stock(h1, w1, labels1, F16, num_items=1)
+    assert a1["loss"].item() == 0.0 and s1["loss"].item() == 0.0
+    assert torch.count_nonzero(a1["grad"]) == 0 and torch.count_nonzero(s1["grad"]) == 0
+    assert rel_err(a1["entropy"], s1["entropy"]) < 1e-5  # entropy is still reported for every position
+    # mean reduction over zero targets is 0 / 0 = NaN in stock too
+    a2 = ours(h1, w1, labels1, F32, block_v=SMALL_BLOCK)
+    s2 = stock(h1, w1, labels1, F32)
+    assert math.isnan(a2["loss"].item()) and math.isnan(s2["loss"].item())
+
+
+def test_large_logits(device):
+    """Logits up to ~6e4 (near the fp16 limit 65504): fp32 online log-sum-exp must stay finite and
+    match stock's fp32 upcast."""
+    h, w, labels = make_inputs(1, 23, 32, 1000, device, scale=1.0, seed=5)
+    h = h * (6.0e4 / F.linear(h, w).abs().max())
+    logits16 = F.linear(h.half(), w.half())
+    assert torch.isfinite(logits16).all() and logits16.abs().max() > 3e4
+    a = ours(h, w, labels, F16, num_items=20, block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F16, num_items=20)
+    assert torch.isfinite(a["loss"]) and torch.isfinite(a["grad"]).all()
+    assert_close_to_stock(a, s, F16)
+
+
+def test_argmax_ties_first_index(device):
+    """Duplicate head rows give exactly tied logits, inside one block (3, 7) and across blocks
+    (5 and 900 with block 256): torch.argmax returns the first index, so must we."""
+    vocab = 1000
+    h, w, labels = make_inputs(1, 12, 16, vocab, device, seed=6)
+    w[7] = w[3]
+    w[900] = w[5]
+    h = h.clone()
+    h[0, :6] = w[3] * 5.0  # make row 3 / 7 the max for the first tokens
+    h[0, 6:] = w[5] * 5.0  # and row 5 / 900 for the others
+    a = ours(h, w, labels, F32, block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F32)
+    assert a["argmax"][0, :6].tolist() == [3] * 6 and a["argmax"][0, 6:].tolist() == [5] * 6
+    assert torch.equal(a["argmax"].cpu(), s["argmax"].cpu())
+
+
+def test_no_grad_and_out_of_range_label(device):
+    h, w, labels = make_inputs(1, 10, 32, 1000, device, seed=7)
+    with torch.no_grad():
+        res = fused_lm_head_loss(h, w, shift_labels_like_stock(labels), compute_dtype=F32, block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F32)
+    assert not res.loss.requires_grad and rel_err(res.loss, s["loss"]) < 1e-5
+    bad = labels.clone()
+    bad[0, 3] = 5000  # stock raises (index out of bounds); we make the loss NaN, never read memory
+    res = fused_lm_head_loss(h, w, shift_labels_like_stock(bad), compute_dtype=F32, block_v=SMALL_BLOCK)
+    assert math.isnan(res.loss.item())
+
+
+def test_plan_chunk_rows():
+    # real shape: 2048 tokens, V = 151936 fp16, 256 MiB -> at most 880 rows -> 3 balanced chunks
+    rows = plan_chunk_rows(2048, 151936, 2)
+    assert rows % 16 == 0 and rows * 151936 * 2 <= 256 * 1024 * 1024 and math.ceil(2048 / rows) == 3
+    assert plan_chunk_rows(37, 1000, 4) == 37
+    assert plan_chunk_rows(5000, 151936, 2, budget_bytes=1) == 16  # never below one aligned block
+
+
+# --------------------------------------------------------------------------------------------------
+# the patch: tiny Qwen2 model, direct forward
+# --------------------------------------------------------------------------------------------------
+def tiny_qwen2(device, vocab=1000, seed=0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=True, pad_token_id=vocab - 2, eos_token_id=vocab - 1)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(cfg).to(device)
+    with torch.no_grad():  # make argmax meaningful: a strong embedding dominates the residual stream
+        model.model.embed_tokens.weight.normal_(0.0, 0.1)
+    model.lm_head.weight.requires_grad_(False)  # tied and frozen, as after prepare_model_for_kbit_training
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+@pytest.fixture
+def patched():
+    """Install the patch for one test, restore the stock objects afterwards."""
+    from solution.patches import qwen2_lm_head_loss as patch
+    from solution.patches._base import Swaps
+
+    assert patch.check() is None, patch.check()
+    swaps = Swaps()
+    patch.install(swaps)
+    yield patch
+    swaps.restore()
+
+
+def test_patch_forward_direct(device, patched):
+    model = tiny_qwen2(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 998, (2, 13), generator=g).to(device)
+    labels = ids.clone()
+    labels[0, :4] = IGNORE_INDEX
+    mask = torch.ones_like(ids)
+
+    # without the request (any caller but our compute_loss): stock outputs, logits present
+    out_plain = model(input_ids=ids, attention_mask=mask, labels=labels)
+    assert out_plain.logits is not None and out_plain.logits.shape == (2, 13, 1000)
+
+    _launches.reset()
+    with patched.fused_lm_head_requested():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(20))
+        out_keep = model(input_ids=ids, attention_mask=mask, logits_to_keep=1)  # no labels: stock
+        out_tuple = model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert _launches.LAUNCHES["_lm_head_ce_rows_kernel"] >= 2
+    assert out.logits is None and out_keep.logits.shape == (2, 1, 1000)
+    assert isinstance(out_tuple, tuple) and out_tuple[0].dim() == 0
+
+    ref_model = copy.deepcopy(model)
+    model.zero_grad()
+    out.loss.backward()
+    # the same weights through the stock path (the patched forward outside the request is stock)
+    ref = ref_model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(20))
+    ref.loss.backward()
+    assert rel_err(out.loss, ref.loss) < 1e-5
+    assert rel_err(out.token_entropy, entropy_from_logits(ref.logits.detach())) < 1e-5
+    assert torch.equal(out.token_argmax, ref.logits.argmax(-1))
+    for (name, p), (_, p_ref) in zip(model.named_parameters(), ref_model.named_parameters()):
+        if p_ref.grad is not None:
+            assert rel_err(p.grad, p_ref.grad) < 1e-4, name
+
+
+def test_patch_check_and_revert():
+    import solution.patches.qwen2_lm_head_loss as patch
+    from solution.patches._base import Swaps
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    stock_fwd, stock_cl = Qwen2ForCausalLM.__dict__["forward"], SFTTrainer.__dict__["compute_loss"]
+    swaps = Swaps()
+    patch.install(swaps)
+    assert Qwen2ForCausalLM.__dict__["forward"] is not stock_fwd
+    assert SFTTrainer.__dict__["compute_loss"] is not stock_cl
+    import inspect
+    assert inspect.signature(Qwen2ForCausalLM.forward) == inspect.signature(stock_fwd)
+    swaps.restore()
+    assert Qwen2ForCausalLM.__dict__["forward"] is stock_fwd and SFTTrainer.__dict__["compute_loss"] is stock_cl
+
+
+def test_apply_and_revert_through_solution(monkeypatch):
+    """solution.apply() installs the patch when it is listed in PATCHES; solution.revert() restores."""
+    import solution
+    import solution._apply as apply_mod
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2ForCausalLM
+    from trl.trainer.sft_trainer import SFTTrainer
+
+    solution.revert()
+    stock_fwd, stock_cl = Qwen2ForCausalLM.__dict__["forward"], SFTTrainer.__dict__["compute_loss"]
+    monkeypatch.setattr(apply_mod, "PATCHES", ["solution.patches.qwen2_lm_head_loss"])
+    try:
+        assert "qwen2_lm_head_loss" in solution.apply(verbose=False)
+        assert Qwen2ForCausalLM.__dict__["forward"] is not stock_fwd
+    finally:
+        solution.revert()
+    assert Qwen2ForCausalLM.__dict__["forward"] is stock_fwd and SFTTrainer.__dict__["compute_loss"] is stock_cl
+
+
+# --------------------------------------------------------------------------------------------------
+# the patch in a real trl SFTTrainer run: every logged metric, with and without the patch
+# --------------------------------------------------------------------------------------------------
+def _tiny_tokenizer(vocab):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"w{i}": i for i in range(vocab - 2)}
+    words["<pad>"], words["<eos>"] = vocab - 2, vocab - 1
+    tk = Tokenizer(models.WordLevel(vocab=words, unk_token="<pad>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, pad_token="<pad>", eos_token="<eos>")
+
+
+def _tiny_dataset(vocab, n=8):
+    """Pre-tokenized rows (prompt + completion, loss on the completion only, variable lengths ->
+    right padding). Runs of repeated tokens, so the tied head predicts some of them right."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        ids = []
+        while len(ids) < int(torch.randint(8, 20, (1,), generator=g)):
+            ids += [int(torch.randint(0, vocab - 2, (1,), generator=g))] * int(torch.randint(1, 4, (1,), generator=g))
+        p = int(torch.randint(2, len(ids) - 2, (1,), generator=g))
+        rows.append({"input_ids": ids, "completion_mask": [0] * p + [1] * (len(ids) - p)})
+    return Dataset.from_list(rows)
+
+
+def _train_logs(device, use_patch, precision, out_dir, lora):
+    from trl import SFTConfig, SFTTrainer
+
+    from solution.patches import qwen2_lm_head_loss as patch
+    from solution.patches._base import Swaps
+
+    vocab = 1000
+    model = tiny_qwen2(device, vocab)
+    if lora:  # what Soup trains: a PeftModel with LoRA on q/v, gradient checkpointing on
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "v_proj"]))
+    args = SFTConfig(output_dir=str(out_dir), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                     report_to=[], use_cpu=(device == "cpu"), fp16=(precision == "fp16"),
+                     bf16=(precision == "bf16"), gradient_checkpointing=lora, save_strategy="no", seed=0,
+                     learning_rate=1e-2 if lora else 1e-3, disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=_tiny_dataset(vocab),
+                         processing_class=_tiny_tokenizer(vocab))
+    swaps = Swaps()
+    if use_patch:
+        patch.install(swaps)
+    _launches.reset()
+    try:
+        trainer.train()
+        launches = _launches.LAUNCHES["_lm_head_ce_rows_kernel"]
+        # evaluation goes through trl's stock compute_loss (logits needed for eval metrics)
+        trainer.evaluate(eval_dataset=_tiny_dataset(vocab, n=4))
+        assert _launches.LAUNCHES["_lm_head_ce_rows_kernel"] == launches
+    finally:
+        swaps.restore()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    eval_log = [h for h in trainer.state.log_history if "eval_loss" in h][-1]  # trl merges its eval metrics here
+    return logs, launches, {k: v for k, v in eval_log.items() if "runtime" not in k and "per_second" not in k}
+
+
+@pytest.mark.parametrize("precision,lora", [
+    ("fp32", False), ("fp32", True),
+    ("bf16", False),  # CPU bf16 autocast (trl's default off-GPU): the patch must fall back to stock
+    pytest.param("fp16", True, marks=pytest.mark.gpu),  # the workload's setting: fp16 autocast + GradScaler
+])
+def test_sft_trainer_metrics_with_and_without_patch(device, tmp_path, precision, lora):
+    if precision == "fp16" and device != "cuda":
+        pytest.skip("fp16 mixed precision needs CUDA")
+    if precision == "bf16" and device == "cuda":
+        pytest.skip("the bf16 fallback case is the CPU-autocast one")
+    stock_logs, stock_launches, stock_eval = _train_logs(device, False, precision, tmp_path / "stock", lora)
+    ours_logs, our_launches, our_eval = _train_logs(device, True, precision, tmp_path / "ours", lora)
+    assert set(stock_eval) == set(our_eval) and "eval_mean_token_accuracy" in our_eval
+    assert stock_launches == 0
+    assert our_launches == (0 if precision == "bf16" else 2)  # one chunk per step, two steps
+    assert len(stock_logs) == len(ours_logs) == 2
+    assert stock_logs[1]["mean_token_accuracy"] > 0  # the metric is exercised, not trivially 0
+    for s, o in zip(stock_logs, ours_logs):
+        assert set(s) == set(o)  # same metric names: nothing added, nothing lost
+        for key in ("num_tokens", "mean_token_accuracy", "learning_rate", "epoch", "step"):
+            assert o[key] == s[key], (key, o[key], s[key])
+        # fp32: same math up to summation order; fp16: fp16 gradient roundings (see module doc)
+        tol = 2e-3 if precision == "fp16" else 1e-5
+        for key in ("loss", "entropy", "grad_norm"):
+            assert abs(o[key] - s[key]) <= tol * max(1.0, abs(s[key])), (key, o[key], s[key])
+    for key in stock_eval:  # after two steps on slightly different gradients (fp16) / equal ones (fp32)
+        assert abs(our_eval[key] - stock_eval[key]) <= tol * max(1.0, abs(stock_eval[key])), key
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the real shape (4 x 512 tokens, hidden 1536, vocab 151936), fp16 autocast as in training
+# --------------------------------------------------------------------------------------------------
+def _real_inputs(n_tokens=2048, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h = torch.randn(4, n_tokens // 4, 1536, device="cuda", generator=g)
+    w = torch.randn(151936, 1536, device="cuda", generator=g) * 0.1  # logits std ~4, max ~25
+    labels = torch.randint(0, 151936, (4, n_tokens // 4), device="cuda", generator=g)
+    labels[:, : n_tokens // 16] = IGNORE_INDEX  # prompt tokens
+    labels[3, n_tokens // 8:] = IGNORE_INDEX  # a padded row
+    return h, w, labels
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_tokens", [2048, 1500])
+def test_gpu_real_shape(n_tokens):
+    h, w, labels = _real_inputs(n_tokens)
+    n = (labels[..., 1:] != IGNORE_INDEX).sum()
+    with torch.autocast("cuda", dtype=F16):
+        a = ours(h, w, labels, None, num_items=n, grad_out=65536.0)
+    with torch.autocast("cuda", dtype=F16):
+        s = stock(h, w, labels, F16, num_items=n, grad_out=65536.0)
+    # cuBLAS may pick another algorithm for a chunk than for the whole matrix, flipping rare fp16
+    # roundings of a logit by one ulp: compare loss/entropy at 1e-4 and argmax on 99.9% of tokens.
+    assert rel_err(a["loss"], s["loss"]) < 1e-4
+    assert rel_err(a["entropy"], s["entropy"]) < 1e-4
+    assert (a["argmax"] == s["argmax"]).float().mean() > 0.999
+    assert abs(int(a["correct"]) - int(s["correct"])) <= 2
+    assert rel_err(a["grad"], s["grad"]) < 3e-3
+
+
+@pytest.mark.gpu
+def test_gpu_large_logits_and_memory():
+    h, w, labels = _real_inputs(2048, seed=1)
+    n = (labels[..., 1:] != IGNORE_INDEX).sum()
+    with torch.no_grad(), torch.autocast("cuda", dtype=F16):
+        h = h * (3.0e4 / F.linear(h[:, :64], w).float().abs().max())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=F16):
+        a = ours(h, w, labels, None, num_items=n, grad_out=65536.0)
+    ours_peak = torch.cuda.max_memory_allocated() - base
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast("cuda", dtype=F16):
+        s = stock(h, w, labels, F16, num_items=n, grad_out=65536.0)
+    stock_peak = torch.cuda.max_memory_allocated() - base
+    assert torch.isfinite(a["loss"]) and torch.isfinite(a["grad"]).all()
+    assert rel_err(a["loss"], s["loss"]) < 1e-4 and rel_err(a["grad"], s["grad"]) < 3e-3
+    assert ours_peak < stock_peak / 2, (ours_peak, stock_peak)
