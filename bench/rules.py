@@ -133,7 +133,7 @@ def compare_metrics(base: dict, sol: dict) -> list[dict]:
     return rows
 
 
-def check_outputs(result: dict, expected_steps: int, base_keys: list[str] | None) -> dict:
+def check_outputs(result: dict, expected_steps: int, base: dict | None) -> dict:
     tr = result.get("tracker", {})
     runs = tr.get("runs", [])
     metrics = tr.get("metrics", [])
@@ -159,17 +159,23 @@ def check_outputs(result: dict, expected_steps: int, base_keys: list[str] | None
     missing = [k for k, v in outs.get("present", {}).items() if not v]
     if missing:
         problems.append("missing outputs: " + ", ".join(missing))
-    if base_keys is not None and outs.get("adapter_keys") != base_keys:
-        problems.append("adapter key names differ from the baseline's")
+    if base is not None:
+        base_outs = base.get("outputs", {})
+        if outs.get("adapter_keys") != base_outs.get("adapter_keys"):
+            problems.append("adapter key names differ from the baseline's")
+        if outs.get("rewind_rows") != base_outs.get("rewind_rows"):
+            problems.append(f"rewind.jsonl has {outs.get('rewind_rows')} rows, the baseline's "
+                            f"{base_outs.get('rewind_rows')}")
     return {"check": f"{result.get('variant')}: Soup outputs and tracker rows present and well-formed",
             "ok": not problems, "figure": "; ".join(problems) or
-            f"run completed, {len(step_rows)} metric rows, {len(outs.get('adapter_keys', []))} adapter tensors"}
+            f"run completed, {len(step_rows)} metric rows, {len(outs.get('adapter_keys', []))} adapter tensors, "
+            f"{outs.get('rewind_rows')} rewind rows"}
 
 
 def check_run(report: dict) -> list[dict]:
     base, sol = report["baseline"], report["solution"]
     steps = report["workload"]["steps"]
-    rows = [check_outputs(base, steps, None), check_outputs(sol, steps, base.get("outputs", {}).get("adapter_keys"))]
+    rows = [check_outputs(base, steps, None), check_outputs(sol, steps, base)]
     ran = report.get("own_kernels_ran", [])
     rows.append({"check": "a solution/ @triton.jit kernel executed during training", "ok": bool(ran),
                  "figure": ", ".join(ran) or "none"})

@@ -148,8 +148,10 @@ def read_tracker(db_path: Path) -> dict:
 
 
 def output_files(out_dir: Path) -> dict:
-    want = ["adapter_model.safetensors", "adapter_config.json", "tokenizer_config.json"]
+    want = ["adapter_model.safetensors", "adapter_config.json", "tokenizer_config.json", "rewind.jsonl"]
     present = {name: (out_dir / name).exists() for name in want}
+    rewind = out_dir / "rewind.jsonl"
+    rewind_rows = sum(1 for line in rewind.read_text(encoding="utf-8").splitlines() if line.strip()) if rewind.exists() else 0
     keys = []
     st = out_dir / "adapter_model.safetensors"
     if st.exists():
@@ -157,7 +159,7 @@ def output_files(out_dir: Path) -> dict:
 
         with safe_open(str(st), "pt") as f:
             keys = sorted(f.keys())
-    return {"present": present, "adapter_keys": keys, "dir": str(out_dir)}
+    return {"present": present, "adapter_keys": keys, "rewind_rows": rewind_rows, "dir": str(out_dir)}
 
 
 def main(argv=None) -> int:
