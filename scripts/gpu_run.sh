@@ -40,7 +40,7 @@ for step in $steps; do
       : > "$OUT/kernels.md"
       for b in bench/kernels/bench_*.py; do
         n=$(basename "$b" .py)
-        timeout 300 python3 "$b" --out "$OUT/$n.json" 2>&1 | tee -a "$OUT/kernels.md" | tail -20 || rc=1
+        timeout ${BENCH_TIMEOUT:-60} python3 "$b" --out "$OUT/$n.json" 2>&1 | tee -a "$OUT/kernels.md" | tail -20 || rc=1
       done ;;
     compare)
       timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/compare" 2>&1 | tail -60 || rc=1 ;;
