@@ -11,7 +11,11 @@ cd "$(dirname "$0")/.."
 FINAL=${OUT:-$PWD/out}
 OUT=${WORK:-/tmp/gpuwork}
 mkdir -p "$OUT" "$FINAL"
-pack() { cp "$OUT"/compare/report.md "$FINAL"/ 2>/dev/null; tar czf "$FINAL/results.tgz" -C "$OUT" . ; }
+pack() {
+  cp "$OUT"/compare/report.md "$FINAL"/ 2>/dev/null
+  # Soup's output dirs (adapter, checkpoint with optimizer state, tokenizer) stay behind: too big to carry.
+  tar czf "$FINAL/results.tgz" --exclude='*/output' -C "$OUT" .
+}
 trap pack EXIT
 steps=${*:-tests bench compare}
 if ls .whl/*.whl >/dev/null 2>&1; then

@@ -1,6 +1,8 @@
 """Fused RMSNorm (solution/kernels/rmsnorm.py) against an fp64 reference and against stock
 transformers' Qwen2RMSNorm: forward, grad input, grad weight; odd sizes, non-contiguous inputs,
 both dtypes, torch.utils.checkpoint, autocast, and the patch's install / fallback / revert.
+Row tiling: the interpreter's default (one big tile of many rows), the GPU's (one row per
+program) and small multi-row tiles with a partial last tile are all run, wherever the test runs.
 
 Tolerances (relative L2 error, tests.conftest.rel_err):
   * fp32 everywhere: 1e-5 against fp64 and stock. Both compute in fp32 and differ only in
@@ -13,8 +15,10 @@ Tolerances (relative L2 error, tests.conftest.rel_err):
 import pytest
 import torch
 import torch.utils.checkpoint as cp
+import triton
 
 from solution.kernels import _launches
+from solution.kernels import rmsnorm as rmsnorm_mod
 from solution.kernels.rmsnorm import MAX_HIDDEN, rmsnorm
 from tests.conftest import rel_err
 
@@ -85,6 +89,43 @@ def test_matches_stock_and_fp64(device, x_dtype, w_dtype, hidden, rows):
     m = make_module(hidden, w_dtype, device)
     x = (torch.randn(rows, hidden, device=device) * 3 + 0.5).to(x_dtype)
     check_against_stock_and_ref(x, m)
+
+
+@pytest.fixture(params=["one_row", "small_tiles"])
+def tiling(request, monkeypatch):
+    """Force a row tiling on whatever runs the test: 'one_row' is the GPU's launch config (one row
+    per program; weight-gradient tiles 32 x 64), 'small_tiles' packs several rows per program in
+    tiles of 256 elements so the last tile is partial. (The interpreter's own default, one big
+    tile, is what every other test runs on the CPU.)"""
+    elems = {"one_row": 0, "small_tiles": 256}[request.param]
+    monkeypatch.setattr(rmsnorm_mod, "GPU_TILE_ELEMS", elems)
+    monkeypatch.setattr(rmsnorm_mod, "INTERP_TILE_ELEMS", elems)
+    return request.param
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F16, F32)])
+@pytest.mark.parametrize("hidden,rows", [(100, 37), (7, 45), (1536, 3)])
+def test_row_tilings(device, tiling, x_dtype, w_dtype, hidden, rows):
+    """small_tiles: hidden 100 -> 2 rows per program (19 programs), hidden 7 -> 32 rows (2 programs)."""
+    torch.manual_seed(hidden + rows)
+    m = make_module(hidden, w_dtype, device)
+    x = (torch.randn(rows, hidden, device=device) * 2 - 0.3).to(x_dtype)
+    check_against_stock_and_ref(x, m)
+
+
+def test_launch_configs(monkeypatch):
+    """GPU: one row per program, 32 x 64 weight-gradient tiles (the configs sm75_specs lists).
+    Interpreter: the tiny CI model's [2048, 64] rows in at most 2 programs per kernel."""
+    monkeypatch.setattr(rmsnorm_mod, "interpreter_enabled", lambda: False)
+    block, _ = rmsnorm_mod._row_config(1536)
+    assert rmsnorm_mod._rows_per_program(2048, block) == 1
+    assert rmsnorm_mod._dw_config(2048, 1536) == (32, 64)
+    monkeypatch.setattr(rmsnorm_mod, "interpreter_enabled", lambda: True)
+    block, _ = rmsnorm_mod._row_config(64)
+    assert triton.cdiv(2048, rmsnorm_mod._rows_per_program(2048, block)) <= 2
+    block_m, block_n = rmsnorm_mod._dw_config(2048, 64)
+    assert triton.cdiv(2048, block_m) * triton.cdiv(64, block_n) <= 2
+    assert rmsnorm_mod._rows_per_program(3, 2048) == 4  # never more rows than the input has (pow2)
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F16, F32)])

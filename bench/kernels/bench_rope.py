@@ -9,6 +9,9 @@ padding-free). L = 512 (4 x 512 = 2048 tokens) and 375 (~1500 tokens). Dtypes: f
 workload: bitsandbytes' Linear4bit returns its input's dtype, and the input is the fp32 normed
 residual) and fp16 q/k with fp32 cos/sin. Reports median fwd and fwd+bwd times (do_bench),
 the memory the forward keeps for backward, and the peak memory of fwd + bwd.
+
+Then a sweep of the kernel's tokens per program (BLOCK_T = 1, the default on the GPU, and 2 and 4,
+with 4 warps per token) at 2048 fp32 tokens, to confirm the launch configuration on the T4.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from solution.kernels import rope as rope_mod  # noqa: E402
 from solution.kernels.rope import rope  # noqa: E402
 
 B, HQ, HK, D = 4, 12, 2, 128
@@ -86,6 +90,38 @@ def bench_case(seq, qk_dtype, cs_dtype):
     return rows
 
 
+def sweep_tokens_per_program(seq=512):
+    """fwd and fwd+bwd time of our kernel for each GPU tile budget (BLOCK_T 1, 2, 4), fp32."""
+    torch.manual_seed(0)
+    q_flat, k_flat, cos, sin = _inputs(seq, torch.float32, torch.float32)
+    gq = torch.randn(B, HQ, seq, D, device="cuda")
+    gk = torch.randn(B, HK, seq, D, device="cuda")
+    default = rope_mod.GPU_TILE_ELEMS
+    rows = []
+    try:
+        for tile in (default,) + tuple(rope_mod.BENCH_GPU_TILE_ELEMS):
+            rope_mod.GPU_TILE_ELEMS = tile
+            block_t = rope_mod._launch_config(B * seq, HQ, HK, D)["BLOCK_T"]
+
+            def fwd():
+                q, k = _views(q_flat, k_flat, seq)
+                return rope(q, k, cos, sin)
+
+            def fwd_bwd():
+                qo, ko = fwd()
+                torch.autograd.backward((qo, ko), (gq, gk))
+
+            with torch.no_grad():
+                t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
+            t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[q_flat, k_flat],
+                                           return_mode="median")
+            rows.append({"gpu_tile_elems": tile, "block_t": block_t, "default": tile == default,
+                         "tokens": B * seq, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb})
+    finally:
+        rope_mod.GPU_TILE_ELEMS = default
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -105,9 +141,16 @@ def main() -> int:
               f"{r['fwd_bwd_ms']:.4f} | {r['saved_for_bwd_MiB']:.2f} | {r['peak_fwd_bwd_MiB']:.2f} | "
               f"{base / r['fwd_bwd_ms']:.2f}x |")
     print("\nours bit-equal to stock:", [r.get("bit_equal_to_stock") for r in results if r["impl"] == "ours"])
+    sweep = sweep_tokens_per_program()
+    print("\nTokens per program (ours, fp32, 2048 tokens):\n")
+    print("| BLOCK_T | GPU_TILE_ELEMS | default | fwd ms | fwd+bwd ms |")
+    print("| ---: | ---: | --- | ---: | ---: |")
+    for r in sweep:
+        print(f"| {r['block_t']} | {r['gpu_tile_elems']} | {'yes' if r['default'] else ''} | {r['fwd_ms']:.4f} | "
+              f"{r['fwd_bwd_ms']:.4f} |")
     with open(args.out, "w") as f:
         json.dump({"op": "rope", "gpu": torch.cuda.get_device_name(), "shape": {"B": B, "Hq": HQ, "Hk": HK, "D": D},
-                   "results": results}, f, indent=2)
+                   "results": results, "tokens_per_program_sweep": sweep}, f, indent=2)
     return 0
 
 

@@ -7,9 +7,16 @@ Stock transformers computes, per row of the hidden states (hidden size N):
     out = weight * (h * r).to(x.dtype)      # output dtype = promote(weight.dtype, x.dtype)
 
 as ~6 separate GPU kernels, each reading and writing the whole [rows, N] tensor, and autograd keeps
-several of those intermediates alive for backward. Here one program handles one row: it reads the
-row once, reduces it in registers and writes the output once. Backward is one kernel too: it
-recomputes the normalized row from x and the saved rstd (4 bytes per row) instead of storing it.
+several of those intermediates alive for backward. Here one program handles a [BLOCK_ROWS, N] tile
+of rows: it reads them once, reduces each row in registers and writes the output once. Backward
+is one kernel too: it recomputes the normalized rows from x and the saved rstd (4 bytes per row)
+instead of storing them.
+
+Rows per program (BLOCK_ROWS): on the GPU 1 (a 1536-wide fp32 row already gives every thread of
+8 warps 6 values; one row per program is the usual choice for rows this wide). In Triton's CPU
+interpreter every tl operation costs a fixed Python overhead per program, so there the launchers
+take as many rows as fit a tile of INTERP_TILE_ELEMS elements (e.g. 1024 rows of 64 for the tiny CI
+model: 2 programs instead of 2048).
 
 Exact semantics kept (they matter when x is fp16):
   * the normalized value is rounded to x.dtype BEFORE the weight multiply, as stock does;
@@ -25,6 +32,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from solution.env import interpreter_enabled
 from solution.kernels._launches import record
 
 # Rows longer than this are left to the stock code (one row must fit in one program's registers).
@@ -36,45 +44,54 @@ _SUPPORTED_DTYPES = (torch.float16, torch.float32)
 # Kernels
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, x_row_stride, out_row_stride, n_cols, eps,
-                        BLOCK: tl.constexpr):
-    """out[row] = w * (x[row] * rstd).to(x.dtype), rstd[row] = 1 / sqrt(mean(x[row]^2) + eps).
+def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, x_row_stride, out_row_stride, n_cols, eps,
+                        BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """out[r] = w * (x[r] * rstd[r]).to(x.dtype), rstd[r] = 1 / sqrt(mean(x[r]^2) + eps), for the
+    BLOCK_ROWS rows r of this program's tile.
 
-    One program per row; BLOCK >= n_cols (a power of two), the tail is masked off.
-    All arithmetic in fp32; rstd is saved (fp32) for the backward kernel."""
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can exceed 2^31 on big inputs
+    Tile [BLOCK_ROWS, BLOCK], BLOCK >= n_cols (a power of two); the column tail and the rows past
+    n_rows are masked off. All arithmetic in fp32; rstd is saved (fp32) for the backward kernel."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)  # int64: row * stride can exceed 2^31 on big inputs
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=0) / n_cols  # masked lanes are 0 and add nothing
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=1) / n_cols  # masked lanes are 0 and add nothing
     rstd = tl.rsqrt(mean_sq + eps)
     # Round the normalized value to the input dtype first, exactly like stock (no-op for fp32).
-    normed = (x * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    out = normed * w
-    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(rstd_ptr + row, rstd)
+    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    out = normed * w[None, :]
+    tl.store(out_ptr + rows64[:, None] * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
-def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, x_row_stride, g_row_stride,
-                           dx_row_stride, n_cols, BLOCK: tl.constexpr):
-    """dx[row] = rstd * (dy - xhat * mean(dy * xhat)), with xhat = x * rstd and
-    dy = (g * w) rounded to x.dtype (the gradient that reaches the normalized value in stock).
+def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, n_rows, x_row_stride, g_row_stride,
+                           dx_row_stride, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """dx[r] = rstd * (dy - xhat * mean(dy * xhat)), with xhat = x * rstd and
+    dy = (g * w) rounded to x.dtype (the gradient that reaches the normalized value in stock),
+    for the BLOCK_ROWS rows r of this program's tile.
 
-    One program per row, fp32 arithmetic, dx stored in x.dtype."""
-    row = tl.program_id(0).to(tl.int64)
+    fp32 arithmetic, dx stored in x.dtype."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    rows64 = rows.to(tl.int64)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + row)
-    xhat = x * rstd
-    dy = (g * w).to(x_ptr.dtype.element_ty).to(tl.float32)
-    mean_dy_xhat = tl.sum(dy * xhat, axis=0) / n_cols
-    dx = (dy - xhat * mean_dy_xhat) * rstd
-    tl.store(dx_ptr + row * dx_row_stride + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows64[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    xhat = x * rstd[:, None]
+    dy = (g * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    mean_dy_xhat = tl.sum(dy * xhat, axis=1) / n_cols
+    dx = (dy - xhat * mean_dy_xhat[:, None]) * rstd[:, None]
+    tl.store(dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -105,7 +122,7 @@ def _rmsnorm_bwd_dw_kernel(x_ptr, g_ptr, rstd_ptr, partial_ptr, x_row_stride, g_
 # Launch configuration
 # --------------------------------------------------------------------------------------------------
 def _row_config(n_cols: int) -> tuple[int, int]:
-    """(BLOCK, num_warps) for one row of n_cols elements: ~8-16 fp32 values per thread."""
+    """(BLOCK, num_warps) for rows of n_cols elements: ~8-16 fp32 values per thread for one row."""
     block = triton.next_power_of_2(max(n_cols, 1))
     if block <= 1024:
         warps = 4
@@ -116,7 +133,40 @@ def _row_config(n_cols: int) -> tuple[int, int]:
     return block, warps
 
 
+# How many elements one program's tile may hold. 0 means one row per program (the GPU choice).
+# In Triton's CPU interpreter each tl operation costs a fixed Python overhead per program, so
+# there programs take big tiles: 2**16 elements (1024 rows of 64 in the tiny CI model).
+# Tests set both to other values to exercise multi-row tiles with a partial last tile.
+GPU_TILE_ELEMS = 0
+INTERP_TILE_ELEMS = 1 << 16
+
+
+def _pow2_at_most(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1): tl.arange needs power-of-two sizes."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _tile_elems() -> int:
+    return INTERP_TILE_ELEMS if interpreter_enabled() else GPU_TILE_ELEMS
+
+
+def _rows_per_program(n_rows: int, block: int) -> int:
+    """BLOCK_ROWS: as many rows as fit the tile (at least 1, at most what the input has)."""
+    return min(triton.next_power_of_2(max(n_rows, 1)), _pow2_at_most(_tile_elems() // block))
+
+
+# Weight-gradient tiles on the GPU: [32 rows, 64 columns], 4 warps.
 _DW_BLOCK_M, _DW_BLOCK_N, _DW_WARPS = 32, 64, 4
+
+
+def _dw_config(n_rows: int, n_cols: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) of the weight-gradient tiles: the GPU's, or bigger ones when the tile
+    budget allows (the interpreter: [2048, 64] in 2 programs)."""
+    tile = _tile_elems()
+    if tile <= _DW_BLOCK_M * _DW_BLOCK_N:
+        return _DW_BLOCK_M, _DW_BLOCK_N
+    block_n = min(triton.next_power_of_2(max(n_cols, 1)), _pow2_at_most(tile))
+    return min(triton.next_power_of_2(max(n_rows, 1)), _pow2_at_most(tile // block_n)), block_n
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -145,8 +195,10 @@ def _launch_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
     if n_rows > 0:
         block, warps = _row_config(n_cols)
-        _rmsnorm_fwd_kernel[(n_rows,)](x2, weight, out, rstd, x2.stride(0), out.stride(0), n_cols, eps,
-                                       BLOCK=block, num_warps=warps)
+        rows = _rows_per_program(n_rows, block)
+        _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+            x2, weight, out, rstd, n_rows, x2.stride(0), out.stride(0), n_cols, eps,
+            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
         record("_rmsnorm_fwd_kernel")
     return out, rstd
 
@@ -156,8 +208,10 @@ def _launch_backward_dx(x2, weight, g2, rstd):
     dx = torch.empty((n_rows, n_cols), dtype=x2.dtype, device=x2.device)
     if n_rows > 0:
         block, warps = _row_config(n_cols)
-        _rmsnorm_bwd_dx_kernel[(n_rows,)](x2, weight, g2, rstd, dx, x2.stride(0), g2.stride(0), dx.stride(0),
-                                          n_cols, BLOCK=block, num_warps=warps)
+        rows = _rows_per_program(n_rows, block)
+        _rmsnorm_bwd_dx_kernel[(triton.cdiv(n_rows, rows),)](
+            x2, weight, g2, rstd, dx, n_rows, x2.stride(0), g2.stride(0), dx.stride(0), n_cols,
+            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
         record("_rmsnorm_bwd_dx_kernel")
     return dx
 
@@ -166,12 +220,13 @@ def _launch_backward_dw(x2, g2, rstd, weight_dtype):
     n_rows, n_cols = x2.shape
     if n_rows == 0:
         return torch.zeros(n_cols, dtype=weight_dtype, device=x2.device)
-    row_tiles = triton.cdiv(n_rows, _DW_BLOCK_M)
+    block_m, block_n = _dw_config(n_rows, n_cols)
+    row_tiles = triton.cdiv(n_rows, block_m)
     # [row tiles, N] fp32 partial sums: 2048 rows x 1536 -> 64 x 1536 x 4 B = 384 KB.
     partial = torch.empty((row_tiles, n_cols), dtype=torch.float32, device=x2.device)
-    grid = (triton.cdiv(n_cols, _DW_BLOCK_N), row_tiles)
+    grid = (triton.cdiv(n_cols, block_n), row_tiles)
     _rmsnorm_bwd_dw_kernel[grid](x2, g2, rstd, partial, x2.stride(0), g2.stride(0), n_rows, n_cols,
-                                 BLOCK_M=_DW_BLOCK_M, BLOCK_N=_DW_BLOCK_N, num_warps=_DW_WARPS)
+                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_DW_WARPS)
     record("_rmsnorm_bwd_dw_kernel")
     return partial.sum(0).to(weight_dtype)
 
@@ -218,28 +273,34 @@ _TRITON_TYPE = {torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
 def sm75_specs():
-    """Launch configurations: the workload's (x fp32, weight fp32, hidden 1536 -> BLOCK 2048) plus
-    the other dtype pairs and the smallest / largest row blocks."""
+    """Every GPU launch configuration: the workload's (x fp32, weight fp32, hidden 1536 -> BLOCK
+    2048, 1 row per program) plus the other dtype pairs and the smallest / largest row blocks.
+    (The interpreter's big tiles never run on a GPU and are not listed.)"""
     f32, f16 = torch.float32, torch.float16
     configs = [(f32, f32, 1536), (f16, f32, 1536), (f16, f16, 1536), (f32, f16, 1536),
                (f32, f32, 100), (f32, f32, MAX_HIDDEN)]
     for x_dt, w_dt, hidden in configs:
         block, warps = _row_config(hidden)
+        rows = _pow2_at_most(GPU_TILE_ELEMS // block)
         out_dt = torch.promote_types(x_dt, w_dt)
-        tag = f"x={_TRITON_TYPE[x_dt][1:]} w={_TRITON_TYPE[w_dt][1:]} BLOCK={block} w{warps}"
+        tag = f"x={_TRITON_TYPE[x_dt][1:]} w={_TRITON_TYPE[w_dt][1:]} BLOCK={block} ROWS={rows} w{warps}"
+        constexprs = {"BLOCK_ROWS": rows, "BLOCK": block}
         yield {"name": f"fwd {tag}", "fn": _rmsnorm_fwd_kernel, "num_warps": warps,
                "signature": {"x_ptr": _TRITON_TYPE[x_dt], "w_ptr": _TRITON_TYPE[w_dt],
-                             "out_ptr": _TRITON_TYPE[out_dt], "rstd_ptr": "*fp32", "x_row_stride": "i32",
-                             "out_row_stride": "i32", "n_cols": "i32", "eps": "fp32", "BLOCK": "constexpr"},
-               "constexprs": {"BLOCK": block}}
+                             "out_ptr": _TRITON_TYPE[out_dt], "rstd_ptr": "*fp32", "n_rows": "i32",
+                             "x_row_stride": "i32", "out_row_stride": "i32", "n_cols": "i32", "eps": "fp32",
+                             "BLOCK_ROWS": "constexpr", "BLOCK": "constexpr"},
+               "constexprs": constexprs}
         yield {"name": f"bwd dx {tag}", "fn": _rmsnorm_bwd_dx_kernel, "num_warps": warps,
                "signature": {"x_ptr": _TRITON_TYPE[x_dt], "w_ptr": _TRITON_TYPE[w_dt],
                              "g_ptr": _TRITON_TYPE[out_dt], "rstd_ptr": "*fp32", "dx_ptr": _TRITON_TYPE[x_dt],
-                             "x_row_stride": "i32", "g_row_stride": "i32", "dx_row_stride": "i32",
-                             "n_cols": "i32", "BLOCK": "constexpr"},
-               "constexprs": {"BLOCK": block}}
+                             "n_rows": "i32", "x_row_stride": "i32", "g_row_stride": "i32",
+                             "dx_row_stride": "i32", "n_cols": "i32",
+                             "BLOCK_ROWS": "constexpr", "BLOCK": "constexpr"},
+               "constexprs": constexprs}
     for x_dt, g_dt in ((f32, f32), (f16, f16), (f16, f32)):
-        yield {"name": f"bwd dw x={_TRITON_TYPE[x_dt][1:]} g={_TRITON_TYPE[g_dt][1:]}", "fn": _rmsnorm_bwd_dw_kernel,
+        yield {"name": f"bwd dw x={_TRITON_TYPE[x_dt][1:]} g={_TRITON_TYPE[g_dt][1:]} "
+                       f"BLOCK_M={_DW_BLOCK_M} BLOCK_N={_DW_BLOCK_N}", "fn": _rmsnorm_bwd_dw_kernel,
                "num_warps": _DW_WARPS,
                "signature": {"x_ptr": _TRITON_TYPE[x_dt], "g_ptr": _TRITON_TYPE[g_dt], "rstd_ptr": "*fp32",
                              "partial_ptr": "*fp32", "x_row_stride": "i32", "g_row_stride": "i32",

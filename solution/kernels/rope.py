@@ -11,8 +11,16 @@ i.e. with the two halves x1 = x[..., :D/2], x2 = x[..., D/2:] (c1/c2, s1/s2 the 
     out2 = x2 * c2 + x1 * s2
 
 That is 5 elementwise kernels per tensor (neg, cat, two muls, add; the slices are views), 10 per
-call, each a full pass over memory. Here one program handles one token (b, l): it loads that token's
-cos/sin row once and rotates all Hq + Hk heads of it, reading q/k once and writing once.
+call, each a full pass over memory. Here one program handles BLOCK_T consecutive tokens (b, l): it
+loads their cos/sin rows once and rotates all Hq + Hk heads of them as [BLOCK_T, heads, D/2] tiles,
+reading q/k once and writing once, q and k in the same launch.
+
+Tokens per program (BLOCK_T): on the GPU 1 (a token's 12 + 2 heads x 128 values are ~1800
+elements, 7 KB of fp32 in and 7 KB out: a normal amount of work per program for a memory-bound
+kernel; more tokens per program would not read cos/sin less, since every token has its own row,
+and the launch overhead on the CPU side does not depend on the grid size). In Triton's CPU interpreter each tl
+operation costs a fixed Python overhead per program, so there the launcher takes as many tokens as
+fit a tile of INTERP_TILE_ELEMS elements (all 2048 tokens of the tiny CI model in one program).
 
 Backward is the transposed linear map (grad of cos/sin is not supported: they never require grad
 in Qwen2, and the patch falls back to stock when they do):
@@ -40,6 +48,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from solution.env import interpreter_enabled
 from solution.kernels._launches import record
 
 _SUPPORTED_DTYPES = (torch.float16, torch.float32)
@@ -48,64 +57,74 @@ MAX_TILE = 4096     # elements per [heads, D/2] tile; heads beyond are processed
 
 
 @triton.jit
-def _rope_rotate_heads(src_ptr, dst_ptr, n_heads, src_head_stride, dst_head_stride, half,
-                       a1, b1, a2, b2, d_offsets, d_mask,
+def _rope_rotate_heads(src_ptr, dst_ptr, src_tok, dst_tok, tok_mask, n_heads, src_head_stride, dst_head_stride,
+                       half, a1, b1, a2, b2, d_offsets, d_mask,
                        BLOCK_H: tl.constexpr, N_TILES: tl.constexpr):
-    """For each head h < n_heads of one token: dst1 = src1 * a1 + src2 * b1,
-    dst2 = src2 * a2 + src1 * b2 (halves of length `half`).
+    """For the BLOCK_T tokens of this program (element offsets src_tok / dst_tok of their head 0,
+    tok_mask for the valid ones) and each head h < n_heads:
+    dst1 = src1 * a1 + src2 * b1, dst2 = src2 * a2 + src1 * b2 (halves of length `half`;
+    a1, b1, a2, b2 are [BLOCK_T, 1, BLOCK_D] factors, the same for every head of a token).
 
+    Tiles are [BLOCK_T, BLOCK_H, BLOCK_D]: token x head x position in the half.
     Computed in fp32 but rounded like stock: each product and the sum are rounded to the
     destination dtype (stock's `q * cos`, `rotate_half(q) * sin` and their sum are separate ops
     in that dtype; in backward, autograd rounds each grad term to q's dtype before adding them).
     For fp32 the roundings are no-ops; for fp16 this reproduces stock bit for bit."""
+    out_ty = dst_ptr.dtype.element_ty
     for tile in tl.static_range(N_TILES):
         heads = tile * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask = (heads < n_heads)[:, None] & d_mask[None, :]
-        src = src_ptr + heads[:, None].to(tl.int64) * src_head_stride + d_offsets[None, :]
-        dst = dst_ptr + heads[:, None].to(tl.int64) * dst_head_stride + d_offsets[None, :]
+        mask = tok_mask[:, None, None] & (heads < n_heads)[None, :, None] & d_mask[None, None, :]
+        heads64 = heads[None, :, None].to(tl.int64)
+        src = src_ptr + src_tok[:, None, None] + heads64 * src_head_stride + d_offsets[None, None, :]
+        dst = dst_ptr + dst_tok[:, None, None] + heads64 * dst_head_stride + d_offsets[None, None, :]
         x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(src + half, mask=mask, other=0.0).to(tl.float32)
-        out_ty = dst_ptr.dtype.element_ty
-        out1 = (x1 * a1[None, :]).to(out_ty).to(tl.float32) + (x2 * b1[None, :]).to(out_ty).to(tl.float32)
-        out2 = (x2 * a2[None, :]).to(out_ty).to(tl.float32) + (x1 * b2[None, :]).to(out_ty).to(tl.float32)
+        out1 = (x1 * a1).to(out_ty).to(tl.float32) + (x2 * b1).to(out_ty).to(tl.float32)
+        out2 = (x2 * a2).to(out_ty).to(tl.float32) + (x1 * b2).to(out_ty).to(tl.float32)
         tl.store(dst, out1.to(out_ty), mask=mask)
         tl.store(dst + half, out2.to(out_ty), mask=mask)
 
 
 @triton.jit
 def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-                    seq_len, n_q_heads, n_k_heads, half,
+                    n_tokens, seq_len, n_q_heads, n_k_heads, half,
                     q_sb, q_sh, q_sl, k_sb, k_sh, k_sl,
                     qo_sb, qo_sh, qo_sl, ko_sb, ko_sh, ko_sl,
                     cos_sb, cos_sl, sin_sb, sin_sl,
-                    BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-                    Q_TILES: tl.constexpr, K_TILES: tl.constexpr, BACKWARD: tl.constexpr):
-    """Rotate every q head and every k head of token (b, l) = divmod(program_id, seq_len).
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                    BLOCK_HK: tl.constexpr, Q_TILES: tl.constexpr, K_TILES: tl.constexpr,
+                    BACKWARD: tl.constexpr):
+    """Rotate every q head and every k head of the BLOCK_T tokens t = program_id * BLOCK_T + i
+    (t < n_tokens = batch * seq_len; (b, l) = divmod(t, seq_len), so a program may span two
+    sequences of the batch).
 
     Forward (BACKWARD=False): out1 = x1*c1 - x2*s1, out2 = x2*c2 + x1*s2.
     Backward (BACKWARD=True), the transposed map: dx1 = g1*c1 + g2*s2, dx2 = g2*c2 - g1*s1.
     Strides are in elements; the last dim of every tensor is unit stride. A broadcast batch of
     cos/sin has stride 0. n_q_heads = 0 (or n_k_heads = 0) skips that tensor."""
-    pid = tl.program_id(0)
-    b = (pid // seq_len).to(tl.int64)
-    l = (pid % seq_len).to(tl.int64)
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    tok_mask = tok < n_tokens
+    b = (tok // seq_len).to(tl.int64)
+    l = (tok % seq_len).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < half
-    cos_row = cos_ptr + b * cos_sb + l * cos_sl
-    sin_row = sin_ptr + b * sin_sb + l * sin_sl
-    c1 = tl.load(cos_row + d, mask=d_mask, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_row + half + d, mask=d_mask, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_row + d, mask=d_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_row + half + d, mask=d_mask, other=0.0).to(tl.float32)
+    cs_mask = tok_mask[:, None] & d_mask[None, :]
+    cos_row = (cos_ptr + b * cos_sb + l * cos_sl)[:, None] + d[None, :]
+    sin_row = (sin_ptr + b * sin_sb + l * sin_sl)[:, None] + d[None, :]
+    # [BLOCK_T, 1, BLOCK_D]: one cos/sin row per token, broadcast over its heads.
+    c1 = tl.load(cos_row, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    c2 = tl.load(cos_row + half, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    s1 = tl.load(sin_row, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
+    s2 = tl.load(sin_row + half, mask=cs_mask, other=0.0).to(tl.float32)[:, None, :]
     if BACKWARD:
         b1 = s2
         b2 = -s1
     else:
         b1 = -s1
         b2 = s2
-    _rope_rotate_heads(q_ptr + b * q_sb + l * q_sl, q_out_ptr + b * qo_sb + l * qo_sl, n_q_heads,
+    _rope_rotate_heads(q_ptr, q_out_ptr, b * q_sb + l * q_sl, b * qo_sb + l * qo_sl, tok_mask, n_q_heads,
                        q_sh, qo_sh, half, c1, b1, c2, b2, d, d_mask, BLOCK_HQ, Q_TILES)
-    _rope_rotate_heads(k_ptr + b * k_sb + l * k_sl, k_out_ptr + b * ko_sb + l * ko_sl, n_k_heads,
+    _rope_rotate_heads(k_ptr, k_out_ptr, b * k_sb + l * k_sl, b * ko_sb + l * ko_sl, tok_mask, n_k_heads,
                        k_sh, ko_sh, half, c1, b1, c2, b2, d, d_mask, BLOCK_HK, K_TILES)
 
 
@@ -113,16 +132,52 @@ def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
 # Launcher
 # --------------------------------------------------------------------------------------------------
 def _head_tiles(n_heads: int, block_d: int) -> tuple[int, int]:
-    """(BLOCK_H, number of tiles) covering n_heads with tiles of at most MAX_TILE elements."""
+    """(BLOCK_H, number of tiles) covering n_heads with per-token tiles of at most MAX_TILE elements."""
     block_h = min(triton.next_power_of_2(max(n_heads, 1)), max(1, MAX_TILE // block_d))
     return block_h, max(1, triton.cdiv(n_heads, block_h))
+
+
+# How many elements one program's [BLOCK_T, BLOCK_H, BLOCK_D] tile may hold. 0 means one token per
+# program (the GPU choice, see the module docstring). In Triton's CPU interpreter every tl
+# operation costs a fixed Python overhead per program, so there programs take big tiles: 2**16
+# elements. Tests set both to other values (multi-token tiles with a partial last tile); the GPU
+# benchmark sweeps GPU_TILE_ELEMS to check the choice.
+GPU_TILE_ELEMS = 0
+INTERP_TILE_ELEMS = 1 << 16
+
+
+def _pow2_at_most(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1): tl.arange needs power-of-two sizes."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+def _tokens_per_program(n_tokens: int, token_elems: int) -> int:
+    """BLOCK_T: as many tokens as fit the tile (at least 1, at most what the input has)."""
+    tile = INTERP_TILE_ELEMS if interpreter_enabled() else GPU_TILE_ELEMS
+    return min(triton.next_power_of_2(max(n_tokens, 1)), _pow2_at_most(tile // token_elems))
+
+
+def _launch_config(n_tokens: int, n_q: int, n_k: int, head_dim: int) -> dict:
+    """The constexprs of one launch."""
+    block_d = triton.next_power_of_2(head_dim // 2)
+    block_hq, q_tiles = _head_tiles(n_q, block_d)
+    block_hk, k_tiles = _head_tiles(n_k, block_d)
+    block_t = _tokens_per_program(n_tokens, max(block_hq, block_hk) * block_d)
+    return {"BLOCK_T": block_t, "BLOCK_D": block_d, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk,
+            "Q_TILES": q_tiles, "K_TILES": k_tiles}
+
+
+def _num_warps(block_t: int) -> int:
+    """4 warps per token (the one-token GPU config: 64 registers, no spills on sm_75), at most 16."""
+    return min(16, 4 * block_t)
 
 
 def _launch(q, k, q_out, k_out, cos, sin, backward: bool) -> None:
     """q/k (or the grads) -> q_out/k_out. q or q_out may be None (that side is skipped)."""
     ref = q if q is not None else k
     batch, _, seq_len, head_dim = ref.shape
-    if batch * seq_len == 0:
+    n_tokens = batch * seq_len
+    if n_tokens == 0:
         return
     half = head_dim // 2
     n_q = q.shape[1] if q is not None else 0
@@ -130,18 +185,15 @@ def _launch(q, k, q_out, k_out, cos, sin, backward: bool) -> None:
     # A skipped side gets the other side's tensors as harmless placeholders (zero heads are read).
     q_in, q_o = (q, q_out) if q is not None else (k, k_out)
     k_in, k_o = (k, k_out) if k is not None else (q, q_out)
-    block_d = triton.next_power_of_2(half)
-    block_hq, q_tiles = _head_tiles(n_q, block_d)
-    block_hk, k_tiles = _head_tiles(n_k, block_d)
+    config = _launch_config(n_tokens, n_q, n_k, head_dim)
     cos_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_sb = sin.stride(0) if sin.shape[0] > 1 else 0
-    _rope_qk_kernel[(batch * seq_len,)](
-        q_in, k_in, q_o, k_o, cos, sin, seq_len, n_q, n_k, half,
+    _rope_qk_kernel[(triton.cdiv(n_tokens, config["BLOCK_T"]),)](
+        q_in, k_in, q_o, k_o, cos, sin, n_tokens, seq_len, n_q, n_k, half,
         q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
         q_o.stride(0), q_o.stride(1), q_o.stride(2), k_o.stride(0), k_o.stride(1), k_o.stride(2),
         cos_sb, cos.stride(1), sin_sb, sin.stride(1),
-        BLOCK_D=block_d, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, Q_TILES=q_tiles, K_TILES=k_tiles,
-        BACKWARD=backward, num_warps=4,
+        **config, BACKWARD=backward, num_warps=_num_warps(config["BLOCK_T"]),
         # No fused multiply-add: products and sums rounded separately, exactly like stock's ops,
         # so fp32 results also equal stock bit for bit.
         enable_fp_fusion=False)
@@ -227,28 +279,42 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
 _TRITON_TYPE = {torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
-def sm75_specs():
-    """The workload's launches (q/k/cos fp32, 12 q heads, 2 kv heads, head_dim 128) forward and
-    backward, plus fp16 q/k with fp16 or fp32 cos/sin."""
-    f32, f16 = torch.float32, torch.float16
-    head_dim, n_q, n_k = 128, 12, 2
+def _spec(qk_dt, cs_dt, backward: bool, head_dim: int, n_q: int, n_k: int, gpu_tile_elems: int, label: str):
+    out_dt = torch.promote_types(qk_dt, cs_dt)
+    src_dt, dst_dt = (out_dt, qk_dt) if backward else (qk_dt, out_dt)
+    sig = {"q_ptr": _TRITON_TYPE[src_dt], "k_ptr": _TRITON_TYPE[src_dt],
+           "q_out_ptr": _TRITON_TYPE[dst_dt], "k_out_ptr": _TRITON_TYPE[dst_dt],
+           "cos_ptr": _TRITON_TYPE[cs_dt], "sin_ptr": _TRITON_TYPE[cs_dt]}
+    for name in ("n_tokens", "seq_len", "n_q_heads", "n_k_heads", "half", "q_sb", "q_sh", "q_sl", "k_sb", "k_sh",
+                 "k_sl", "qo_sb", "qo_sh", "qo_sl", "ko_sb", "ko_sh", "ko_sl", "cos_sb", "cos_sl",
+                 "sin_sb", "sin_sl"):
+        sig[name] = "i32"
     block_d = triton.next_power_of_2(head_dim // 2)
     block_hq, q_tiles = _head_tiles(n_q, block_d)
     block_hk, k_tiles = _head_tiles(n_k, block_d)
+    block_t = _pow2_at_most(gpu_tile_elems // (max(block_hq, block_hk) * block_d))
+    constexprs = {"BLOCK_T": block_t, "BLOCK_D": block_d, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk,
+                  "Q_TILES": q_tiles, "K_TILES": k_tiles, "BACKWARD": backward}
+    sig.update({name: "constexpr" for name in constexprs})
+    return {"name": f"{'bwd' if backward else 'fwd'} qk={_TRITON_TYPE[qk_dt][1:]} cos={_TRITON_TYPE[cs_dt][1:]} "
+                    f"D={head_dim} Hq={n_q} Hk={n_k} BLOCK_T={block_t} w{_num_warps(block_t)}{label}",
+            "fn": _rope_qk_kernel, "signature": sig, "constexprs": constexprs, "num_warps": _num_warps(block_t),
+            "options": {"enable_fp_fusion": False}}
+
+
+# Tile budgets the GPU benchmark tries besides GPU_TILE_ELEMS (2 and 4 tokens per program at 12/2
+# heads of 128); listed here so those launches are compile-checked for sm_75 as well.
+BENCH_GPU_TILE_ELEMS = (2048, 4096)
+
+
+def sm75_specs():
+    """Every GPU launch: the workload's (q/k/cos fp32, 12 q heads, 2 kv heads, head_dim 128,
+    GPU_TILE_ELEMS) forward and backward, fp16 q/k with fp16 or fp32 cos/sin, and the benchmark's
+    multi-token variants. (The interpreter's big tiles never run on a GPU and are not listed.)"""
+    f32, f16 = torch.float32, torch.float16
     for qk_dt, cs_dt in ((f32, f32), (f16, f16), (f16, f32)):
-        out_dt = torch.promote_types(qk_dt, cs_dt)
         for backward in (False, True):
-            src_dt, dst_dt = (out_dt, qk_dt) if backward else (qk_dt, out_dt)
-            sig = {"q_ptr": _TRITON_TYPE[src_dt], "k_ptr": _TRITON_TYPE[src_dt],
-                   "q_out_ptr": _TRITON_TYPE[dst_dt], "k_out_ptr": _TRITON_TYPE[dst_dt],
-                   "cos_ptr": _TRITON_TYPE[cs_dt], "sin_ptr": _TRITON_TYPE[cs_dt]}
-            for name in ("seq_len", "n_q_heads", "n_k_heads", "half", "q_sb", "q_sh", "q_sl", "k_sb", "k_sh",
-                         "k_sl", "qo_sb", "qo_sh", "qo_sl", "ko_sb", "ko_sh", "ko_sl", "cos_sb", "cos_sl",
-                         "sin_sb", "sin_sl"):
-                sig[name] = "i32"
-            constexprs = {"BLOCK_D": block_d, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk,
-                          "Q_TILES": q_tiles, "K_TILES": k_tiles, "BACKWARD": backward}
-            sig.update({name: "constexpr" for name in constexprs})
-            yield {"name": f"{'bwd' if backward else 'fwd'} qk={_TRITON_TYPE[qk_dt][1:]} cos={_TRITON_TYPE[cs_dt][1:]} "
-                           f"D={head_dim} Hq={n_q} Hk={n_k}",
-                   "fn": _rope_qk_kernel, "signature": sig, "constexprs": constexprs, "num_warps": 4}
+            yield _spec(qk_dt, cs_dt, backward, 128, 12, 2, GPU_TILE_ELEMS, "")
+    for tile in BENCH_GPU_TILE_ELEMS:
+        for backward in (False, True):
+            yield _spec(f32, f32, backward, 128, 12, 2, tile, " (benchmark sweep)")
