@@ -170,6 +170,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--workload", default=None, help="workload YAML (default: workload/workload.yaml)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--cprofile", help="write a cProfile summary of the host (Python) time to this file")
     ap.add_argument("--native-precision", action="store_true",
                     help="on an sm_80+ GPU keep Soup's bf16 choice instead of the T4's fp16 path")
     args = ap.parse_args(argv)
@@ -207,10 +208,26 @@ def main(argv=None) -> int:
     from soup_cli.cli import app
 
     rc = 0
+    cprof = None
+    if args.cprofile:
+        import cProfile
+
+        cprof = cProfile.Profile()
+        cprof.enable()
     try:
         app(["train", "--config", str(cfg_path), "--yes"], standalone_mode=False)
     except SystemExit as exc:  # Soup exits through typer on errors
         rc = exc.code if isinstance(exc.code, int) else 1
+    if cprof is not None:
+        import io
+        import pstats
+
+        cprof.disable()
+        buf = io.StringIO()
+        stats = pstats.Stats(cprof, stream=buf)
+        stats.sort_stats("tottime").print_stats(45)
+        stats.sort_stats("cumulative").print_stats(60)
+        Path(args.cprofile).write_text(buf.getvalue(), encoding="utf-8")
     wall = time.perf_counter() - t_start
 
     steps = clock.step_times()

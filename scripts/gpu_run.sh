@@ -46,6 +46,15 @@ for step in $steps; do
         n=$(basename "$b" .py)
         timeout ${BENCH_TIMEOUT:-60} python3 "$b" --out "$OUT/$n.json" 2>&1 | tee -a "$OUT/kernels.md" | tail -20 || rc=1
       done ;;
+    cprofile)
+      # Where the host (Python) time of a step goes, stock and ours (separate runs, cProfile on).
+      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
+      python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
+      for v in baseline solution; do
+        timeout 150 python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
+          --workdir "$OUT/cprofile-$v" --cprofile "$OUT/cprofile-$v.txt" > "$OUT/cprofile-$v.log" 2>&1 || rc=1
+        head -60 "$OUT/cprofile-$v.txt"
+      done ;;
     compare)
       timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/compare" 2>&1 | tail -60 || rc=1 ;;
   esac
