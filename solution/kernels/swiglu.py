@@ -145,8 +145,17 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t2
 
 
+# Triton's CPU interpreter pays a fixed cost per tl op per program: there, big tiles (few programs).
+INTERP_BLOCK_R, INTERP_BLOCK_C = 256, 256
+
+
+def _blocks() -> tuple[int, int]:
+    return (INTERP_BLOCK_R, INTERP_BLOCK_C) if interpreter_enabled() else (BLOCK_R, BLOCK_C)
+
+
 def _grid(n_rows: int, n_cols: int):
-    return (triton.cdiv(n_rows, BLOCK_R), triton.cdiv(n_cols, BLOCK_C))
+    block_r, block_c = _blocks()
+    return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
 
 
 _MODES: dict = {}  # (device, dtype) -> (use_table, table or None)
@@ -191,7 +200,7 @@ def _launch_fwd(g2, u2, h2, use_table: bool, table) -> None:
         g2, u2, h2, table if use_table else g2, n_rows, n_cols,
         g2.stride(0), u2.stride(0), h2.stride(0),
         SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
+        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], num_warps=NUM_WARPS)
 
 
 def _launch_bwd(dh2, g2, u2, dg2, du2, use_table: bool, table) -> None:
@@ -201,7 +210,7 @@ def _launch_bwd(dh2, g2, u2, dg2, du2, use_table: bool, table) -> None:
         dh2, g2, u2, dg2, du2, table if use_table else g2, n_rows, n_cols,
         dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
         SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
-        BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=NUM_WARPS)
+        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], num_warps=NUM_WARPS)
 
 
 def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
