@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # Run the same baseline-vs-solution comparison on a real NVIDIA T4 (Kaggle or Colab notebook,
-# "GPU T4" accelerator, internet on), in the notebook's own Python (its CUDA build of PyTorch is
-# kept). In a notebook cell:
+# "GPU T4" accelerator, internet on), in the notebook's own Python (its PyTorch and the Triton
+# bundled with it are kept). In a notebook cell:
 #   !git clone <this repo> soup-kernels && cd soup-kernels && bash scripts/t4_run.sh
 # Prints the same report as scripts/compare.sh and writes runs/<timestamp>/report.{md,json,png}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
-python3 -m pip install -q "triton==3.6.0" 2>/dev/null || true   # keep the notebook's own if this fails
 python3 -m pip install -q --no-build-isolation -e ".[workload,test]"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU tests failed (see above); comparison continues"
 python3 -m bench.compare "$@"
