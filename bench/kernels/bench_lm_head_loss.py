@@ -10,9 +10,12 @@ stock = what one training step does today, forward + backward:
     autocast fp16: logits = F.linear(h, W); loss = ForCausalLMLoss(logits, labels, num_items_in_batch)
     accelerate's convert_outputs_to_fp32: logits.float()
     trl: entropy_from_logits(logits) masked mean; argmax(logits[:, :-1]) == labels[:, 1:] accuracy
+    Soup's rewind recorder (training.rewind_log, on by default): row_losses(logits, labels)
     (loss * 65536).backward()
-ours = fused_lm_head_loss (same outputs: loss, per-token entropy, per-token argmax) + the same two
-masked means, then (loss * 65536).backward().
+ours = fused_lm_head_loss (same outputs: loss, per-token loss, entropy and argmax) + the same two
+masked means + Soup's row_losses_from_token_losses(token_loss, labels) (what the recorder does
+with our per-token losses), then (loss * 65536).backward(). Without soup_cli installed both skip
+the recorder part (printed).
 
 Also printed: the matmul floor (the two [tokens, 1536] x [1536, 151936] fp16 GEMMs alone), ours at
 other chunk budgets, and the row kernel alone (effective bandwidth) at a few block / warp settings.
@@ -37,6 +40,10 @@ from solution.kernels import lm_head_loss as ours_mod  # noqa: E402
 HIDDEN, VOCAB = 1536, 151936
 SHAPES = [(4, 512), (4, 375)]
 GRAD_SCALER = 65536.0
+try:  # Soup's rewind recorder (on by default in the workload): per-row losses every step
+    from soup_cli.trainer.rewind_hf import row_losses, row_losses_from_token_losses
+except ImportError:  # pragma: no cover - bench without Soup
+    row_losses = row_losses_from_token_losses = None
 
 
 def make_inputs(batch, seq, seed=0):
@@ -66,6 +73,8 @@ def stock_step(h, w, labels, attention, n_items):
         shift = labels[..., 1:]
         mask = shift != -100
         accuracy = ((preds == shift) & mask).sum() / mask.sum()
+        if row_losses is not None:
+            row_losses(logits, labels)
     del logits
     (loss * GRAD_SCALER).backward()
     return loss.detach(), entropy, accuracy
@@ -80,6 +89,8 @@ def ours_step(h, w, labels, attention, n_items, chunk_rows=None):
         shift = labels[..., 1:]
         mask = shift != -100
         accuracy = ((res.token_argmax[..., :-1] == shift) & mask).sum() / mask.sum()
+        if row_losses_from_token_losses is not None:
+            row_losses_from_token_losses(res.token_loss, labels)
     (res.loss * GRAD_SCALER).backward()
     return res.loss.detach(), entropy, accuracy
 
@@ -141,20 +152,24 @@ def bench_shape(batch, seq):
 
 
 def bench_row_kernel(rows=880):
-    """The row kernel alone on one chunk of fp16 logits (2 reads + 1 write of the chunk)."""
+    """The row kernel alone on one chunk of fp16 logits (2 reads + 1 write of the chunk), at the
+    default tile (1 row x 2048 columns, 8 warps) and a few others, 2-D multi-row tiles included
+    (bench only: those are not in sm75_specs, training launches the default)."""
     out = []
     logits = (torch.randn(rows, VOCAB, device="cuda") * 4).half()
     labels = torch.randint(0, VOCAB, (rows,), device="cuda")
     loss = torch.empty(rows, device="cuda")
     ent = torch.empty(rows, device="cuda")
     arg = torch.empty(rows, dtype=torch.int64, device="cuda")
-    for block_v, warps in ((1024, 4), (2048, 8), (4096, 8), (4096, 16)):
+    for block_rows, block_v, warps in ((1, 1024, 4), (1, 2048, 8), (1, 4096, 8), (1, 4096, 16),
+                                       (2, 1024, 8), (4, 1024, 8), (4, 512, 4)):
         ms = triton.testing.do_bench(
-            lambda: ours_mod.launch_rows_kernel(logits, labels, loss, ent, arg, True, block_v, warps),
+            lambda: ours_mod.launch_rows_kernel(logits, labels, loss, ent, arg, True, block_v, warps, block_rows),
             warmup=25, rep=200, return_mode="median")
         gbps = 3 * logits.numel() * 2 / (ms * 1e-3) / 1e9
-        out.append({"block_v": block_v, "num_warps": warps, "rows": rows, "ms": ms, "GB_per_s": gbps,
-                    "default": (block_v, warps) == (ours_mod.BLOCK_V, ours_mod.NUM_WARPS)})
+        out.append({"block_rows": block_rows, "block_v": block_v, "num_warps": warps, "rows": rows, "ms": ms,
+                    "GB_per_s": gbps, "default": (block_rows, block_v, warps) == (
+                        ours_mod.BLOCK_ROWS, ours_mod.BLOCK_V, ours_mod.NUM_WARPS)})
     return out
 
 
@@ -171,7 +186,8 @@ def main() -> int:
         results += rows
         checks[batch * seq] = check
     kernel_rows = bench_row_kernel()
-    print(f"GPU: {torch.cuda.get_device_name()}\n")
+    print(f"GPU: {torch.cuda.get_device_name()}")
+    print(f"Soup rewind recorder included: {row_losses is not None}\n")
     print("| impl | tokens | fwd+bwd ms | peak MiB | speedup vs stock |")
     print("| --- | ---: | ---: | ---: | ---: |")
     for r in results:
@@ -180,14 +196,15 @@ def main() -> int:
         print(f"| {r['impl']} | {r['tokens']} | {r['fwd_bwd_ms']:.2f} | {r['peak_MiB']:.0f} | "
               f"{r['speedup_vs_stock']:.2f}x |")
     print("\nagreement with stock:", json.dumps(checks))
-    print("\n| row kernel BLOCK_V | warps | rows | ms | effective GB/s |")
+    print("\n| row kernel BLOCK_ROWS x BLOCK_V | warps | rows | ms | effective GB/s |")
     print("| ---: | ---: | ---: | ---: | ---: |")
     for k in kernel_rows:
-        print(f"| {k['block_v']}{' (default)' if k['default'] else ''} | {k['num_warps']} | {k['rows']} | "
-              f"{k['ms']:.3f} | {k['GB_per_s']:.0f} |")
+        print(f"| {k['block_rows']} x {k['block_v']}{' (default)' if k['default'] else ''} | {k['num_warps']} | "
+              f"{k['rows']} | {k['ms']:.3f} | {k['GB_per_s']:.0f} |")
     with open(args.out, "w") as f:
         json.dump({"op": "lm_head_loss", "gpu": torch.cuda.get_device_name(), "hidden": HIDDEN, "vocab": VOCAB,
-                   "results": results, "agreement": checks, "row_kernel": kernel_rows}, f, indent=2)
+                   "rewind_recorder_included": row_losses is not None, "results": results,
+                   "agreement": checks, "row_kernel": kernel_rows}, f, indent=2)
     return 0
 
 

@@ -15,14 +15,17 @@ i.e. ~15 full passes over [N, V] tensors (each 0.6 - 1.2 GB at N = 2048) and ~3-
 memory. Here, per chunk of a few hundred token rows:
 
     1. logits_chunk = hidden_chunk.to(fp16) @ W16.T      cuBLAS, the very fp16 values autocast gives
-    2. ONE Triton kernel, one program per row: a first sweep over the row computes in fp32 the online
-       log-sum-exp, the entropy -sum p log p, the argmax (first index of the max, as torch.argmax) and
-       the label's logit -> row loss = lse - logit[label]; a second sweep overwrites the row IN PLACE
-       with the loss gradient (softmax - onehot) * GRAD_SCALE (zero for ignored rows).
+    2. ONE Triton kernel, [BLOCK_ROWS, BLOCK_V] tiles (one row per program on the GPU): a first
+       sweep over each row computes in fp32 the online log-sum-exp, the entropy -sum p log p, the
+       argmax (first index of the max, as torch.argmax) and the label's logit -> per-token loss
+       = lse - logit[label] (kept: Soup's rewind recorder reads it); a second sweep overwrites the
+       row IN PLACE with the loss gradient (softmax - onehot) * GRAD_SCALE (zero for ignored rows).
     3. grad_hidden_chunk = dlogits_chunk @ W16          cuBLAS (the head is frozen: no weight grad)
 
 so the logits never exist for more than one chunk, the gradient needs no second lm_head matmul in
 backward, and backward is one multiply: grad_hidden = G * grad_output / GRAD_SCALE.
+(Under Triton's CPU interpreter the kernel uses 64-row tiles, and chunks above
+INTERP_KERNEL_MAX_LOGITS go to rows_reference_torch: see those constants.)
 
 Why the gradient is stored unscaled (and not recomputed in backward): forward cannot know
 grad_output (it carries the GradScaler factor and 1 / num_items_in_batch, applied outside this
@@ -48,10 +51,26 @@ from solution.kernels._launches import record
 IGNORE_INDEX = -100
 # The fp16 gradient buffer holds (softmax - onehot) * GRAD_SCALE; backward divides it out in fp32.
 GRAD_SCALE = 1024.0
-# Vocabulary columns per step of the row sweep, and warps per row program (8 fp16 = 16 bytes per
-# thread per load: one vectorized transaction).
+# GPU launch configuration: one row per program, 2048 vocabulary columns per step, 8 warps
+# (8 fp16 = 16 bytes per thread per load: one vectorized transaction). 880 rows per chunk give 880
+# programs, ~22 per SM of a T4: enough to keep memory busy without multi-row tiles.
+BLOCK_ROWS = 1
 BLOCK_V = 2048
 NUM_WARPS = 8
+# Triton's CPU interpreter (TRITON_INTERPRET=1) runs programs one after another and pays a fixed
+# Python cost per tl operation per program, so there we want few programs and big tiles:
+# [64 rows, 8192 columns] tiles (2 MiB of fp32 each, numpy-friendly). Never compiled for a GPU.
+INTERP_BLOCK_ROWS = 64
+INTERP_BLOCK_V = 8192
+# Even with big tiles the interpreter pays ~16 ns per element loaded and ~28 ns per element stored
+# (its C++ load / store loop), so reading a chunk twice and writing it once costs ~60 ns per
+# logit: ~19 s for 2048 tokens x 151936. Chunks with more logits than this are therefore computed,
+# under the interpreter only, by rows_reference_torch (the same quantities, vectorized PyTorch on
+# the CPU); smaller ones (every unit test) run the kernel. None = always the kernel.
+INTERP_KERNEL_MAX_LOGITS: int | None = 1 << 22
+# Value loaded for columns past the vocabulary: the most negative finite value of the logits dtype
+# (finite, so 0 * (fill - max) is 0, not NaN; exp(fill - max) is exactly 0).
+NEG_FILL = {torch.float16: -65504.0, torch.float32: -3.0e38}
 # Memory for one chunk of logits (the only [rows, V] buffer alive). 256 MiB -> 883 rows of
 # V = 151936 fp16, so 4 x 512 tokens take 3 chunks and the 467 MB fp16 head is streamed 3 times.
 DEFAULT_CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
@@ -66,96 +85,170 @@ QWEN2_VOCAB = 151936  # Qwen2.5's vocabulary: the VOCAB the workload compiles th
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argmax_ptr,
-                            row_stride, grad_scale, VOCAB: tl.constexpr,
-                            IGNORE: tl.constexpr, WRITE_GRAD: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per row r of a [rows, vocab] logits chunk (one program per row), with y = labels[r]:
+                            n_rows, row_stride, grad_scale, VOCAB: tl.constexpr, IGNORE: tl.constexpr,
+                            NEG_FILL: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                            BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per row r of a [n_rows, VOCAB] logits chunk, with y = labels[r]:
 
         loss[r]    = logsumexp(x) - x[y]           (0 when y == IGNORE; NaN when y is out of range)
         entropy[r] = -sum_v p_v log p_v, p = softmax(x)   (for every row, ignored or not: trl does)
         argmax[r]  = first index of max(x)         (torch.argmax's tie rule)
         if WRITE_GRAD: x[:] = (p - onehot(y)) * grad_scale, stored in the logits dtype; 0 if ignored.
 
-    First sweep (read only), in fp32, block by block with a running max m:
+    Each program handles BLOCK_ROWS rows as [BLOCK_ROWS, BLOCK_V] tiles (the GPU uses 1 row per
+    program; Triton's CPU interpreter uses many rows per program, since it pays per operation).
+    First sweep (read only), in fp32, block by block with a running max m per row:
         s = sum exp(x - m),  t = sum exp(x - m) * (x - m)
     rescaled when m grows (s *= a, t = a * (t + s_old * (m_old - m_new)), a = exp(m_old - m_new)).
     Then lse = m + log s and entropy = log s - t / s (no cancellation for large logits).
     Second sweep (only if WRITE_GRAD): reread each block, write the gradient over it. Ignored rows
-    skip the reread (masked load) and just write zeros."""
-    row = tl.program_id(0).to(tl.int64)  # int64: row * row_stride exceeds 2^31 at V = 151936
-    base = logits_ptr + row * row_stride
-    label = tl.load(labels_ptr + row).to(tl.int32)
+    skip the reread (masked load) and write zeros.
+    Columns past VOCAB load NEG_FILL (the most negative finite value of the logits dtype): exp()
+    of it is exactly 0 and 0 * (NEG_FILL - m) stays 0, so no extra masking of the sums is needed.
+    Rows past n_rows (last tile only) recompute row n_rows - 1 and store nothing."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # int64: row * stride > 2^31
+    row_ok = rows < n_rows
+    rows = tl.minimum(rows, n_rows - 1)
+    row_ptrs = logits_ptr + rows * row_stride  # [BLOCK_ROWS] pointers to the row starts
+    labels = tl.load(labels_ptr + rows).to(tl.int32)
     offs = tl.arange(0, BLOCK_V)
 
-    m = tl.full([], -3.0e38, tl.float32)  # finite "minus infinity": keeps 0 * (m_old - m_new) finite
-    s = tl.full([], 0.0, tl.float32)
-    t = tl.full([], 0.0, tl.float32)
-    best = tl.full([], 0, tl.int32)
+    m = tl.full([BLOCK_ROWS], -3.0e38, tl.float32)  # finite "minus infinity": 0 * (m_old - m_new) stays finite
+    s = tl.zeros([BLOCK_ROWS], tl.float32)
+    t = tl.zeros([BLOCK_ROWS], tl.float32)
+    best = tl.zeros([BLOCK_ROWS], tl.int32)
     for start in range(0, VOCAB, BLOCK_V):
         cols = start + offs
-        in_row = cols < VOCAB
-        x = tl.load(base + cols, mask=in_row, other=float("-inf")).to(tl.float32)
-        # one reduction gives the block's max and the first index where it occurs
-        block_max, block_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        best = tl.where(block_max > m, start + block_arg, best)  # strict: earlier block wins ties
+        x = tl.load(row_ptrs[:, None] + cols[None, :], mask=(cols < VOCAB)[None, :], other=NEG_FILL)
+        x = x.to(tl.float32)
+        # one reduction gives each row's block max and the first index where it occurs
+        block_max, block_arg = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        best = tl.where(block_max > m, start + block_arg, best)  # strict: an earlier block wins ties
         m_new = tl.maximum(m, block_max)
         alpha = tl.exp(m - m_new)
-        e = tl.exp(x - m_new)  # masked lanes: exp(-inf) = 0
-        shifted = tl.where(in_row, x - m_new, 0.0)
-        t = alpha * (t + s * (m - m_new)) + tl.sum(e * shifted, axis=0)
-        s = s * alpha + tl.sum(e, axis=0)
+        shifted = x - m_new[:, None]
+        e = tl.exp(shifted)
+        t = alpha * (t + s * (m - m_new)) + tl.sum(e * shifted, axis=1)
+        s = s * alpha + tl.sum(e, axis=1)
         m = m_new
 
     log_s = tl.log(s)
     lse = m + log_s
-    ignored = label == IGNORE
-    in_range = (label >= 0) & (label < VOCAB)
-    x_label = tl.load(base + tl.where(in_range, label, 0), mask=in_range, other=0.0).to(tl.float32)
+    ignored = labels == IGNORE
+    in_range = (labels >= 0) & (labels < VOCAB)
+    x_label = tl.load(row_ptrs + tl.where(in_range, labels, 0)).to(tl.float32)  # always a valid address
     loss = tl.where(ignored, 0.0, tl.where(in_range, lse - x_label, float("nan")))
-    tl.store(loss_ptr + row, loss)
-    tl.store(entropy_ptr + row, log_s - t / s)
-    tl.store(argmax_ptr + row, best.to(tl.int64))
+    tl.store(loss_ptr + rows, loss, mask=row_ok)
+    tl.store(entropy_ptr + rows, log_s - t / s, mask=row_ok)
+    tl.store(argmax_ptr + rows, best.to(tl.int64), mask=row_ok)
 
     if WRITE_GRAD:
-        keep = tl.where(ignored, 0.0, 1.0)
+        labelled = (labels != IGNORE)[:, None]
         for start in range(0, VOCAB, BLOCK_V):
             cols = start + offs
-            in_row = cols < VOCAB
-            # Ignored rows: the load is masked off entirely (no memory traffic), the gradient is 0.
-            x = tl.load(base + cols, mask=in_row & (label != IGNORE), other=float("-inf")).to(tl.float32)
-            p = tl.exp(x - lse)
-            grad = tl.where(cols == label, p - 1.0, p) * (grad_scale * keep)
-            tl.store(base + cols, grad.to(logits_ptr.dtype.element_ty), mask=in_row)
+            ptrs = row_ptrs[:, None] + cols[None, :]
+            in_row = (cols < VOCAB)[None, :]
+            # Ignored rows: the load is masked off (no memory traffic), exp(NEG_FILL - lse) = 0.
+            x = tl.load(ptrs, mask=in_row & labelled, other=NEG_FILL).to(tl.float32)
+            p = tl.exp(x - lse[:, None])
+            grad = tl.where(cols[None, :] == labels[:, None], p - 1.0, p) * grad_scale
+            tl.store(ptrs, grad.to(logits_ptr.dtype.element_ty), mask=in_row & row_ok[:, None])
 
 
 # --------------------------------------------------------------------------------------------------
 # Launch planning
 # --------------------------------------------------------------------------------------------------
 def plan_chunk_rows(n_rows: int, vocab: int, elem_bytes: int,
-                    budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES) -> int:
-    """Rows per chunk: as many as fit the logits budget (a multiple of ROW_ALIGN, at least one
-    ROW_ALIGN), then balanced so all chunks are about the same size (no tiny last chunk)."""
+                    budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES, row_align: int = ROW_ALIGN) -> int:
+    """Rows per chunk: as many as fit the logits budget (a multiple of row_align, at least one
+    row_align), then balanced so all chunks are about the same size (no tiny last chunk)."""
     if n_rows <= 0:
         return 1
-    max_rows = max(ROW_ALIGN, (budget_bytes // max(1, vocab * elem_bytes)) // ROW_ALIGN * ROW_ALIGN)
+    max_rows = max(row_align, (budget_bytes // max(1, vocab * elem_bytes)) // row_align * row_align)
     n_chunks = math.ceil(n_rows / max_rows)
     rows = math.ceil(n_rows / n_chunks)
-    rows = math.ceil(rows / ROW_ALIGN) * ROW_ALIGN
+    rows = math.ceil(rows / row_align) * row_align
     return max(1, min(rows, n_rows))
+
+
+def default_launch_config() -> tuple[int, int, int]:
+    """(block_rows, block_v, num_warps) for this process: the GPU configuration, or the
+    interpreter's big tiles when TRITON_INTERPRET=1."""
+    from solution.env import interpreter_enabled
+
+    if interpreter_enabled():
+        return INTERP_BLOCK_ROWS, INTERP_BLOCK_V, 1
+    return BLOCK_ROWS, BLOCK_V, NUM_WARPS
 
 
 def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
                        entropy: torch.Tensor, argmax: torch.Tensor, write_grad: bool,
-                       block_v: int = BLOCK_V, num_warps: int = NUM_WARPS) -> None:
-    """Run the row kernel on a [rows, vocab] logits chunk (row stride free, column stride 1);
-    labels int64 [rows]; loss / entropy fp32 [rows] and argmax int64 [rows] are written."""
+                       block_v: int | None = None, num_warps: int | None = None,
+                       block_rows: int | None = None) -> None:
+    """Run the row kernel on a [rows, vocab] logits chunk (fp16 / fp32, row stride free, column
+    stride 1); labels int64 [rows]; loss / entropy fp32 [rows] and argmax int64 [rows] are
+    written (loss = per-token cross-entropy, 0 where the label is -100).
+    None = the value from default_launch_config()."""
     rows, vocab = logits.shape
-    assert logits.stride(1) == 1 and labels.dtype == torch.int64
+    assert logits.stride(1) == 1 and labels.dtype == torch.int64 and logits.dtype in NEG_FILL
     if rows == 0:
         return
-    _lm_head_ce_rows_kernel[(rows,)](logits, labels, loss, entropy, argmax, logits.stride(0),
-                                     GRAD_SCALE, VOCAB=vocab, IGNORE=IGNORE_INDEX, WRITE_GRAD=write_grad,
-                                     BLOCK_V=block_v, num_warps=num_warps)
+    d_rows, d_v, d_warps = default_launch_config()
+    block_rows, block_v, num_warps = block_rows or d_rows, block_v or d_v, num_warps or d_warps
+    grid = (triton.cdiv(rows, block_rows),)
+    _lm_head_ce_rows_kernel[grid](logits, labels, loss, entropy, argmax, rows, logits.stride(0), GRAD_SCALE,
+                                  VOCAB=vocab, IGNORE=IGNORE_INDEX, NEG_FILL=NEG_FILL[logits.dtype],
+                                  WRITE_GRAD=write_grad, BLOCK_ROWS=block_rows, BLOCK_V=block_v,
+                                  num_warps=num_warps)
     record("_lm_head_ce_rows_kernel")
+
+
+def rows_reference_torch(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
+                         entropy: torch.Tensor, argmax: torch.Tensor, write_grad: bool,
+                         rows_per_step: int = 64) -> None:
+    """What launch_rows_kernel computes, in PyTorch with the kernel's formulas (fp32, m = row max,
+    s = sum exp(x - m), t = sum exp(x - m) (x - m)), rows_per_step rows at a time so the fp32
+    temporaries stay small. Used for big chunks under the CPU interpreter (see
+    INTERP_KERNEL_MAX_LOGITS) and as an oracle in the tests; never on the GPU path."""
+    rows, vocab = logits.shape
+    for r0 in range(0, rows, rows_per_step):
+        r1 = min(r0 + rows_per_step, rows)
+        x = logits[r0:r1].float()  # a copy for fp16 logits, the same storage for fp32 (read before written)
+        y = labels[r0:r1]
+        m, argmax[r0:r1] = torch.max(x, dim=1)  # torch.max(dim) returns the first index of the max
+        shifted = x - m[:, None]
+        e = shifted.exp()
+        s = e.sum(dim=1)
+        t = torch.einsum("ij,ij->i", e, shifted)  # a dot product per row, no temporary
+        log_s = s.log()
+        lse = m + log_s
+        entropy[r0:r1] = log_s - t / s
+        in_range = (y >= 0) & (y < vocab)
+        ignored = y == IGNORE_INDEX
+        safe = torch.where(in_range, y, 0)
+        row_loss = torch.where(in_range, lse - x.gather(1, safe[:, None])[:, 0], float("nan"))
+        loss[r0:r1] = torch.where(ignored, 0.0, row_loss)
+        if write_grad:
+            e.mul_((GRAD_SCALE / s)[:, None])  # softmax * GRAD_SCALE
+            e[torch.arange(r1 - r0, device=e.device)[in_range], safe[in_range]] -= GRAD_SCALE
+            e[ignored] = 0.0
+            logits[r0:r1].copy_(e)
+
+
+def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor,
+             argmax: torch.Tensor, write_grad: bool, block_v: int | None = None,
+             block_rows: int | None = None) -> None:
+    """launch_rows_kernel, except for chunks above INTERP_KERNEL_MAX_LOGITS under the interpreter
+    (counted as "_lm_head_ce_rows_torch" in _launches)."""
+    from solution.env import interpreter_enabled
+
+    limit = INTERP_KERNEL_MAX_LOGITS
+    if interpreter_enabled() and limit is not None and logits.numel() > limit:
+        rows_reference_torch(logits, labels, loss, entropy, argmax, write_grad)
+        record("_lm_head_ce_rows_torch")
+    else:
+        launch_rows_kernel(logits, labels, loss, entropy, argmax, write_grad, block_v=block_v,
+                           block_rows=block_rows)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -163,7 +256,7 @@ def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.T
 # --------------------------------------------------------------------------------------------------
 def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor,
                     compute_dtype: torch.dtype, want_grad: bool, chunk_rows: int | None,
-                    block_v: int):
+                    block_v: int | None, block_rows: int | None):
     n_rows, _ = hidden2d.shape
     vocab = weight.shape[0]
     device = hidden2d.device
@@ -172,46 +265,50 @@ def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     h_c = hidden2d.to(compute_dtype)
     labels1d = labels1d.to(device=device, dtype=torch.int64)
 
-    loss_rows = torch.empty(n_rows, dtype=torch.float32, device=device)
+    token_loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
     argmax = torch.empty(n_rows, dtype=torch.int64, device=device)
     grad_hidden = torch.empty((n_rows, hidden2d.shape[1]), dtype=compute_dtype, device=device) if want_grad else None
 
     if chunk_rows is None:
-        chunk_rows = plan_chunk_rows(n_rows, vocab, torch.finfo(compute_dtype).bits // 8)
+        # Chunks a multiple of the kernel's row tile (only > ROW_ALIGN in the interpreter), so
+        # only the very last tile can be partial.
+        row_align = max(ROW_ALIGN, block_rows or default_launch_config()[0])
+        chunk_rows = plan_chunk_rows(n_rows, vocab, torch.finfo(compute_dtype).bits // 8, row_align=row_align)
     chunk_rows = max(1, min(chunk_rows, max(n_rows, 1)))
     buf = torch.empty((chunk_rows, vocab), dtype=compute_dtype, device=device)
     for r0 in range(0, n_rows, chunk_rows):
         r1 = min(r0 + chunk_rows, n_rows)
         logits = buf[: r1 - r0]  # a contiguous prefix of the reused buffer
         torch.mm(h_c[r0:r1], w_c.t(), out=logits)
-        launch_rows_kernel(logits, labels1d[r0:r1], loss_rows[r0:r1], entropy[r0:r1], argmax[r0:r1],
-                           write_grad=want_grad, block_v=block_v)
+        run_rows(logits, labels1d[r0:r1], token_loss[r0:r1], entropy[r0:r1], argmax[r0:r1],
+                 write_grad=want_grad, block_v=block_v, block_rows=block_rows)
         if want_grad:
             # logits now holds (softmax - onehot) * GRAD_SCALE: the hidden-state gradient, scaled.
             torch.mm(logits, w_c, out=grad_hidden[r0:r1])
-    return loss_rows, entropy, argmax, grad_hidden
+    return token_loss, entropy, argmax, grad_hidden
 
 
 class _FusedLMHeadCE(torch.autograd.Function):
     """(hidden [N, H], weight [V, H] frozen, shift_labels [N]) -> (loss_sum fp32 scalar,
-    entropy fp32 [N], argmax int64 [N]); only loss_sum is differentiable (w.r.t. hidden)."""
+    entropy fp32 [N], argmax int64 [N], token_loss fp32 [N]); only loss_sum is differentiable
+    (w.r.t. hidden)."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, want_grad):
+    def forward(ctx, hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad):
         with torch.autocast(hidden2d.device.type, enabled=False):
-            loss_rows, entropy, argmax, grad_hidden = _forward_chunks(
-                hidden2d, weight, labels1d, compute_dtype, want_grad, chunk_rows, block_v)
-        loss_sum = loss_rows.sum()
+            token_loss, entropy, argmax, grad_hidden = _forward_chunks(
+                hidden2d, weight, labels1d, compute_dtype, want_grad, chunk_rows, block_v, block_rows)
+        loss_sum = token_loss.sum()
         ctx.hidden_dtype = hidden2d.dtype
         ctx.has_grad = grad_hidden is not None
         if ctx.has_grad:
             ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(entropy, argmax)
-        return loss_sum, entropy, argmax
+        ctx.mark_non_differentiable(entropy, argmax, token_loss)
+        return loss_sum, entropy, argmax, token_loss
 
     @staticmethod
-    def backward(ctx, grad_loss_sum, _grad_entropy, _grad_argmax):
+    def backward(ctx, grad_loss_sum, _grad_entropy, _grad_argmax, _grad_token_loss):
         if not ctx.has_grad:
             raise RuntimeError("fused_lm_head_loss: forward ran without gradient bookkeeping "
                                "(want_grad=False) but a gradient was requested")
@@ -219,7 +316,7 @@ class _FusedLMHeadCE(torch.autograd.Function):
         # grad_loss_sum carries the GradScaler factor and 1 / num_items_in_batch: applied in fp32.
         factor = grad_loss_sum.to(torch.float32) / GRAD_SCALE
         grad_hidden = (scaled.to(torch.float32) * factor).to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -229,11 +326,14 @@ class _FusedLMHeadCE(torch.autograd.Function):
 class LMHeadLossOutput:
     """loss: fp32 scalar, normalized like transformers' ForCausalLMLoss (sum / num_items_in_batch,
     or mean over non-ignored tokens when num_items_in_batch is None).
+    token_loss: fp32 [...] cross-entropy of each position against its (shifted) label, 0.0 where
+    the label is -100 (NaN where it is out of range): loss = token_loss.sum() / divisor.
     token_entropy: fp32 [...] entropy (nats) of softmax(logits) at every position (what trl's
     entropy_from_logits returns). token_argmax: int64 [...] argmax of the logits at every position.
     token_correct: bool [...] argmax == shift label and shift label != -100.
     num_valid: int64 scalar tensor, number of non-ignored shift labels."""
     loss: torch.Tensor
+    token_loss: torch.Tensor
     token_entropy: torch.Tensor
     token_argmax: torch.Tensor
     token_correct: torch.Tensor
@@ -249,7 +349,8 @@ def shift_labels_like_stock(labels: torch.Tensor, ignore_index: int = IGNORE_IND
 def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor, *,
                        compute_dtype: torch.dtype | None = None,
                        num_items_in_batch: torch.Tensor | int | None = None,
-                       chunk_rows: int | None = None, block_v: int = BLOCK_V) -> LMHeadLossOutput:
+                       chunk_rows: int | None = None, block_v: int | None = None,
+                       block_rows: int | None = None) -> LMHeadLossOutput:
     """LM head + causal-LM cross-entropy without materializing the [tokens, vocab] logits.
 
     hidden: [..., H] (fp32 or fp16; requires_grad decides whether the gradient is prepared).
@@ -258,6 +359,8 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
     compute_dtype: dtype of the matmul operands and logits (fp16 = what fp16 autocast does; fp32);
         default: the autocast dtype if autocast is on for hidden's device, else hidden.dtype.
     num_items_in_batch: divisor of the summed loss (the Trainer's count), None = mean.
+    chunk_rows / block_v / block_rows: tuning overrides (None = plan_chunk_rows /
+        default_launch_config()); the results do not depend on them beyond summation order.
     Returns LMHeadLossOutput (see there); loss backpropagates into hidden.
     """
     if compute_dtype is None:
@@ -271,8 +374,8 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
     if labels1d.numel() != hidden2d.shape[0]:
         raise ValueError(f"shift_labels has {labels1d.numel()} tokens, hidden has {hidden2d.shape[0]}")
     want_grad = torch.is_grad_enabled() and hidden.requires_grad
-    loss_sum, entropy, argmax = _FusedLMHeadCE.apply(hidden2d, weight, labels1d, compute_dtype,
-                                                     chunk_rows, block_v, want_grad)
+    loss_sum, entropy, argmax, token_loss = _FusedLMHeadCE.apply(
+        hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad)
     labels1d = labels1d.to(argmax.device)
     valid = labels1d != IGNORE_INDEX
     num_valid = valid.sum()
@@ -284,26 +387,29 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
             num_items_in_batch = num_items_in_batch.to(loss_sum.device)
         loss = loss_sum / num_items_in_batch
     correct = (argmax == labels1d) & valid
-    return LMHeadLossOutput(loss=loss, token_entropy=entropy.view(lead_shape),
-                            token_argmax=argmax.view(lead_shape), token_correct=correct.view(lead_shape),
-                            num_valid=num_valid)
+    return LMHeadLossOutput(loss=loss, token_loss=token_loss.view(lead_shape),
+                            token_entropy=entropy.view(lead_shape), token_argmax=argmax.view(lead_shape),
+                            token_correct=correct.view(lead_shape), num_valid=num_valid)
 
 
 # --------------------------------------------------------------------------------------------------
 # sm_75 compile check
 # --------------------------------------------------------------------------------------------------
 def sm75_specs():
-    """Every launch configuration used: fp16 logits (autocast) and fp32 logits, with and without
-    the in-place gradient."""
-    for dtype in ("fp16", "fp32"):
+    """Every GPU launch configuration used: fp16 logits (autocast) and fp32 logits, with and without
+    the in-place gradient, at BLOCK_ROWS x BLOCK_V with NUM_WARPS. (The interpreter's big tiles,
+    INTERP_BLOCK_ROWS x INTERP_BLOCK_V, never run on a GPU.)"""
+    for dtype, torch_dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
         for write_grad in (True, False):
             yield {
-                "name": f"lm_head_ce_rows {dtype} grad={int(write_grad)} B{BLOCK_V} w{NUM_WARPS}",
+                "name": f"lm_head_ce_rows {dtype} grad={int(write_grad)} R{BLOCK_ROWS} B{BLOCK_V} w{NUM_WARPS}",
                 "fn": _lm_head_ce_rows_kernel,
                 "signature": {"logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "loss_ptr": "*fp32",
-                              "entropy_ptr": "*fp32", "argmax_ptr": "*i64", "row_stride": "i32",
+                              "entropy_ptr": "*fp32", "argmax_ptr": "*i64", "n_rows": "i32", "row_stride": "i32",
                               "grad_scale": "fp32", "VOCAB": "constexpr", "IGNORE": "constexpr",
-                              "WRITE_GRAD": "constexpr", "BLOCK_V": "constexpr"},
-                "constexprs": {"VOCAB": QWEN2_VOCAB, "IGNORE": IGNORE_INDEX, "WRITE_GRAD": write_grad, "BLOCK_V": BLOCK_V},
+                              "NEG_FILL": "constexpr", "WRITE_GRAD": "constexpr", "BLOCK_ROWS": "constexpr",
+                              "BLOCK_V": "constexpr"},
+                "constexprs": {"VOCAB": QWEN2_VOCAB, "IGNORE": IGNORE_INDEX, "NEG_FILL": NEG_FILL[torch_dtype],
+                               "WRITE_GRAD": write_grad, "BLOCK_ROWS": BLOCK_ROWS, "BLOCK_V": BLOCK_V},
                 "num_warps": NUM_WARPS,
             }

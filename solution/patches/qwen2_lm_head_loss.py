@@ -5,8 +5,8 @@ Two swaps, both needed, both exact mirrors of the stock code they replace except
 1. ``Qwen2ForCausalLM.forward``: when (and only when) trl's compute_loss below asks for it through a
    context variable, and the call is one we support (labels given, all logits wanted, the stock
    ForCausalLMLoss, a plain frozen bias-free nn.Linear head, fp16 autocast or plain fp16/fp32), it
-   computes loss, per-token entropy and per-token argmax with the fused kernel and returns
-   ``logits=None`` plus ``token_entropy`` / ``token_argmax``. Any other call (generation, eval,
+   computes loss, per-token loss, entropy and argmax with the fused kernel and returns
+   ``logits=None`` plus ``token_entropy`` / ``token_argmax`` / ``token_loss``. Any other call (generation, eval,
    a user asking for logits, bf16, another loss...) runs the stock forward unchanged.
 2. ``SFTTrainer.compute_loss`` (trl 0.29.1): in training, it sets that request, calls the same
    ``Trainer.compute_loss`` stock calls, and logs ``entropy``, ``num_tokens`` and
@@ -15,6 +15,14 @@ Two swaps, both needed, both exact mirrors of the stock code they replace except
    logits exactly like stock). Anything trl does differently in other settings (Liger, eval,
    prompt tuning, context parallel shift_labels, aux loss, custom compute_loss_func) goes to the
    stock method.
+
+Soup's rewind recorder (soup_cli.trainer.rewind_hf, a subclass of the SFTTrainer) needs per-row
+losses after compute_loss; without logits it reads them from the trainer attribute
+``soup_cli.utils.stream_loss_chunk.STEP_ATTR`` (``_soup_chunked_step``: an object whose
+``token_loss`` is [B, T] fp32, position t = cross-entropy of labels[:, t + 1], 0.0 where that label
+is -100), which Soup's own chunked loss sets. The patched compute_loss sets that attribute to a
+``FusedLMHeadStep`` (the same four fields as Soup's ``ChunkedStep``) after every fused step and to
+None on every other call, so a stale value is never read.
 
 Why not only patch the loss: trl reads ``outputs.logits`` for its metrics, so the logits would have
 to exist anyway; without them trl crashes unless ``use_liger_kernel`` is set, which we must not
@@ -55,6 +63,32 @@ def fused_lm_head_requested():
         _FUSED_REQUESTED.reset(token)
 
 
+# Where Soup's rewind recorder looks for per-token losses when the outputs carry no logits.
+_DEFAULT_STEP_ATTR = "_soup_chunked_step"
+
+
+@functools.lru_cache(maxsize=None)
+def soup_step_attr() -> str:
+    """Soup's STEP_ATTR (soup_cli.utils.stream_loss_chunk) when Soup is installed, else its 0.77 value."""
+    try:
+        from soup_cli.utils.stream_loss_chunk import STEP_ATTR
+    except Exception:  # noqa: BLE001 - Soup absent or changed: the attribute name it used in 0.77
+        return _DEFAULT_STEP_ATTR
+    return STEP_ATTR if isinstance(STEP_ATTR, str) else _DEFAULT_STEP_ATTR
+
+
+@dataclass(frozen=True)
+class FusedLMHeadStep:
+    """What a fused training step leaves on the trainer under soup_step_attr(), with the fields of
+    Soup's ChunkedStep: token_entropy fp32 [B, T]; token_loss fp32 [B, T] (position t: cross-entropy
+    of labels[:, t + 1], 0.0 where it is -100 and at the last position); correct / labelled: int64
+    scalars, labelled positions whose argmax is the label / all labelled positions."""
+    token_entropy: torch.Tensor
+    token_loss: torch.Tensor
+    correct: torch.Tensor
+    labelled: torch.Tensor
+
+
 @functools.lru_cache(maxsize=None)
 def _output_class():
     """Defined once (ModelOutput subclasses register themselves as pytree nodes)."""
@@ -62,11 +96,13 @@ def _output_class():
 
     @dataclass
     class CausalLMOutputWithTokenStats(CausalLMOutputWithPast):
-        """CausalLMOutputWithPast with logits=None and what trl's metrics need instead:
-        token_entropy fp32 [batch, seq] (entropy of softmax(logits) at each position) and
-        token_argmax int64 [batch, seq] (argmax of the logits at each position)."""
+        """CausalLMOutputWithPast with logits=None and what trl's metrics (and Soup's rewind log)
+        need instead: token_entropy fp32 [batch, seq] (entropy of softmax(logits) at each position),
+        token_argmax int64 [batch, seq] (argmax of the logits at each position) and token_loss
+        fp32 [batch, seq] (cross-entropy of position t against labels[:, t + 1], 0 where ignored)."""
         token_entropy: torch.FloatTensor | None = None
         token_argmax: torch.LongTensor | None = None
+        token_loss: torch.FloatTensor | None = None
 
     CausalLMOutputWithTokenStats.__qualname__ = "CausalLMOutputWithTokenStats"
     return CausalLMOutputWithTokenStats
@@ -144,7 +180,8 @@ def _make_forward(stock_forward):
                                  num_items_in_batch=kwargs.get("num_items_in_batch"))
         return output_class(loss=res.loss, logits=None, past_key_values=outputs.past_key_values,
                             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                            token_entropy=res.token_entropy, token_argmax=res.token_argmax)
+                            token_entropy=res.token_entropy, token_argmax=res.token_argmax,
+                            token_loss=res.token_loss)
 
     # Same name, docstring and (through __wrapped__) signature as stock: the Trainer inspects the
     # forward signature (label names, **kwargs => model_accepts_loss_kwargs).
@@ -165,7 +202,12 @@ def _trainer_can_fuse(trainer, inputs) -> bool:
 def _make_compute_loss(sft_trainer_cls, stock_compute_loss):
     import trl.trainer.sft_trainer as sft_module
 
+    step_attr = soup_step_attr()
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # Cleared on every call: only the fused step below sets it, so Soup's rewind recorder never
+        # reads a previous step's per-token losses (it uses outputs.logits when they exist).
+        setattr(self, step_attr, None)
         if not _trainer_can_fuse(self, inputs):
             return stock_compute_loss(self, model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
@@ -180,6 +222,7 @@ def _make_compute_loss(sft_trainer_cls, stock_compute_loss):
                 model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         token_entropy = getattr(outputs, "token_entropy", None)
         token_argmax = getattr(outputs, "token_argmax", None)
+        token_loss = getattr(outputs, "token_loss", None)
 
         # Compute entropy
         with torch.no_grad():
@@ -219,12 +262,15 @@ def _make_compute_loss(sft_trainer_cls, stock_compute_loss):
             correct_predictions = (predictions == shift_labels) & mask
             total_tokens = mask.sum()
             correct_tokens = correct_predictions.sum()
+            step = None if token_loss is None else FusedLMHeadStep(
+                token_entropy=per_token_entropy, token_loss=token_loss, correct=correct_tokens, labelled=total_tokens)
             correct_tokens = self.accelerator.gather_for_metrics(correct_tokens)
             total_tokens = self.accelerator.gather_for_metrics(total_tokens)
             total_sum = total_tokens.sum()
             accuracy = (correct_tokens.sum() / total_sum).item() if total_sum > 0 else 0.0
             self._metrics[mode]["mean_token_accuracy"].append(accuracy)
 
+        setattr(self, step_attr, step)  # for Soup's rewind recorder, which reads it right after we return
         return (loss, outputs) if return_outputs else loss
 
     functools.update_wrapper(compute_loss, stock_compute_loss)
