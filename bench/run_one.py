@@ -102,12 +102,17 @@ class StepClock:
 
 
 def emulate_t4_precision() -> str | None:
-    """Make Soup take its T4 precision path on a newer GPU (harness only, both variants).
+    """Make a newer GPU take the T4's code paths for precision and attention (harness only,
+    both variants).
 
-    Soup picks bf16 where the card has bf16 units (sm_80+) and fp16 on a T4. The challenge
-    workload is the T4's: fp16 autocast + GradScaler, bnb compute dtype fp16, fp16 load dtype.
-    On an H100/H200 we answer Soup's one capability question, soup_cli.utils.gpu.
-    cuda_supports_bf16(), with False, so that every decision downstream of it is the T4's.
+    Precision: Soup picks bf16 where the card has bf16 units (sm_80+) and fp16 on a T4. The
+    challenge workload is the T4's: fp16 autocast + GradScaler, bnb compute dtype fp16, fp16
+    load dtype. We answer Soup's one capability question, soup_cli.utils.gpu.cuda_supports_bf16(),
+    with False, so that every decision downstream of it is the T4's.
+    Attention: PyTorch's SDPA has flash and cuDNN backends only on sm_80+; on a T4 it runs the
+    memory-efficient (or math) backend. We switch the sm_80+-only backends off, so both runs use
+    the attention kernels a T4 uses (cuDNN also rebuilds an execution plan for every new
+    sequence length, a host cost a T4 never pays).
     Returns a description, or None when nothing needed changing.
     """
     import torch
@@ -117,8 +122,11 @@ def emulate_t4_precision() -> str | None:
     import soup_cli.utils.gpu as soup_gpu
 
     soup_gpu.cuda_supports_bf16 = lambda: False
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
     return (f"{torch.cuda.get_device_name()} (sm_{''.join(map(str, torch.cuda.get_device_capability()))}) "
-            "made to take Soup's T4 precision path: fp16 autocast, fp16 compute and load dtype")
+            "made to take the T4's paths: fp16 autocast, fp16 compute and load dtype (Soup), "
+            "SDPA memory-efficient/math backends only (flash and cuDNN attention off)")
 
 
 def install_clock(clock: StepClock):

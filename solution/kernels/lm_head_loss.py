@@ -83,7 +83,7 @@ QWEN2_VOCAB = 151936  # Qwen2.5's vocabulary: the VOCAB the workload compiles th
 # --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argmax_ptr,
                             n_rows, row_stride, grad_scale, VOCAB: tl.constexpr, IGNORE: tl.constexpr,
                             NEG_FILL: tl.constexpr, WRITE_GRAD: tl.constexpr,

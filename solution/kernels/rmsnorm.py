@@ -43,7 +43,7 @@ _SUPPORTED_DTYPES = (torch.float16, torch.float32)
 # --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, x_row_stride, out_row_stride, n_cols, eps,
                         BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """out[r] = w * (x[r] * rstd[r]).to(x.dtype), rstd[r] = 1 / sqrt(mean(x[r]^2) + eps), for the
@@ -69,7 +69,7 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, x_row_stride, o
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, n_rows, x_row_stride, g_row_stride,
                            dx_row_stride, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """dx[r] = rstd * (dy - xhat * mean(dy * xhat)), with xhat = x * rstd and
@@ -94,7 +94,7 @@ def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, n_rows, x_row_
     tl.store(dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_bwd_dw_kernel(x_ptr, g_ptr, rstd_ptr, partial_ptr, x_row_stride, g_row_stride,
                            n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """partial[tile, col] = sum over the BLOCK_M rows of this tile of g * (x * rstd).to(x.dtype).

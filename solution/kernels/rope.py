@@ -85,7 +85,7 @@ def _rope_rotate_heads(src_ptr, dst_ptr, src_tok, dst_tok, tok_mask, n_heads, sr
         tl.store(dst + half, out2.to(out_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens", "seq_len"])
 def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
                     n_tokens, seq_len, n_q_heads, n_k_heads, half,
                     q_sb, q_sh, q_sl, k_sb, k_sh, k_sl,

@@ -84,7 +84,7 @@ def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     return rows[:, None].to(tl.int64), cols[None, :], mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, table_ptr, n_rows, n_cols,
                        stride_g, stride_u, stride_h,
                        SILU_TABLE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
@@ -105,7 +105,7 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, table_ptr, n_rows, n_cols,
     tl.store(h_ptr + rows * stride_h + cols, (a * u).to(out_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, table_ptr, n_rows, n_cols,
                        stride_dh, stride_g, stride_u, stride_dg, stride_du,
                        SILU_TABLE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
