@@ -42,8 +42,8 @@ for step in $steps; do
       python3 -m solution.kernels.sm75_check 2>&1 | tee "$OUT/sm75.log" | tail -30 ;;
     bench)
       : > "$OUT/kernels.md"
-      for b in bench/kernels/bench_*.py; do
-        n=$(basename "$b" .py)
+      for n in ${BENCHES:-$(cd bench/kernels && ls bench_*.py | sed 's/\.py$//')}; do
+        b=bench/kernels/$n.py
         timeout ${BENCH_TIMEOUT:-60} python3 "$b" --out "$OUT/$n.json" 2>&1 | tee -a "$OUT/kernels.md" | tail -20 || rc=1
       done ;;
     cprofile)
