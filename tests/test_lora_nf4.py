@@ -1,7 +1,7 @@
-"""LoRA on NF4 (q_proj / v_proj) vs real peft 0.21.2 ``lora.bnb.Linear4bit`` on a bnb Linear4bit.
+"""LoRA on NF4 (q_proj / v_proj) vs real peft (0.21) ``lora.bnb.Linear4bit`` on a bnb Linear4bit.
 
-Stock and ours run the same layer on the same inputs with the same RNG seed (torch's dropout is
-called on x in both, so the masks are identical). Under torch.autocast(fp16) our forward performs
+Stock and ours run the same layer on the same inputs with the same RNG seed (ours runs the very
+dropout op torch's F.dropout runs on x, so the masks are identical). Under torch.autocast(fp16) our forward performs
 the same fp16 GEMMs and the same roundings as peft + bnb, so the output must be EQUAL. Gradients:
 equal on the CPU (same matmuls); on the GPU cuBLAS may pick other kernels for the weight-gradient
 GEMMs, so they are compared with an fp16 tolerance. An fp64 reference checks the math itself.
@@ -9,6 +9,9 @@ GEMMs, so they are compared with an fp16 tolerance. An fp64 reference checks the
 On the CPU, peft decides "autocast or not" with ``torch.is_autocast_enabled()`` (the CUDA
 autocast); the fixture ``autocast_ctx`` makes that question mean the CPU autocast there, so peft
 takes the same branch as in GPU training.
+
+Every test runs on the ``device`` fixture; on CUDA the row count is raised above bnb's fused
+small-M GEMM limit (``tokens``, see tests/test_nf4_linear.py), where our path runs.
 """
 import contextlib
 
@@ -19,12 +22,12 @@ from peft import LoraConfig
 from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 
 import solution._apply as apply_mod
-from solution.kernels import _launches
+from solution.kernels import _launches, lora_nf4
 from solution.kernels.nf4_dequant import dequantize_nf4
 from solution.patches import bnb_linear4bit, peft_lora_bnb
 from solution.patches._base import Swaps
 from tests.conftest import rel_err
-from tests.test_nf4_linear import fresh_x, make_linear4bit
+from tests.test_nf4_linear import CountOps, fresh_x, make_linear4bit, tokens
 
 R, ALPHA = 16, 32  # the workload's LoRA: scaling 2.0
 
@@ -131,13 +134,17 @@ CASES = [
 @pytest.mark.parametrize("lora_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_matches_peft(in_f, out_f, prefix, pad, noncontig, dropout, lora_dtype, device, autocast_ctx):
     layer = make_lora_layer(in_f, out_f, dropout, lora_dtype, device)
-    x = fresh_x((*prefix, in_f), device, pad_rows=pad, noncontig=noncontig)
+    x = fresh_x((*tokens(prefix, device), in_f), device, pad_rows=pad, noncontig=noncontig)
+    with autocast_ctx():
+        assert peft_lora_bnb.unsupported_reason(layer, x, (), {})[0] is None  # our path, CPU and GPU
     _launches.reset()
     with Patched():
         ours = run(layer, x, autocast_ctx)
-    assert _launches.LAUNCHES["lora_combine"] == 1 and _launches.LAUNCHES["lora_grad_split"] == 1
-    assert _launches.LAUNCHES["nf4_dequant"] == 2
-    assert _launches.LAUNCHES["lora_grad_sum"] == (1 if dropout == 0 else 0)
+    # one launch each way for W (with the fp16 casts of x / dropout(x), of the gradient), one
+    # combine, one input-gradient kernel; a strided x is cast by torch instead
+    assert _launches.LAUNCHES["lora_combine"] == 1 and _launches.LAUNCHES["lora_grad_sum"] == 1
+    assert _launches.LAUNCHES["nf4_dequant"] + _launches.LAUNCHES["nf4_dequant_cast"] == 2
+    assert _launches.LAUNCHES["nf4_dequant_cast"] == (2 if not noncontig or dropout else 1)
     ref = run(layer, x, autocast_ctx)  # stock peft + bnb
     check_against_stock(ours, ref, lora_dtype, device)
     r64 = fp64_reference(layer, x, ours["g"], dropout)
@@ -147,11 +154,37 @@ def test_matches_peft(in_f, out_f, prefix, pad, noncontig, dropout, lora_dtype, 
         assert rel_err(ours[k], r64[k]) < (1e-2 if lora_dtype == torch.bfloat16 and k != "x" else 3e-3), k
 
 
+def test_torch_ops_per_call(device, autocast_ctx, monkeypatch):
+    """The work of one training call (fp32 x, dropout 0.05, fp32 LoRA weights), pinned so that
+    extra casts or copies show up. Forward: dropout, 1 Triton launch (W + casts of x and
+    dropout(x)), base GEMM, casts of A and B, 2 LoRA GEMMs, 1 Triton combine. Backward: 1 Triton
+    launch (W + fp16 gradient + scaled copy), 5 GEMMs, 2 casts of the A/B gradients, 1 Triton
+    input-gradient kernel (dropout backward + sum). Stock peft + bnb on CUDA: 15 kernels forward,
+    ~17 backward."""
+    layer = make_lora_layer(128, 64, 0.05, torch.float32, device)
+    x = fresh_x((*tokens((2, 5), device), 128), device)
+    with Patched():
+        run(layer, x, autocast_ctx)  # builds the plan and the scratch buffer
+        x.grad = layer.lora_A["default"].weight.grad = layer.lora_B["default"].weight.grad = None
+        counter = CountOps(monkeypatch, [(lora_nf4, "lora_combine"), (lora_nf4, "lora_grad_sum")])
+        with counter, autocast_ctx():
+            out = layer(x)
+        fwd = counter.take()
+        g = torch.randn_like(out)
+        with counter:
+            out.backward(g)
+        bwd = counter.take()
+    dropout_ops = ["native_dropout"] if device == "cuda" else ["empty_like", "bernoulli_", "div_", "mul"]
+    assert fwd == dropout_ops + ["empty", "empty", "triton", "addmm", "_to_copy", "_to_copy", "mm", "mm",
+                                 "triton"]
+    assert bwd == ["empty", "empty", "triton", "mm", "_to_copy", "mm", "mm", "_to_copy", "mm", "mm", "triton"]
+
+
 def test_fp16_input(device, autocast_ctx):
     """x already fp16 (no cast in bnb, fp16 + fp16 sum in peft): output and grads stay fp16."""
     for dropout in (0.0, 0.1):
         layer = make_lora_layer(128, 64, dropout, torch.float32, device)
-        x = fresh_x((3, 4, 128), device, dtype=torch.float16)
+        x = fresh_x((*tokens((3, 4), device), 128), device, dtype=torch.float16)
         with Patched():
             ours = run(layer, x, autocast_ctx)
         ref = run(layer, x, autocast_ctx)
@@ -163,7 +196,7 @@ def test_gradient_checkpointing_same_mask(device, autocast_ctx):
     """Under torch.utils.checkpoint the forward runs twice; torch restores the RNG state, and
     since our path calls torch's dropout the recomputed mask is the stock one."""
     layer = make_lora_layer(128, 48, 0.3, torch.float32, device)
-    x = fresh_x((2, 5, 128), device)
+    x = fresh_x((*tokens((2, 5), device), 128), device)
     with Patched():
         ours = run(layer, x, autocast_ctx, checkpoint=True)
     ref = run(layer, x, autocast_ctx, checkpoint=True)
@@ -174,7 +207,7 @@ def test_fallbacks_to_peft(device, autocast_ctx):
     """Cases we do not handle run peft's own forward: no autocast, adapters disabled, two active
     adapters, a LoRA variant."""
     layer = make_lora_layer(128, 32, 0.0, torch.float32, device)
-    x = fresh_x((2, 3, 128), device)
+    x = fresh_x((*tokens((2, 3), device), 128), device)
     cases = {
         "no autocast": (contextlib.nullcontext, lambda: None, lambda: None),
         "disabled": (autocast_ctx, lambda: layer.enable_adapters(False), lambda: layer.enable_adapters(True)),
@@ -184,7 +217,7 @@ def test_fallbacks_to_peft(device, autocast_ctx):
         _launches.reset()
         with Patched(peft_lora_bnb):
             ours = run(layer, x, ctx)
-        assert _launches.LAUNCHES["lora_combine"] == 0, name
+        assert sum(_launches.LAUNCHES.values()) == 0, name
         ref = run(layer, x, ctx)
         assert torch.equal(ours["out"], ref["out"]) and torch.equal(ours["x"], ref["x"]), name
         teardown()
@@ -200,6 +233,32 @@ def test_fallbacks_to_peft(device, autocast_ctx):
         assert "variant" in peft_lora_bnb.unsupported_reason(layer, x, (), {})[0]
         del layer.lora_variant["default"]
         assert peft_lora_bnb.unsupported_reason(layer, x, (), {"adapter_names": ["default"]})[0]
+
+
+class NativeDropout(torch.nn.Module):
+    """Dropout through torch.native_dropout (what F.dropout runs on CUDA)."""
+
+    def __init__(self, p):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x):
+        return torch.native_dropout(x, self.p, self.training)[0]
+
+
+def test_native_dropout_backward(device, autocast_ctx, monkeypatch):
+    """The CUDA dropout mode (bool mask, native_dropout_backward's (mask * g) * (1 / (1 - p)))
+    exercised on any device: ours forced to native_dropout vs stock peft whose dropout module
+    runs native_dropout (autograd's NativeDropoutBackward), same seed."""
+    monkeypatch.setattr(lora_nf4, "_dropout_is_native", lambda x: True)
+    for x_dtype in (torch.float32, torch.float16):
+        layer = make_lora_layer(128, 48, 0.3, torch.float32, device)
+        x = fresh_x((*tokens((2, 5), device), 128), device, dtype=x_dtype)
+        with Patched():
+            ours = run(layer, x, autocast_ctx)
+        layer.lora_dropout["default"] = NativeDropout(0.3)
+        ref = run(layer, x, autocast_ctx)
+        check_against_stock(ours, ref, torch.float32, device)
 
 
 def test_apply_revert_restores_original(monkeypatch):

@@ -21,7 +21,7 @@ from bitsandbytes.functional import QuantState
 
 from solution.kernels import _launches
 from solution.kernels import nf4_dequant
-from solution.kernels.nf4_dequant import NF4_LEVELS, dequantize_nf4, unsupported_reason
+from solution.kernels.nf4_dequant import NF4_LEVELS, DequantPlan, dequantize_nf4, unsupported_reason
 from tests.conftest import HAS_CUDA
 
 # Qwen2.5-1.5B weight shapes [out, in]: q/o, k/v, gate/up, down
@@ -134,6 +134,50 @@ def test_rejects_fp4(device):
     assert unsupported_reason(packed, qs) is not None
     with pytest.raises(ValueError):
         dequantize_nf4(packed, qs)
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy cast of 70000
+@pytest.mark.parametrize("cast_a,cast_b", [(True, 0), (True, 1), (True, 2), (False, 2)])
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
+def test_fused_casts(cast_a, cast_b, state_dtype, device):
+    """The fused launch (nf4_dequant_cast_kernel): the weight bits are those of the plain kernel,
+    the casts those of torch (fp32 -> fp16 round to nearest even, overflow to inf, subnormals;
+    the scaled copy = fp16(fp16(a) * s) as torch's fp16 tensor * float), nothing written past
+    the outputs; with dequant=False only the casts run. (NaN is left out: its payload bits are
+    not part of the contract.)"""
+    packed, qs = quantize((40, 96), state_dtype, True, device)
+    plan = DequantPlan(packed, qs)
+    g = torch.Generator().manual_seed(3)
+    n = 3 * 1000 + 7  # odd: a partial last cast block
+    a = (torch.randn(n, generator=g) * 3).to(device)
+    a[:6] = torch.tensor([70000.0, -1e-6, 3e-8, -65520.0, float("inf"), 65519.0])  # overflow, subnormals...
+    b = torch.randn(n, generator=g).to(device)
+    if not cast_a:
+        a = a.half()
+    for round_bf16 in (False, True):
+        for dequant in (True, False):
+            out = torch.full((40 * 96 + 8,), 7.0, dtype=torch.float16, device=device)
+            a16 = torch.full((n + 8,), 7.0, dtype=torch.float16, device=device) if cast_a else None
+            b16 = torch.full((n + 8,), 7.0, dtype=torch.float16, device=device)
+            _launches.reset()
+            plan.launch(out[: 40 * 96], round_bf16, dequant=dequant, a=a, a16=None if a16 is None else a16[:n],
+                        b=b if cast_b == 1 else None, b16=b16[:n] if cast_b else None, cast_b=cast_b, scaling=2.0)
+            assert dict(_launches.LAUNCHES) == {("nf4_dequant_cast" if dequant else "fp16_cast"): 1}
+            ref_w = dequantize_nf4(packed, qs, rounding_dtype=torch.bfloat16 if round_bf16 else torch.float16)
+            if dequant:
+                assert same_bits(out[: 40 * 96].view(40, 96), ref_w)
+            else:
+                assert (out == 7).all()
+            assert (out[40 * 96:] == 7).all()
+            a_ref = a.to(torch.float16)
+            if cast_a:
+                assert same_bits(a16[:n], a_ref) and (a16[n:] == 7).all()
+            if cast_b == 1:
+                assert same_bits(b16[:n], b.to(torch.float16))
+            if cast_b == 2:
+                assert same_bits(b16[:n], a_ref * 2.0)
+            if cast_b:
+                assert (b16[n:] == 7).all()
 
 
 @pytest.mark.parametrize("shape", MODEL_SHAPES[2:])

@@ -8,8 +8,9 @@ fp32 residual stream after RMSNorm); q_proj [1536, 1536] and v_proj [256, 1536],
 quantization, fp32 bias (after prepare_model_for_kbit_training); LoRA r=16, alpha=32 with fp32
 adapter weights (what Soup leaves on an fp16 card) and bf16 (trl's cast on bf16 cards); dropout
 0.05 (Soup's default) and 0. Stock = peft's forward with bnb's Linear4bit forward; ours = the
-patched forward (one autograd Function). Median times (triton.testing.do_bench) and the peak
-memory of one forward + backward above the baseline.
+patched forward (one autograd Function). Median times (triton.testing.do_bench), the peak
+memory of one forward + backward above the baseline, and per forward + backward: host (CPU) time
+to issue it, GPU work items and their summed GPU time (torch.profiler), our Triton launches.
 """
 from __future__ import annotations
 
@@ -31,6 +32,54 @@ CASES = [(0.05, torch.float32), (0.0, torch.float32), (0.05, torch.bfloat16)]
 
 def _ms(fn, **kw):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median", **kw)
+
+
+def profile_call(fn, reset=(), reps: int = 20) -> dict:
+    """Per call of ``fn`` (reset: tensors whose .grad is cleared before each call):
+    host_ms: median wall time of the Python call with the GPU idle before it, i.e. the CPU cost of
+             issuing the work (Python, torch dispatch, launches); when it exceeds the GPU time the
+             call is host-bound and do_bench measures it rather than the kernels;
+    gpu_ops, gpu_ms: work items the GPU ran (kernels, memsets, copies) and their summed time, from
+             torch.profiler; our_launches: our Triton launches (solution.kernels._launches)."""
+    import statistics
+    import time
+
+    from solution.kernels import _launches
+
+    def call():
+        for t in reset:
+            t.grad = None
+        fn()
+
+    call()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    _launches.reset()
+    call()
+    res = {"host_ms": statistics.median(host) * 1e3, "our_launches": sum(_launches.LAUNCHES.values()),
+           "gpu_ops": None, "gpu_ms": None}
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                call()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        res["gpu_ops"] = sum(e.count for e in evs) / reps
+        res["gpu_ms"] = sum((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+                            for e in evs) / reps / 1e3
+    except Exception as exc:  # no CUPTI etc.: the timings above still stand
+        res["profiler_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return res
 
 
 def make_layer(out_f, dropout, lora_dtype):
@@ -76,6 +125,7 @@ def bench_case(proj, out_f, tokens, dropout, lora_dtype):
             y.backward(g)
 
         t_f, t_fb = _ms(fwd), _ms(fwd_bwd, grad_to_none=params)
+        prof = profile_call(fwd_bwd, reset=params)
         torch.cuda.synchronize()
         base_mem = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -86,7 +136,7 @@ def bench_case(proj, out_f, tokens, dropout, lora_dtype):
             p.grad = None
         rows.append({"proj": proj, "tokens": tokens[0] * tokens[1], "dropout": dropout,
                      "lora_dtype": str(lora_dtype).split(".")[-1], "impl": impl, "fwd_ms": t_f,
-                     "fwd_bwd_ms": t_fb, "peak_fwd_bwd_MiB": peak})
+                     "fwd_bwd_ms": t_fb, "peak_fwd_bwd_MiB": peak, "fwd_bwd_profile": prof})
     # guard: same work (same seed -> same dropout mask)
     outs = {}
     for impl, fn in fns.items():
@@ -102,6 +152,10 @@ def _x(v) -> str:
     return "" if v is None else f"{v:.2f}x"
 
 
+def _f(v, fmt) -> str:
+    return "n/a" if v is None else format(v, fmt)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
@@ -115,12 +169,17 @@ def main() -> int:
             for dropout, lora_dtype in CASES:
                 results += bench_case(proj, out_f, tokens, dropout, lora_dtype)
     print(f"GPU: {torch.cuda.get_device_name()}\n")
-    print("| proj | tokens | dropout | LoRA dtype | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd | fwd equal |")
-    print("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- |")
+    print("| proj | tokens | dropout | LoRA dtype | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd |"
+          " fwd equal | fwd+bwd: host ms | GPU ops | GPU ms | our launches |")
+    print("| --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for r in results:
+        p = r["fwd_bwd_profile"]
         print(f"| {r['proj']} | {r['tokens']} | {r['dropout']} | {r['lora_dtype']} | {r['impl']} | {r['fwd_ms']:.4f} | "
               f"{r['fwd_bwd_ms']:.4f} | {r['peak_fwd_bwd_MiB']:.1f} | {_x(r.get('speedup_fwd_bwd'))} | "
-              f"{r.get('fwd_equal_to_stock', '')} |")
+              f"{r.get('fwd_equal_to_stock', '')} | {p['host_ms']:.3f} | {_f(p['gpu_ops'], '.1f')} | "
+              f"{_f(p['gpu_ms'], '.4f')} | {p['our_launches']} |")
+    print("\n(host ms: CPU time to issue one forward + backward with the GPU idle; when it is above the GPU ms,"
+          " the call is host-bound and the do_bench time follows the host time)")
     with open(args.out, "w") as f:
         json.dump({"op": "lora_nf4", "gpu": torch.cuda.get_device_name(), "results": results}, f, indent=2)
     return 0

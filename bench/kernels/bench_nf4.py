@@ -5,15 +5,20 @@ backward (ours vs bnb's Linear4bit), at Qwen2.5-1.5B's weight shapes.
 
 Part 1, dequantization of one weight (double quantization on, fp16 out): bnb's
 ``dequantize_4bit`` (2 launches + a temporary scale tensor + an add, fresh output) vs our single
-kernel into a reused buffer. Effective bandwidth = bytes that must move (packed codes n/2 +
-uint8 scales n/64 + fp16 output 2n) / time, also as % of a device-to-device copy measured here
+kernel into a reused buffer (a prepared ``DequantPlan``, as the layers use it), and the fused
+launch (dequant + fp16 cast of 2048 fp32 activation rows) vs dequant then torch's cast.
+Effective bandwidth = bytes that must move (packed codes n/2 + uint8 scales n/64 + fp16 output
+2n) / time, also as % of a device-to-device copy measured here
 (and of the nominal DRAM bandwidth when torch reports the memory clock). A small sweep over our
 kernel's launch configuration (blocks per program, warps, LUT gather vs select tree) shows
 whether the default is best (a configuration that is not bit-exact is reported as NaN).
 Part 2, Linear4bit forward and forward + backward (input grad only: frozen weight) under
 torch.autocast(fp16) with fp32 activations as in training, tokens 4 x 512 = 2048 and 3 x 500 =
-1500: stock bnb forward vs our patched forward; median times (triton.testing.do_bench) and
-the peak memory of one forward + backward above the baseline.
+1500: stock bnb forward vs our patched forward; median times (triton.testing.do_bench), the
+peak memory of one forward + backward above the baseline, and per forward + backward: host
+(CPU) time to issue it, number of GPU work items and their summed GPU time (torch.profiler),
+number of our Triton launches. At these sizes an H200 finishes the kernels faster than Python
+issues them, so the host time is what decides there.
 """
 from __future__ import annotations
 
@@ -37,6 +42,54 @@ SWEEP = [(nb, w, g) for g in (True, False) for nb, w in ((32, 4), (64, 4), (128,
 
 def _ms(fn, **kw):
     return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median", **kw)
+
+
+def profile_call(fn, reset=(), reps: int = 20) -> dict:
+    """Per call of ``fn`` (reset: tensors whose .grad is cleared before each call):
+    host_ms: median wall time of the Python call with the GPU idle before it, i.e. the CPU cost of
+             issuing the work (Python, torch dispatch, launches); when it exceeds the GPU time the
+             call is host-bound and do_bench measures it rather than the kernels;
+    gpu_ops, gpu_ms: work items the GPU ran (kernels, memsets, copies) and their summed time, from
+             torch.profiler; our_launches: our Triton launches (solution.kernels._launches)."""
+    import statistics
+    import time
+
+    from solution.kernels import _launches
+
+    def call():
+        for t in reset:
+            t.grad = None
+        fn()
+
+    call()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    _launches.reset()
+    call()
+    res = {"host_ms": statistics.median(host) * 1e3, "our_launches": sum(_launches.LAUNCHES.values()),
+           "gpu_ops": None, "gpu_ms": None}
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                call()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        res["gpu_ops"] = sum(e.count for e in evs) / reps
+        res["gpu_ms"] = sum((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+                            for e in evs) / reps / 1e3
+    except Exception as exc:  # no CUPTI etc.: the timings above still stand
+        res["profiler_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return res
 
 
 def copy_bandwidth_gbs() -> float:
@@ -72,7 +125,16 @@ def bench_dequant(copy_gbs, nominal_gbs):
         exact = torch.equal(ours.view(torch.int16), ref.view(torch.int16))
         nbytes = n // 2 + n // 64 + 2 * n
         t_bnb = _ms(lambda: bnbF.dequantize_4bit(packed, qs))
-        t_ours = _ms(lambda: nd.dequantize_nf4(packed, qs, out=buf))
+        plan = nd.DequantPlan(packed, qs)  # what the layers use: prepared once, one launch per call
+        t_ours = _ms(lambda: plan.launch(buf))
+        # the fused launch of the NF4 linear: dequant + fp16 cast of 2048 fp32 activation rows,
+        # vs the same dequant followed by torch's cast
+        x = torch.randn(2048, shape[1], device="cuda")
+        x16 = torch.empty(x.shape, dtype=torch.float16, device="cuda")
+        plan.launch(buf, a=x, a16=x16)
+        fused_ok = torch.equal(x16, x.half()) and torch.equal(buf.view(torch.int16), ref.view(torch.int16))
+        t_fused = _ms(lambda: plan.launch(buf, a=x, a16=x16)) if fused_ok else float("nan")
+        t_separate = _ms(lambda: (plan.launch(buf), x.to(torch.float16)))
         sweep = {}
         lut = nd._nf4_lut(packed.device)
         for nb, warps, gather in SWEEP:
@@ -95,6 +157,7 @@ def bench_dequant(copy_gbs, nominal_gbs):
         rows[-1]["bit_exact_vs_bnb"] = exact
         rows[-1]["speedup"] = t_bnb / t_ours
         rows[-1]["sweep_ms"] = sweep
+        rows[-1]["dequant_plus_cast_2048_ms"] = {"fused": t_fused, "separate": t_separate}
     return rows
 
 
@@ -153,7 +216,8 @@ def bench_linear():
                     return run
 
                 res[impl] = {"fwd_ms": _ms(fwd), "fwd_bwd_ms": _ms(fwd_bwd, grad_to_none=[x]),
-                             "peak_fwd_bwd_MiB": _peak(ac(), x, g)}
+                             "peak_fwd_bwd_MiB": _peak(ac(), x, g),
+                             "fwd_bwd_profile": profile_call(fwd_bwd, reset=[x])}
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
                 same = torch.equal(fns["ours"](x), fns["stock"](x))
             for impl in ("stock", "ours"):
@@ -165,6 +229,10 @@ def bench_linear():
 
 def _x(v) -> str:
     return "" if v is None else f"{v:.2f}x"
+
+
+def _f(v, fmt) -> str:
+    return "n/a" if v is None else format(v, fmt)
 
 
 def main() -> int:
@@ -179,18 +247,26 @@ def main() -> int:
     lin = bench_linear()
     print(f"GPU: {torch.cuda.get_device_name()}; device copy {copy_gbs:.0f} GB/s; nominal DRAM "
           f"{'unknown' if nominal_gbs is None else f'{nominal_gbs:.0f} GB/s'}\n")
-    print("| weight | impl | ms | GB/s | % of copy | speedup | bit-exact | best sweep config |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- |")
+    print("| weight | impl | ms | GB/s | % of copy | speedup | bit-exact | best sweep config |"
+          " + cast of 2048 x rows: fused / separate ms |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | --- | --- | --- |")
     for r in deq:
         best = min(r["sweep_ms"], key=r["sweep_ms"].get) if "sweep_ms" in r else ""
         best = f"{best} {r['sweep_ms'][best]:.4f} ms" if best else ""
+        fc = r.get("dequant_plus_cast_2048_ms")
+        fc = f"{fc['fused']:.4f} / {fc['separate']:.4f}" if fc else ""
         print(f"| {r['weight']} {tuple(r['shape'])} | {r['impl']} | {r['ms']:.4f} | {r['GB_s']:.0f} | "
-              f"{r['pct_of_copy']:.0f}% | {_x(r.get('speedup'))} | {r.get('bit_exact_vs_bnb', '')} | {best} |")
-    print("\n| weight | tokens | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd | fwd equal |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+              f"{r['pct_of_copy']:.0f}% | {_x(r.get('speedup'))} | {r.get('bit_exact_vs_bnb', '')} | {best} | {fc} |")
+    print("\n| weight | tokens | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd | fwd equal |"
+          " fwd+bwd: host ms | GPU ops | GPU ms | our launches |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
     for r in lin:
+        p = r["fwd_bwd_profile"]
         print(f"| {r['weight']} | {r['tokens']} | {r['impl']} | {r['fwd_ms']:.4f} | {r['fwd_bwd_ms']:.4f} | "
-              f"{r['peak_fwd_bwd_MiB']:.1f} | {_x(r.get('speedup_fwd_bwd'))} | {r.get('fwd_equal_to_stock', '')} |")
+              f"{r['peak_fwd_bwd_MiB']:.1f} | {_x(r.get('speedup_fwd_bwd'))} | {r.get('fwd_equal_to_stock', '')} | "
+              f"{p['host_ms']:.3f} | {_f(p['gpu_ops'], '.1f')} | {_f(p['gpu_ms'], '.4f')} | {p['our_launches']} |")
+    print("\n(host ms: CPU time to issue one forward + backward with the GPU idle; when it is above the GPU ms,"
+          " the call is host-bound and the do_bench time follows the host time)")
     with open(args.out, "w") as f:
         json.dump({"op": "nf4", "gpu": torch.cuda.get_device_name(), "copy_GB_s": copy_gbs,
                    "nominal_GB_s": nominal_gbs, "dequant": deq, "linear": lin}, f, indent=2)

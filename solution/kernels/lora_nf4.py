@@ -1,29 +1,33 @@
 """LoRA on a frozen NF4 linear (peft's ``lora.bnb.Linear4bit``, q_proj / v_proj) as one
-torch.autograd.Function, with the elementwise work fused into small Triton kernels.
+torch.autograd.Function, with the elementwise work fused into Triton launches.
 
-What peft 0.21.2 computes (``Linear4bit.forward``, single active adapter, not merged, no DoRA,
+What peft 0.21 computes (``Linear4bit.forward``, single active adapter, not merged, no DoRA,
 under torch.autocast(fp16) as in training):
     result = base_layer(x).clone()              # bnb Linear4bit: fp16 GEMM, cast back to x.dtype
     output = lora_B(lora_A(dropout(x))) * scaling   # autocast: fp16 GEMMs, fp16 result
     result = result + output                    # fp32 (x is fp32: the fp32 residual stream)
 Element by element that is  out = fp32(base16) + fp32(fp16(fp32(lora16) * scaling)).
 
-What costs: besides the three GEMMs, five full-size elementwise passes in forward (base to fp32,
-clone, scale, add, plus the cast of x for lora_A) and, in backward, two casts of the incoming
-gradient, the scale, two fp16->fp32 casts of the input gradients and their sum.
+What costs: besides the three GEMMs, full-size elementwise passes: forward casts x to fp16 (for
+the base), the base output to fp32, clones it, casts dropout(x) to fp16 (for lora_A), scales the
+LoRA output, adds; backward casts the fp32 gradient to fp16 twice, scales it, casts both fp16
+input gradients back to fp32, applies dropout's backward and sums the two. On the GPU that is 15
+kernels forward and ~17 backward (bnb's 3-launch dequantization included), mostly small on the
+CPU side but each one a launch.
 
 What we do instead (same numbers):
-  forward : x16 = x.to(fp16) once (shared by the base GEMM and lora_A when there is no dropout),
-            base16 = F.linear(x16, W_nf4, bias16), h16 = F.linear(xd16, A16),
-            lora16 = F.linear(h16, B16), then ONE kernel writes out = fp32(base16) +
-            fp32(fp16(lora16 * scaling)) (``lora_combine_kernel``). No clone, no extra temporaries.
-  backward: ONE kernel turns the fp32 gradient into g16 and fp16(g16 * scaling)
-            (``lora_grad_split_kernel``); cuBLAS for grad_h, grad_B, grad_A, the lora input
-            gradient and the base input gradient (grad16 @ dequant(W), re-dequantized by our
-            kernel); without dropout ONE kernel sums the two fp16 input gradients in fp32
-            (``lora_grad_sum_kernel``), as autograd's accumulation of the two fp32 casts does.
-Dropout stays torch's own call on x (same RNG stream, same mask, same recompute under gradient
-checkpointing); its output is passed in as ``xd`` and its backward stays torch's.
+  forward : torch's dropout op on x (the mask is kept: ``lora_dropout``); ONE Triton launch
+            dequantizes W into the scratch buffer and casts x and dropout(x) to fp16
+            (``nf4_dequant_cast_kernel``); base16 = F.linear(x16, W, bias16), h16 = F.linear(xd16,
+            A16), lora16 = F.linear(h16, B16) (cuBLAS, the same calls as stock); ONE kernel writes
+            out = fp32(base16) + fp32(fp16(lora16 * scaling)) (``lora_combine_kernel``).
+  backward: ONE launch re-dequantizes W (bnb's rounding chain) and turns the fp32 gradient into
+            g16 and fp16(g16 * scaling); cuBLAS for grad_B, grad_h, grad_A, the LoRA input
+            gradient and the base input gradient; ONE kernel (``lora_grad_sum_kernel``) applies
+            dropout's backward to the LoRA input gradient and adds the base one, in fp32, with
+            the roundings autograd's separate casts / dropout backward / sum would make.
+That is 8 kernels forward (2 Triton, dropout, 3 GEMMs, 2 tiny casts of A and B) and 9 backward
+(2 Triton, 5 GEMMs, 2 tiny casts of the A/B gradients), in one autograd node.
 Gradients of A and B come back in the parameters' own dtype (bf16 / fp32 / fp16), as the
 autocast cast's backward gives them.
 """
@@ -36,14 +40,17 @@ import triton
 import triton.language as tl
 
 from solution.kernels._launches import record
-from solution.kernels.nf4_linear import dequantize_to_scratch
+from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
 GPU_BLOCK = 2048
 GPU_NUM_WARPS = 8
 INTERPRETER_BLOCK = 1 << 16
 
+# dropout modes (how the LoRA input gradient goes through dropout's backward)
+NO_DROPOUT, DROPOUT_MASK, DROPOUT_NOISE = 0, 1, 2
 
-@triton.jit
+
+@triton.jit(do_not_specialize=["n"])
 def lora_combine_kernel(base_ptr, lora_ptr, out_ptr, n, scaling, BLOCK: tl.constexpr):
     """out = fp32(base) + fp32(fp16(fp32(lora) * scaling)), stored in out's dtype (fp32 or fp16).
     base, lora: fp16. This is peft's ``result.clone() + lora_B(...) * scaling`` in one pass."""
@@ -55,149 +62,199 @@ def lora_combine_kernel(base_ptr, lora_ptr, out_ptr, n, scaling, BLOCK: tl.const
     tl.store(out_ptr + offs, (base + scaled).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def lora_grad_split_kernel(g_ptr, g16_ptr, gs16_ptr, n, scaling, WRITE_G16: tl.constexpr,
-                           BLOCK: tl.constexpr):
-    """From the output gradient g (fp32 or fp16): g16 = fp16(g) (grad of the base GEMM output
-    and of the fp16 LoRA output) and gs16 = fp16(fp32(g16) * scaling) (grad of lora_B's output).
-    g16 is only written when g is not already fp16."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g16 = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float16)
-    if WRITE_G16:
-        tl.store(g16_ptr + offs, g16, mask=mask)
-    tl.store(gs16_ptr + offs, (g16.to(tl.float32) * scaling).to(tl.float16), mask=mask)
-
-
-@triton.jit
-def lora_grad_sum_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """out = fp32(a) + fp32(b) in out's dtype: the input gradient of the base path plus that of
-    the LoRA path (both fp16), summed as autograd sums their casts."""
+@triton.jit(do_not_specialize=["n"])
+def lora_grad_sum_kernel(a_ptr, b_ptr, m_ptr, out_ptr, n, drop_scale, DROP: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Input gradient of the LoRA layer, in out's dtype T (x's dtype):
+    out = T(fp32(a) + fp32(g)), with a = base-path gradient (fp16) and g = the LoRA-path gradient
+    b (fp16, gradient of dropout(x)) taken through dropout's backward:
+      DROP 0 (no dropout)          g = b
+      DROP 1 (torch.native_dropout, bool mask m: CUDA)  g = T((fp32(m) * fp32(b)) * drop_scale),
+                                   as native_dropout_backward computes it
+      DROP 2 (CPU composite dropout, noise m = mask / (1 - p) in T)  g = T(fp32(b) * fp32(m)),
+                                   as the MulBackward of ``x * noise``
+    i.e. exactly autograd's casts of the two fp16 gradients, dropout's backward and their sum."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, (a + b).to(out_ptr.dtype.element_ty), mask=mask)
+    g = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    if DROP == 1:
+        keep = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32)
+        g = ((keep * g) * drop_scale).to(out_ty).to(tl.float32)
+    if DROP == 2:
+        noise = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        g = (g * noise).to(out_ty).to(tl.float32)
+    tl.store(out_ptr + offs, (a + g).to(out_ty), mask=mask)
 
 
 def _grid_block(n: int, device: torch.device):
     block = GPU_BLOCK if device.type == "cuda" else INTERPRETER_BLOCK
-    return (triton.cdiv(n, block),), block
+    return (-(-n // block),), block  # ceil(n / block); triton.cdiv is a slow constexpr_function on the host
 
 
 def lora_combine(base16: torch.Tensor, lora16: torch.Tensor, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(base16.shape, dtype=out_dtype, device=base16.device)
     n = out.numel()
     grid, block = _grid_block(n, out.device)
-    lora_combine_kernel[grid](base16, lora16, out, n, float(scaling), BLOCK=block,
+    lora_combine_kernel[grid](base16, lora16, out, n, scaling, BLOCK=block,
                               num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
     record("lora_combine")
     return out
 
 
-def lora_grad_split(g: torch.Tensor, scaling: float):
-    """Returns (g16, gs16); g16 is g itself when g is fp16."""
-    write_g16 = g.dtype != torch.float16
-    g16 = torch.empty(g.shape, dtype=torch.float16, device=g.device) if write_g16 else g
-    gs16 = torch.empty(g.shape, dtype=torch.float16, device=g.device)
-    n = g.numel()
-    grid, block = _grid_block(n, g.device)
-    lora_grad_split_kernel[grid](g, g16, gs16, n, float(scaling), WRITE_G16=write_g16, BLOCK=block,
-                                 num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
-    record("lora_grad_split")
-    return g16, gs16
-
-
-def lora_grad_sum(a16: torch.Tensor, b16: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def lora_grad_sum(a16: torch.Tensor, b16: torch.Tensor, drop_mask, drop_mode: int, drop_scale: float,
+                  out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(a16.shape, dtype=out_dtype, device=a16.device)
     n = out.numel()
     grid, block = _grid_block(n, out.device)
-    lora_grad_sum_kernel[grid](a16, b16, out, n, BLOCK=block, num_warps=GPU_NUM_WARPS)
+    lora_grad_sum_kernel[grid](a16, b16, a16 if drop_mask is None else drop_mask, out, n, drop_scale,
+                               DROP=drop_mode, BLOCK=block, num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
     record("lora_grad_sum")
     return out
+
+
+def _dropout_is_native(x: torch.Tensor) -> bool:
+    """Does ``F.dropout`` run ``native_dropout`` for x? (``at::dropout``'s is_fused_kernel_acceptable:
+    CUDA / XPU / lazy / privateuse1 tensors; the caller already checked 0 < p < 1 and x non-empty.)"""
+    return x.device.type == "cuda"
+
+
+def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor):
+    """``dropout(x)`` for a plain ``nn.Dropout`` / ``nn.Identity``, computed with the very ops (and
+    random numbers) torch's ``F.dropout`` uses, but keeping the mask for our fused backward.
+    Returns (xd, mask, mode, scale): xd None when dropout is the identity (eval mode, p == 0).
+
+    ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
+    (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite
+    ``noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise`` (backward
+    ``grad * noise``). The caller checked 0 <= p < 1 and inplace=False."""
+    if isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0:
+        return None, None, NO_DROPOUT, 1.0
+    p = dropout.p
+    with torch.no_grad():  # our Function owns the whole input gradient, dropout's part included
+        if _dropout_is_native(x):
+            xd, mask = torch.native_dropout(x, p, True)
+            return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
+        noise = torch.empty_like(x).bernoulli_(1 - p)
+        noise.div_(1 - p)
+        return x * noise, noise, DROPOUT_NOISE, 1.0
+
+
+def _fusable(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS
+
+
+def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd: torch.Tensor | None):
+    """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32 and
+    contiguous ones; others are cast by torch, with its layout rules)."""
+    w16 = plan.weight16()
+    jobs = []
+    if _fusable(x):
+        x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        jobs.append((x, x16))
+    else:
+        x16 = x if x.dtype == torch.float16 else x.to(torch.float16)
+    if xd is None:
+        xd16 = x16
+    elif _fusable(xd):
+        xd16 = torch.empty(xd.shape, dtype=torch.float16, device=xd.device)
+        jobs.append((xd, xd16))
+    else:
+        xd16 = xd if xd.dtype == torch.float16 else xd.to(torch.float16)
+    if not jobs:
+        plan.dq.launch(w16)
+    elif len(jobs) == 1:
+        plan.dq.launch(w16, a=jobs[0][0], a16=jobs[0][1])
+    else:
+        plan.dq.launch(w16, a=x, a16=x16, b=xd, b16=xd16, cast_b=1)
+    return w16, x16, xd16
 
 
 class LoraNF4Function(torch.autograd.Function):
     """out = fp32(F.linear(x16, dequant(W), bias16)) + fp32(fp16(F.linear(F.linear(xd16, A16), B16) * s))
 
-    x: layer input (fp32 or fp16). xd: dropout(x) from torch's dropout, or None when the adapter
-    has no dropout (then x16 feeds lora_A too). lora_a [r, in], lora_b [out, r]: trainable, any
-    float dtype (cast to fp16 as autocast does). bias16: the base bias, fp16 (bnb casts it), or
-    None. weight / quant_state: the frozen packed NF4 weight. Output dtype: x.dtype.
+    x: layer input (fp32 or fp16), the only differentiable activation: its gradient includes the
+    path through dropout. lora_a [r, in], lora_b [out, r]: trainable, any float dtype (cast to
+    fp16 as autocast does). bias16: the base bias, fp16 (bnb casts it), or None. plan: the base
+    layer's ``LinearPlan`` (frozen packed NF4 weight). xd, drop_mask, drop_mode, drop_scale: from
+    ``lora_dropout`` (xd None: no dropout). scaling: LoRA alpha / r. Output dtype: x.dtype.
     """
 
     @staticmethod
-    def forward(ctx, x, xd, lora_a, lora_b, bias16, weight, quant_state, scaling):
-        x16 = x.to(torch.float16)
-        base16 = F.linear(x16, dequantize_to_scratch(weight, quant_state), bias16)
-        xd16 = x16 if xd is None else xd.to(torch.float16)
-        h16 = F.linear(xd16, lora_a.to(torch.float16))
-        lora16 = F.linear(h16, lora_b.to(torch.float16))
+    def forward(ctx, x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode, drop_scale, scaling):
+        w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd)
+        base16 = F.linear(x16, w16, bias16)
+        a16 = lora_a if lora_a.dtype == torch.float16 else lora_a.to(torch.float16)
+        b16 = lora_b if lora_b.dtype == torch.float16 else lora_b.to(torch.float16)
+        h16 = F.linear(xd16, a16)
+        lora16 = F.linear(h16, b16)
         out = lora_combine(base16, lora16, scaling, x.dtype)
-        ctx.save_for_backward(xd16, h16, lora_a, lora_b)
-        ctx.weight, ctx.quant_state, ctx.scaling = weight, quant_state, scaling
-        ctx.x_dtype = x.dtype
-        ctx.xd_dtype = None if xd is None else xd.dtype
-        ctx.bias_dtype = None if bias16 is None else bias16.dtype
+        # the fp16 casts of A and B are saved (stock autocast saves them too), so backward does
+        # not cast again
+        ctx.save_for_backward(xd16, h16, a16, b16, drop_mask)
+        ctx.plan, ctx.scaling = plan, scaling
+        ctx.drop_mode, ctx.drop_scale = drop_mode, drop_scale
+        ctx.dtypes = (x.dtype, lora_a.dtype, lora_b.dtype, None if bias16 is None else bias16.dtype)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        xd16, h16, lora_a, lora_b = ctx.saved_tensors
-        need_x, need_xd, need_a, need_b, need_bias = ctx.needs_input_grad[:5]
-        g16, gs16 = lora_grad_split(grad_out.contiguous(), ctx.scaling)
+        xd16, h16, a16, b16, drop_mask = ctx.saved_tensors
+        need_x, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
+        x_dtype, a_dtype, b_dtype, bias_dtype = ctx.dtypes
+        plan = ctx.plan
+        g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+        # one launch: W again (bnb's backward rounding chain; only when the input gradient is
+        # needed), g16 = fp16(g) (autograd's cast of the gradient of the fp16 GEMM outputs) and
+        # gs16 = fp16(g16 * scaling) (the gradient of lora_B's output, as peft's fp16 `* scaling`)
+        w16 = plan.weight16()
+        g16 = g if g.dtype == torch.float16 else torch.empty(g.shape, dtype=torch.float16, device=g.device)
+        gs16 = torch.empty(g.shape, dtype=torch.float16, device=g.device)
+        plan.dq.launch(w16, plan.round_bwd, dequant=need_x, a=g, a16=None if g16 is g else g16,
+                       b16=gs16, cast_b=2, scaling=ctx.scaling)
         n_out, r, n_in = gs16.shape[-1], h16.shape[-1], xd16.shape[-1]
-        lora_input_needed = need_xd or (need_x and ctx.xd_dtype is None)
 
-        grad_x = grad_xd = grad_a = grad_b = grad_bias = None
+        grad_x = grad_a = grad_b = grad_bias = None
         if need_b:  # lora_B: grad_weight = gs^T h
-            grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r)).to(lora_b.dtype)
-        grad_xd16 = None
-        if need_a or lora_input_needed:
-            grad_h16 = torch.matmul(gs16, lora_b.to(torch.float16))  # [..., r]
+            grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r)).to(b_dtype)
+        if need_a or need_x:
+            grad_h16 = torch.matmul(gs16, b16)  # [..., r]
             if need_a:  # lora_A: grad_weight = grad_h^T xd16
-                grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in)).to(lora_a.dtype)
-            if lora_input_needed:
-                grad_xd16 = torch.matmul(grad_h16, lora_a.to(torch.float16))
-        if need_x:
-            qs = ctx.quant_state
-            w16 = dequantize_to_scratch(ctx.weight, qs, rounding_dtype=qs.dtype)
-            grad_base16 = torch.matmul(g16, w16)
-            if ctx.xd_dtype is None:
-                grad_x = lora_grad_sum(grad_base16, grad_xd16, ctx.x_dtype)
-            else:
-                grad_x = grad_base16.to(ctx.x_dtype)
-        if need_xd:
-            grad_xd = grad_xd16.to(ctx.xd_dtype)
+                grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in)).to(a_dtype)
+            if need_x:
+                grad_xd16 = torch.matmul(grad_h16, a16)
+                grad_base16 = torch.matmul(g16, w16)
+                grad_x = lora_grad_sum(grad_base16, grad_xd16, drop_mask, ctx.drop_mode, ctx.drop_scale, x_dtype)
         if need_bias:
-            grad_bias = g16.reshape(-1, n_out).sum(0, dtype=ctx.bias_dtype)
-        return grad_x, grad_xd, grad_a, grad_b, grad_bias, None, None, None
+            grad_bias = g16.reshape(-1, n_out).sum(0, dtype=bias_dtype)
+        return grad_x, grad_a, grad_b, grad_bias, None, None, None, None, None, None
 
 
-def lora_nf4(x, xd, lora_a, lora_b, bias16, weight, quant_state, scaling: float) -> torch.Tensor:
+def lora_nf4(x, lora_a, lora_b, bias16, plan, xd=None, drop_mask=None, drop_mode: int = NO_DROPOUT,
+             drop_scale: float = 1.0, scaling: float = 1.0) -> torch.Tensor:
     """See LoraNF4Function. x fp32/fp16 [..., in]; returns x.dtype [..., out]."""
-    return LoraNF4Function.apply(x, xd, lora_a, lora_b, bias16, weight, quant_state, float(scaling))
+    return LoraNF4Function.apply(x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode,
+                                 float(drop_scale), float(scaling))
 
 
 def sm75_specs():
-    """Launch configurations used in training (x fp32 -> fp32 output; fp16 for completeness)."""
+    """Launch configurations used in training (x fp32 -> fp32 output, dropout on CUDA: bool mask;
+    fp16 for completeness)."""
     for out_ty in ("fp32", "fp16"):
         yield {
             "name": f"lora_combine(out={out_ty})", "fn": lora_combine_kernel,
             "signature": {"base_ptr": "*fp16", "lora_ptr": "*fp16", "out_ptr": f"*{out_ty}", "n": "i32",
                           "scaling": "fp32", "BLOCK": "constexpr"},
             "constexprs": {"BLOCK": GPU_BLOCK}, "num_warps": GPU_NUM_WARPS,
+            "options": {"enable_fp_fusion": False},
         }
-        yield {
-            "name": f"lora_grad_split(g={out_ty})", "fn": lora_grad_split_kernel,
-            "signature": {"g_ptr": f"*{out_ty}", "g16_ptr": "*fp16", "gs16_ptr": "*fp16", "n": "i32",
-                          "scaling": "fp32", "WRITE_G16": "constexpr", "BLOCK": "constexpr"},
-            "constexprs": {"WRITE_G16": out_ty != "fp16", "BLOCK": GPU_BLOCK}, "num_warps": GPU_NUM_WARPS,
-        }
-        yield {
-            "name": f"lora_grad_sum(out={out_ty})", "fn": lora_grad_sum_kernel,
-            "signature": {"a_ptr": "*fp16", "b_ptr": "*fp16", "out_ptr": f"*{out_ty}", "n": "i32",
-                          "BLOCK": "constexpr"},
-            "constexprs": {"BLOCK": GPU_BLOCK}, "num_warps": GPU_NUM_WARPS,
-        }
+        for drop, m_ty in ((NO_DROPOUT, "*fp16"), (DROPOUT_MASK, "*i1")):
+            yield {
+                "name": f"lora_grad_sum(out={out_ty},drop={drop})", "fn": lora_grad_sum_kernel,
+                "signature": {"a_ptr": "*fp16", "b_ptr": "*fp16", "m_ptr": m_ty, "out_ptr": f"*{out_ty}",
+                              "n": "i32", "drop_scale": "fp32", "DROP": "constexpr", "BLOCK": "constexpr"},
+                "constexprs": {"DROP": drop, "BLOCK": GPU_BLOCK}, "num_warps": GPU_NUM_WARPS,
+                "options": {"enable_fp_fusion": False},
+            }

@@ -25,6 +25,12 @@ L1), looks up each element's NF4 level (a gather in a 64-byte table, or a select
 bits between 16 constants: see LUT_GATHER), multiplies by the block's scale, rounds to fp16 and
 writes 8 KB of fp16 with 16-byte stores.
 
+``nf4_dequant_cast_kernel``: the same dequantization plus, in the programs after it, the fp16
+casts the NF4 linear / LoRA layers need next to the weight (activations in forward, the gradient
+and its scaled copy in backward): one launch instead of a dequant launch and torch cast kernels.
+``DequantPlan`` prepares a weight's launch once (the layers cache one per weight), so a call is a
+single kernel launch with no Python checks.
+
 ``rounding_dtype``: bnb's MatMul4Bit.backward dequantizes to ``quant_state.dtype`` and then casts
 to the gradient's dtype. When the checkpoint was quantized from bf16 (quant_state.dtype bf16)
 that is fp16(bf16(x)), a double rounding; ROUND_BF16 reproduces it with integer ops (sm_75 has
@@ -103,19 +109,13 @@ def _to_fp16(p, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def nf4_dequant_kernel(
-    packed_ptr,    # *u8   packed codes, (n_elements + 1) // 2 bytes
-    absmax_ptr,    # *u8 (NESTED) or *fp32: one entry per block of BLOCKSIZE elements
-    code2_ptr,     # *fp32 [256] second-level code map (NESTED only)
-    absmax2_ptr,   # *fp32 one per NESTED_BS scales (NESTED only)
-    offset_ptr,    # *fp32 scalar added to the decoded scales (NESTED only)
-    lut_ptr,       # *fp32 [16] the NF4 levels (LUT_GATHER only)
-    out_ptr,       # *fp16 n_elements, row-major [out_features, in_features]
+def _dequant_blocks(
+    pid, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, lut_ptr, out_ptr,
     n_elements, n_bytes, n_blocks,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
     NB: tl.constexpr, ROUND_BF16: tl.constexpr, LUT_GATHER: tl.constexpr,
 ):
-    """out[e] = fp16(NF4[code(e)] * scale(e // BLOCKSIZE)) for the NB blocks of this program.
+    """out[e] = fp16(NF4[code(e)] * scale(e // BLOCKSIZE)) for the NB blocks of program ``pid``.
 
     NF4[code] comes from a gather in the 16-entry table (LUT_GATHER) or from a select tree on
     the code bits between constants; both give the same fp32 levels.
@@ -124,7 +124,6 @@ def nf4_dequant_kernel(
     scale(b) = fp32(fp32(code2[absmax[b]] * absmax2[b // NESTED_BS]) + offset[0]).
     """
     HALF: tl.constexpr = BLOCKSIZE // 2  # packed bytes per block
-    pid = tl.program_id(0)
     blk = pid * NB + tl.arange(0, NB)  # [NB] block indices of this program
     blk_ok = blk < n_blocks
 
@@ -159,8 +158,81 @@ def nf4_dequant_kernel(
     tl.store(out_ptr + out_idx, vals, mask=out_idx < n_elements)
 
 
+@triton.jit
+def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
+                CAST_A: tl.constexpr, CAST_B: tl.constexpr, BLOCK: tl.constexpr):
+    """Elements [pid * BLOCK, (pid + 1) * BLOCK) of one or two same-sized contiguous tensors:
+    a16 = fp16(a) when CAST_A (round to nearest even, exactly torch's ``a.to(torch.float16)``);
+    CAST_B == 1: b16 = fp16(b); CAST_B == 2: b16 = fp16(fp32(fp16(a)) * scaling), the scaled
+    fp16 copy of a (with a already fp16 when CAST_A is off)."""
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a16 = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float16)
+    if CAST_A:
+        tl.store(a16_ptr + offs, a16, mask=mask)
+    if CAST_B == 1:
+        b16 = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float16)
+        tl.store(b16_ptr + offs, b16, mask=mask)
+    if CAST_B == 2:
+        tl.store(b16_ptr + offs, (a16.to(tl.float32) * scaling).to(tl.float16), mask=mask)
+
+
+@triton.jit
+def nf4_dequant_kernel(
+    packed_ptr,    # *u8   packed codes, (n_elements + 1) // 2 bytes
+    absmax_ptr,    # *u8 (NESTED) or *fp32: one entry per block of BLOCKSIZE elements
+    code2_ptr,     # *fp32 [256] second-level code map (NESTED only)
+    absmax2_ptr,   # *fp32 one per NESTED_BS scales (NESTED only)
+    offset_ptr,    # *fp32 scalar added to the decoded scales (NESTED only)
+    lut_ptr,       # *fp32 [16] the NF4 levels (LUT_GATHER only)
+    out_ptr,       # *fp16 n_elements, row-major [out_features, in_features]
+    n_elements, n_bytes, n_blocks,
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
+    NB: tl.constexpr, ROUND_BF16: tl.constexpr, LUT_GATHER: tl.constexpr,
+):
+    """Dequantize the whole weight: program p handles blocks [p * NB, (p + 1) * NB)."""
+    _dequant_blocks(tl.program_id(0), packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr,
+                    lut_ptr, out_ptr, n_elements, n_bytes, n_blocks,
+                    BLOCKSIZE, NESTED, NESTED_BS, NB, ROUND_BF16, LUT_GATHER)
+
+
+@triton.jit(do_not_specialize=["n_cast"])
+def nf4_dequant_cast_kernel(
+    packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, lut_ptr, out_ptr,
+    n_elements, n_bytes, n_blocks,
+    n_deq_programs,  # programs [0, n_deq_programs) dequantize (0: cast only)
+    a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,  # the fp16 casts (see _cast_block)
+    BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
+    NB: tl.constexpr, ROUND_BF16: tl.constexpr, LUT_GATHER: tl.constexpr,
+    CAST_A: tl.constexpr, CAST_B: tl.constexpr, CAST_BLOCK: tl.constexpr,
+):
+    """One launch for the two memory-bound preparations of an fp16 GEMM: programs below
+    ``n_deq_programs`` dequantize the NF4 weight (as nf4_dequant_kernel), the others cast the
+    activations (or the incoming gradient) to fp16 (``_cast_block``). Saves a separate cast kernel
+    (and its launch) per NF4 linear call; the values are the same as torch's casts."""
+    pid = tl.program_id(0)
+    if pid < n_deq_programs:
+        _dequant_blocks(pid, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, lut_ptr,
+                        out_ptr, n_elements, n_bytes, n_blocks,
+                        BLOCKSIZE, NESTED, NESTED_BS, NB, ROUND_BF16, LUT_GATHER)
+    else:
+        _cast_block(pid - n_deq_programs, a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,
+                    CAST_A, CAST_B, CAST_BLOCK)
+
+
 # --------------------------------------------------------------------------------------------
 # launcher
+
+# fp16 casts fused into the dequantization launch: elements per program (4 warps -> 16 per
+# thread on the GPU; large blocks in the interpreter, where each program costs Python time)
+GPU_CAST_BLOCK = 2048
+INTERPRETER_CAST_BLOCK = 1 << 16
+MAX_CAST_ELEMENTS = 2**31 - 2**17  # _cast_block indexes with int32
+
+# A Params4bit weight is a tensor subclass with a Python __torch_function__: every tensor method
+# called on it (numel, dtype, data_ptr, view...) runs Python code, ~1-2 us each. Plans below read
+# the weight once, under this guard, and keep a plain torch.Tensor alias of its bytes.
+_no_torch_function = torch._C.DisableTorchFunctionSubclass
 
 _offset_cache: dict = {}
 _lut_cache: dict = {}
@@ -216,6 +288,94 @@ def unsupported_reason(weight: torch.Tensor, quant_state) -> str | None:
     return None
 
 
+class DequantPlan:
+    """One NF4 weight's dequantization launch, prepared once: a plain-tensor alias of the packed
+    bytes, the scale tensors in the kernel's dtypes, sizes, grid and constexprs. ``launch`` is then
+    a single kernel call with no checks. A cached plan stays valid while ``matches`` (the same
+    QuantState and scale tensors, the weight bytes at the same address) holds."""
+
+    __slots__ = ("qs", "absmax_src", "state2", "absmax2_src", "code2_src", "offset_src", "ptr",
+                 "shape", "numel", "device", "args", "sizes", "consts", "n_deq_programs",
+                 "cast_block")
+
+    def __init__(self, weight: torch.Tensor, quant_state):
+        reason = unsupported_reason(weight, quant_state)
+        if reason is not None:
+            raise ValueError(f"dequantize_nf4: {reason}")
+        qs = quant_state
+        with _no_torch_function():
+            packed = weight.detach() if weight.dtype == torch.uint8 else weight.detach().view(torch.uint8)
+            if not packed.is_contiguous():
+                packed = packed.contiguous()
+            self.ptr = weight.data_ptr()
+            dev = weight.device
+        self.qs, self.absmax_src = qs, qs.absmax
+        self.shape = tuple(qs.shape)
+        n = self.numel = math.prod(self.shape)
+        self.device = dev
+        bs = qs.blocksize
+        n_blocks = -(-n // bs)
+        if qs.nested:
+            s2 = qs.state2
+            self.state2, self.absmax2_src, self.code2_src, self.offset_src = s2, s2.absmax, s2.code, qs.offset
+            absmax = qs.absmax
+            code2 = s2.code if s2.code.dtype == torch.float32 else s2.code.float()
+            absmax2 = s2.absmax if s2.absmax.dtype == torch.float32 else s2.absmax.float()
+            offset = _offset_tensor(qs.offset, dev)
+            nested_bs = s2.blocksize
+        else:
+            self.state2 = self.absmax2_src = self.code2_src = self.offset_src = None
+            absmax = qs.absmax if qs.absmax.dtype == torch.float32 else qs.absmax.float()
+            code2 = absmax2 = offset = absmax  # unused by the kernel when NESTED is False
+            nested_bs = 256
+        interp = dev.type != "cuda"
+        nb = INTERPRETER_BLOCKS_PER_PROGRAM if interp else max(1, GPU_BLOCKS_PER_PROGRAM * 64 // bs)
+        self.cast_block = INTERPRETER_CAST_BLOCK if interp else GPU_CAST_BLOCK
+        self.n_deq_programs = triton.cdiv(n_blocks, nb)
+        self.args = (packed, absmax, code2, absmax2, offset, _nf4_lut(dev))
+        self.sizes = (n, (n + 1) // 2, n_blocks)
+        self.consts = {"BLOCKSIZE": bs, "NESTED": bool(qs.nested), "NESTED_BS": nested_bs, "NB": nb,
+                       "num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
+
+    def matches(self, weight: torch.Tensor, quant_state) -> bool:
+        """Is this plan still the one for ``weight`` / ``quant_state``? (identity checks + the
+        address of the packed bytes: ~1 us)."""
+        qs = quant_state
+        if qs is not self.qs or qs.absmax is not self.absmax_src:
+            return False
+        s2 = self.state2
+        if s2 is not None and (qs.state2 is not s2 or s2.absmax is not self.absmax2_src
+                               or s2.code is not self.code2_src or qs.offset is not self.offset_src):
+            return False
+        with _no_torch_function():
+            return weight.data_ptr() == self.ptr
+
+    def launch(self, out: torch.Tensor, round_bf16: bool = False, *, dequant: bool = True,
+               a: torch.Tensor | None = None, a16: torch.Tensor | None = None,
+               b: torch.Tensor | None = None, b16: torch.Tensor | None = None,
+               cast_b: int = 0, scaling: float = 1.0) -> None:
+        """Dequantize into ``out`` (fp16, contiguous, ``numel`` elements), and in the same launch,
+        when ``a`` is given, the fp16 casts of ``_cast_block``: a16 = fp16(a) (if a16 is given),
+        cast_b=1: b16 = fp16(b), cast_b=2: b16 = fp16(fp16(a) * scaling). a, b, a16, b16: contiguous,
+        same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``: the casts only.
+        round_bf16: round the weight through bf16 first (bnb's backward for bf16 states)."""
+        if a is None:
+            nf4_dequant_kernel[(self.n_deq_programs,)](
+                *self.args, out, *self.sizes, ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, **self.consts)
+            record(KERNEL_NAME)
+            return
+        n_cast = a.numel()
+        n_deq = self.n_deq_programs if dequant else 0
+        grid = (n_deq - (-n_cast // self.cast_block),)  # (not triton.cdiv: a slow constexpr_function on the host)
+        nf4_dequant_cast_kernel[grid](
+            *self.args, out, *self.sizes, n_deq,
+            a, out if a16 is None else a16, a if b is None else b, out if b16 is None else b16,
+            n_cast, float(scaling),
+            ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, CAST_A=a16 is not None, CAST_B=cast_b,
+            CAST_BLOCK=self.cast_block, **self.consts)
+        record(KERNEL_NAME + "_cast" if dequant else "fp16_cast")
+
+
 def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,
                    rounding_dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Dequantize a bitsandbytes NF4 weight to fp16 ``quant_state.shape`` ([out, in]).
@@ -227,60 +387,32 @@ def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None =
     rounding_dtype: the dtype bnb would dequantize into before a cast to fp16. fp16 / fp32: the
     result equals ``dequantize_4bit`` into fp16 (one rounding of the fp32 product). bf16: equals
     ``dequantize_4bit(...)`` of a bf16 state followed by ``.to(torch.float16)``.
+    (One-off calls; the NF4 linear layers keep a ``DequantPlan`` per weight instead.)
     """
-    reason = unsupported_reason(weight, quant_state)
-    if reason is not None:
-        raise ValueError(f"dequantize_nf4: {reason}")
-    qs = quant_state
-    shape = tuple(qs.shape)
-    n = math.prod(shape)
-    dev = weight.device
-    packed = weight if weight.dtype == torch.uint8 else weight.view(torch.uint8)
-    if not packed.is_contiguous():
-        packed = packed.contiguous()
+    plan = DequantPlan(weight, quant_state)
     if out is None:
-        out = torch.empty(shape, dtype=torch.float16, device=dev)
+        out = torch.empty(plan.shape, dtype=torch.float16, device=plan.device)
     else:
-        if out.dtype != torch.float16 or not out.is_contiguous() or out.numel() != n:
+        if out.dtype != torch.float16 or not out.is_contiguous() or out.numel() != plan.numel:
             raise ValueError("dequantize_nf4: out must be a contiguous fp16 tensor of prod(shape) elements")
-        out = out.view(shape)
-    bs = qs.blocksize
-    n_blocks = -(-n // bs)
-    if qs.nested:
-        s2 = qs.state2
-        absmax = qs.absmax
-        code2 = s2.code if s2.code.dtype == torch.float32 else s2.code.float()
-        absmax2 = s2.absmax if s2.absmax.dtype == torch.float32 else s2.absmax.float()
-        offset = _offset_tensor(qs.offset, dev)
-        nested_bs = s2.blocksize
-    else:
-        absmax = qs.absmax if qs.absmax.dtype == torch.float32 else qs.absmax.float()
-        code2 = absmax2 = offset = absmax  # unused by the kernel when NESTED is False
-        nested_bs = 256
-    interp = dev.type != "cuda"
-    nb = INTERPRETER_BLOCKS_PER_PROGRAM if interp else max(1, GPU_BLOCKS_PER_PROGRAM * 64 // bs)
-    grid = (triton.cdiv(n_blocks, nb),)
-    nf4_dequant_kernel[grid](
-        packed, absmax, code2, absmax2, offset, _nf4_lut(dev), out,
-        n, (n + 1) // 2, n_blocks,
-        BLOCKSIZE=bs, NESTED=bool(qs.nested), NESTED_BS=nested_bs, NB=nb,
-        ROUND_BF16=(rounding_dtype == torch.bfloat16), LUT_GATHER=LUT_GATHER,
-        num_warps=GPU_NUM_WARPS, enable_fp_fusion=False,
-    )
-    record(KERNEL_NAME)
+        out = out.view(plan.shape)
+    plan.launch(out, rounding_dtype == torch.bfloat16)
     return out
 
 
 def sm75_specs():
     """The launch configurations used in training (blocksize 64, double quant on; the bf16
     rounding variant runs in backward when the state was quantized from bf16; the non-nested
-    variant for states without double quantization)."""
+    variant for states without double quantization), then the fused dequant + fp16 cast launches
+    of the NF4 linear (x or grad fp32 -> fp16) and of the LoRA layer (x and dropout(x) -> fp16 in
+    forward; grad -> fp16 and its scaled fp16 copy in backward, from fp32 or fp16 gradients)."""
     common = {
         "packed_ptr": "*u8", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
         "lut_ptr": "*fp32", "out_ptr": "*fp16", "n_elements": "i32", "n_bytes": "i32",
         "n_blocks": "i32", "BLOCKSIZE": "constexpr", "NESTED": "constexpr", "NESTED_BS": "constexpr",
         "NB": "constexpr", "ROUND_BF16": "constexpr", "LUT_GATHER": "constexpr",
     }
+    options = {"enable_fp_fusion": False}
     for lut_gather in (False, True):  # default first; the gather variant is the benchmark's alternative
         for nested in (True, False):
             for round_bf16 in (False, True):
@@ -294,5 +426,25 @@ def sm75_specs():
                     "constexprs": {"BLOCKSIZE": 64, "NESTED": nested, "NESTED_BS": 256,
                                    "NB": GPU_BLOCKS_PER_PROGRAM, "ROUND_BF16": round_bf16,
                                    "LUT_GATHER": lut_gather},
-                    "num_warps": GPU_NUM_WARPS,
+                    "num_warps": GPU_NUM_WARPS, "options": options,
                 }
+    # (source dtype, CAST_A, CAST_B, bf16 rounding variants used)
+    cast_variants = [("fp32", True, 0, (False, True)),   # NF4 linear: x / grad fp32 -> fp16
+                     ("fp32", True, 1, (False,)),        # LoRA forward: x and dropout(x) -> fp16
+                     ("fp32", True, 2, (False, True)),   # LoRA backward: g16 and fp16(g16 * s)
+                     ("fp16", False, 2, (False, True))]  # LoRA backward, fp16 gradient
+    for src, cast_a, cast_b, roundings in cast_variants:
+        for round_bf16 in roundings:
+            sig = dict(common)
+            sig.update({"absmax_ptr": "*u8", "n_deq_programs": "i32", "a_ptr": f"*{src}", "a16_ptr": "*fp16",
+                        "b_ptr": f"*{src}", "b16_ptr": "*fp16", "n_cast": "i32", "scaling": "fp32",
+                        "CAST_A": "constexpr", "CAST_B": "constexpr", "CAST_BLOCK": "constexpr"})
+            yield {
+                "name": f"nf4_dequant_cast({src},A={int(cast_a)},B={cast_b},bf16_round={int(round_bf16)})",
+                "fn": nf4_dequant_cast_kernel,
+                "signature": sig,
+                "constexprs": {"BLOCKSIZE": 64, "NESTED": True, "NESTED_BS": 256, "NB": GPU_BLOCKS_PER_PROGRAM,
+                               "ROUND_BF16": round_bf16, "LUT_GATHER": False, "CAST_A": cast_a,
+                               "CAST_B": cast_b, "CAST_BLOCK": GPU_CAST_BLOCK},
+                "num_warps": GPU_NUM_WARPS, "options": options,
+            }

@@ -1,5 +1,6 @@
 """Route bitsandbytes.nn.Linear4bit.forward (NF4, fp16 compute) through our NF4 linear: one
-Triton dequantization kernel into a reused buffer + the same cuBLAS F.linear as bnb.
+Triton launch (weight dequantization + fp16 cast of x) into a reused buffer + the same cuBLAS
+F.linear as bnb.
 
 Everything else (FP4, bf16/fp32 compute dtype, bnb's fused small-M GEMM, CPU without the Triton
 interpreter, odd states) goes to the original forward, unchanged.
@@ -21,17 +22,13 @@ def check() -> str | None:
 
 def make_forward(original_forward):
     """The replacement Linear4bit.forward; ``original_forward`` takes every unsupported call."""
-    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
-
-    from solution.kernels.nf4_linear import linear4bit_prepare, linear4bit_unsupported, nf4_linear
+    from solution.kernels.nf4_linear import call_reason, linear4bit_bias, linear_plan, nf4_linear_call
 
     def forward(self, x):
-        fix_4bit_weight_quant_state_from_module(self)
-        if linear4bit_unsupported(self, x) is not None:
+        plan = linear_plan(self)  # cached per layer; includes bnb's quant-state repair
+        if call_reason(plan, self, x) is not None:
             return original_forward(self, x)
-        inp_dtype = x.dtype
-        x16, bias16 = linear4bit_prepare(self, x)
-        return nf4_linear(x16, self.weight, self.weight.quant_state, bias16).to(inp_dtype)
+        return nf4_linear_call(plan, x, linear4bit_bias(self))
 
     forward.__wrapped__ = original_forward
     return forward
@@ -42,4 +39,5 @@ def install(swaps) -> str:
 
     original = Linear4bit.__dict__["forward"]
     swaps.set(Linear4bit, "forward", make_forward(original))
-    return "Linear4bit.forward: NF4 dequant (1 Triton kernel, reused buffer) + cuBLAS, backward grad_input only"
+    return ("Linear4bit.forward: NF4 dequant + fp16 cast of x in 1 Triton launch (reused buffer) + cuBLAS, "
+            "backward grad_input only")
