@@ -147,6 +147,12 @@ def test_matches_peft(in_f, out_f, prefix, pad, noncontig, dropout, lora_dtype, 
     assert _launches.LAUNCHES["nf4_dequant_cast"] == (2 if not noncontig or dropout else 1)
     ref = run(layer, x, autocast_ctx)  # stock peft + bnb
     check_against_stock(ours, ref, lora_dtype, device)
+    if device == "cuda" and noncontig and dropout:
+        # Seen on the H200 (2026-11-29): on CUDA the dropout mask of a strided x follows x's
+        # memory layout, and fp64_reference redraws it on a contiguous tensor, so the redrawn
+        # mask is another one (rel err 0.12 against both ours and stock). The exact comparison
+        # with stock peft + bnb above already covers this case.
+        return
     r64 = fp64_reference(layer, x, ours["g"], dropout)
     # fp16 intermediates (x16, h16, base16, lora16) each round at 2^-11 relative
     assert rel_err(ours["out"], r64["out"]) < 2e-3
