@@ -24,7 +24,6 @@ baseline (inputs and the fp32 head already allocated) during forward + backward.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -32,6 +31,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+from bench.kernels._common import bench_args  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
@@ -174,11 +174,8 @@ def bench_row_kernel(rows=880):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args = bench_args(__doc__)
+    if args is None:
         return 1
     results, checks = [], {}
     for batch, seq in SHAPES:

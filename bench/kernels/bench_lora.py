@@ -14,7 +14,6 @@ to issue it, GPU work items and their summed GPU time (torch.profiler), our Trit
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -22,6 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+from bench.kernels._common import bench_args  # noqa: E402
 import triton  # noqa: E402
 
 HIDDEN = 1536
@@ -157,11 +157,8 @@ def _f(v, fmt) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args = bench_args(__doc__)
+    if args is None:
         return 1
     results = []
     for proj, out_f in PROJ.items():

@@ -22,7 +22,6 @@ issues them, so the host time is what decides there.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -31,6 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+from bench.kernels._common import bench_args  # noqa: E402
 import triton  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
@@ -236,11 +236,8 @@ def _f(v, fmt) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args = bench_args(__doc__)
+    if args is None:
         return 1
     copy_gbs, nominal_gbs = copy_bandwidth_gbs(), nominal_bandwidth_gbs()
     deq = bench_dequant(copy_gbs, nominal_gbs)

@@ -10,7 +10,6 @@ backward, the memory the forward keeps alive for backward, and the peak memory o
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -18,6 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+from bench.kernels._common import bench_args  # noqa: E402
 import triton  # noqa: E402
 
 from solution.kernels.rmsnorm import rmsnorm  # noqa: E402
@@ -82,11 +82,8 @@ def bench_case(shape, x_dtype, w_dtype):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args = bench_args(__doc__)
+    if args is None:
         return 1
     results = []
     for shape, x_dtype, w_dtype in CASES:

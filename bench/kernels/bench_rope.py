@@ -15,7 +15,6 @@ with 4 warps per token) at 2048 fp32 tokens, to confirm the launch configuration
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
+from bench.kernels._common import bench_args  # noqa: E402
 import triton  # noqa: E402
 
 from solution.kernels import rope as rope_mod  # noqa: E402
@@ -123,11 +123,8 @@ def sweep_tokens_per_program(seq=512):
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True, help="JSON file to write")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU", file=sys.stderr)
+    args = bench_args(__doc__)
+    if args is None:
         return 1
     results = []
     for seq, qk_dtype, cs_dtype in CASES:
