@@ -1,14 +1,14 @@
-"""What every per-op GPU benchmark shares: its command line and the CUDA check."""
+"""What the per-op GPU benchmarks share: command line, CUDA check, median timing, per-call profile."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+import torch
+
 
 def bench_args(doc: str) -> argparse.Namespace | None:
     """Parse `--out FILE` (the JSON to write). Returns None, after saying so, without CUDA."""
-    import torch
-
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON file to write")
     args = ap.parse_args()
@@ -16,3 +16,58 @@ def bench_args(doc: str) -> argparse.Namespace | None:
         print("needs a CUDA GPU", file=sys.stderr)
         return None
     return args
+
+
+def median_ms(fn, **kw):
+    """Median time of ``fn`` in ms (triton.testing.do_bench, events)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median", **kw)
+
+
+def profile_call(fn, reset=(), reps: int = 20) -> dict:
+    """Per call of ``fn`` (reset: tensors whose .grad is cleared before each call):
+    host_ms: median wall time of the Python call with the GPU idle before it, i.e. the CPU cost of
+             issuing the work (Python, torch dispatch, launches); when it exceeds the GPU time the
+             call is host-bound and do_bench measures it rather than the kernels;
+    gpu_ops, gpu_ms: work items the GPU ran (kernels, memsets, copies) and their summed time, from
+             torch.profiler; our_launches: our Triton launches (solution.kernels._launches)."""
+    import statistics
+    import time
+
+    from solution.kernels import _launches
+
+    def call():
+        for t in reset:
+            t.grad = None
+        fn()
+
+    call()
+    torch.cuda.synchronize()
+    host = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        host.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    _launches.reset()
+    call()
+    res = {"host_ms": statistics.median(host) * 1e3, "our_launches": sum(_launches.LAUNCHES.values()),
+           "gpu_ops": None, "gpu_ms": None}
+    try:
+        from torch.autograd import DeviceType
+        from torch.profiler import ProfilerActivity, profile
+
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                call()
+            torch.cuda.synchronize()
+        evs = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
+        res["gpu_ops"] = sum(e.count for e in evs) / reps
+        res["gpu_ms"] = sum((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
+                            for e in evs) / reps / 1e3
+    except Exception as exc:  # no CUPTI etc.: the timings above still stand
+        res["profiler_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return res

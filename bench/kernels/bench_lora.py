@@ -21,8 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args  # noqa: E402
-import triton  # noqa: E402
+from bench.kernels._common import bench_args, median_ms, profile_call  # noqa: E402
 
 HIDDEN = 1536
 PROJ = {"q_proj": 1536, "v_proj": 256}
@@ -30,56 +29,6 @@ TOKENS = [(4, 512), (3, 500)]
 CASES = [(0.05, torch.float32), (0.0, torch.float32), (0.05, torch.bfloat16)]
 
 
-def _ms(fn, **kw):
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median", **kw)
-
-
-def profile_call(fn, reset=(), reps: int = 20) -> dict:
-    """Per call of ``fn`` (reset: tensors whose .grad is cleared before each call):
-    host_ms: median wall time of the Python call with the GPU idle before it, i.e. the CPU cost of
-             issuing the work (Python, torch dispatch, launches); when it exceeds the GPU time the
-             call is host-bound and do_bench measures it rather than the kernels;
-    gpu_ops, gpu_ms: work items the GPU ran (kernels, memsets, copies) and their summed time, from
-             torch.profiler; our_launches: our Triton launches (solution.kernels._launches)."""
-    import statistics
-    import time
-
-    from solution.kernels import _launches
-
-    def call():
-        for t in reset:
-            t.grad = None
-        fn()
-
-    call()
-    torch.cuda.synchronize()
-    host = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    _launches.reset()
-    call()
-    res = {"host_ms": statistics.median(host) * 1e3, "our_launches": sum(_launches.LAUNCHES.values()),
-           "gpu_ops": None, "gpu_ms": None}
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                call()
-            torch.cuda.synchronize()
-        evs = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-        res["gpu_ops"] = sum(e.count for e in evs) / reps
-        res["gpu_ms"] = sum((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
-                            for e in evs) / reps / 1e3
-    except Exception as exc:  # no CUPTI etc.: the timings above still stand
-        res["profiler_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    return res
 
 
 def make_layer(out_f, dropout, lora_dtype):
@@ -124,7 +73,7 @@ def bench_case(proj, out_f, tokens, dropout, lora_dtype):
                 y = fn(x)
             y.backward(g)
 
-        t_f, t_fb = _ms(fwd), _ms(fwd_bwd, grad_to_none=params)
+        t_f, t_fb = median_ms(fwd), median_ms(fwd_bwd, grad_to_none=params)
         prof = profile_call(fwd_bwd, reset=params)
         torch.cuda.synchronize()
         base_mem = torch.cuda.memory_allocated()

@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args  # noqa: E402
+from bench.kernels._common import bench_args, median_ms, profile_call  # noqa: E402
 import triton  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
@@ -40,63 +40,13 @@ TOKENS = [(4, 512), (3, 500)]
 SWEEP = [(nb, w, g) for g in (True, False) for nb, w in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8))]
 
 
-def _ms(fn, **kw):
-    return triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median", **kw)
-
-
-def profile_call(fn, reset=(), reps: int = 20) -> dict:
-    """Per call of ``fn`` (reset: tensors whose .grad is cleared before each call):
-    host_ms: median wall time of the Python call with the GPU idle before it, i.e. the CPU cost of
-             issuing the work (Python, torch dispatch, launches); when it exceeds the GPU time the
-             call is host-bound and do_bench measures it rather than the kernels;
-    gpu_ops, gpu_ms: work items the GPU ran (kernels, memsets, copies) and their summed time, from
-             torch.profiler; our_launches: our Triton launches (solution.kernels._launches)."""
-    import statistics
-    import time
-
-    from solution.kernels import _launches
-
-    def call():
-        for t in reset:
-            t.grad = None
-        fn()
-
-    call()
-    torch.cuda.synchronize()
-    host = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        call()
-        host.append(time.perf_counter() - t0)
-    torch.cuda.synchronize()
-    _launches.reset()
-    call()
-    res = {"host_ms": statistics.median(host) * 1e3, "our_launches": sum(_launches.LAUNCHES.values()),
-           "gpu_ops": None, "gpu_ms": None}
-    try:
-        from torch.autograd import DeviceType
-        from torch.profiler import ProfilerActivity, profile
-
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(reps):
-                call()
-            torch.cuda.synchronize()
-        evs = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA]
-        res["gpu_ops"] = sum(e.count for e in evs) / reps
-        res["gpu_ms"] = sum((getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0))
-                            for e in evs) / reps / 1e3
-    except Exception as exc:  # no CUPTI etc.: the timings above still stand
-        res["profiler_error"] = f"{type(exc).__name__}: {exc}"[:200]
-    return res
 
 
 def copy_bandwidth_gbs() -> float:
     """A device-to-device copy of 512 MiB: read + write bytes / time (an achievable reference)."""
     a = torch.empty(256 * 2**20, dtype=torch.float16, device="cuda")
     b = torch.empty_like(a)
-    t = _ms(lambda: b.copy_(a))
+    t = median_ms(lambda: b.copy_(a))
     return 2 * a.numel() * 2 / (t * 1e-3) / 1e9
 
 
@@ -124,17 +74,17 @@ def bench_dequant(copy_gbs, nominal_gbs):
         ref = bnbF.dequantize_4bit(packed, qs)
         exact = torch.equal(ours.view(torch.int16), ref.view(torch.int16))
         nbytes = n // 2 + n // 64 + 2 * n
-        t_bnb = _ms(lambda: bnbF.dequantize_4bit(packed, qs))
+        t_bnb = median_ms(lambda: bnbF.dequantize_4bit(packed, qs))
         plan = nd.DequantPlan(packed, qs)  # what the layers use: prepared once, one launch per call
-        t_ours = _ms(lambda: plan.launch(buf))
+        t_ours = median_ms(lambda: plan.launch(buf))
         # the fused launch of the NF4 linear: dequant + fp16 cast of 2048 fp32 activation rows,
         # vs the same dequant followed by torch's cast
         x = torch.randn(2048, shape[1], device="cuda")
         x16 = torch.empty(x.shape, dtype=torch.float16, device="cuda")
         plan.launch(buf, a=x, a16=x16)
         fused_ok = torch.equal(x16, x.half()) and torch.equal(buf.view(torch.int16), ref.view(torch.int16))
-        t_fused = _ms(lambda: plan.launch(buf, a=x, a16=x16)) if fused_ok else float("nan")
-        t_separate = _ms(lambda: (plan.launch(buf), x.to(torch.float16)))
+        t_fused = median_ms(lambda: plan.launch(buf, a=x, a16=x16)) if fused_ok else float("nan")
+        t_separate = median_ms(lambda: (plan.launch(buf), x.to(torch.float16)))
         sweep = {}
         lut = nd._nf4_lut(packed.device)
         for nb, warps, gather in SWEEP:
@@ -148,7 +98,7 @@ def bench_dequant(copy_gbs, nominal_gbs):
 
             launch()
             ok = torch.equal(buf.view(torch.int16), ref.view(torch.int16))
-            sweep[f"NB{nb}_w{warps}_{'gather' if gather else 'select'}"] = _ms(launch) if ok else float("nan")
+            sweep[f"NB{nb}_w{warps}_{'gather' if gather else 'select'}"] = median_ms(launch) if ok else float("nan")
         for impl, t in (("bnb dequantize_4bit", t_bnb), ("ours", t_ours)):
             gbs = nbytes / (t * 1e-3) / 1e9
             rows.append({"weight": name, "shape": list(shape), "impl": impl, "ms": t, "GB_s": gbs,
@@ -215,7 +165,7 @@ def bench_linear():
                             return fn(t)
                     return run
 
-                res[impl] = {"fwd_ms": _ms(fwd), "fwd_bwd_ms": _ms(fwd_bwd, grad_to_none=[x]),
+                res[impl] = {"fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd, grad_to_none=[x]),
                              "peak_fwd_bwd_MiB": _peak(ac(), x, g),
                              "fwd_bwd_profile": profile_call(fwd_bwd, reset=[x])}
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
