@@ -619,3 +619,12 @@ def test_gpu_large_logits_and_memory(device):
     assert torch.isfinite(a["loss"]) and torch.isfinite(a["grad"]).all()
     assert rel_err(a["loss"], s["loss"]) < 1e-4 and rel_err(a["grad"], s["grad"]) < 3e-3
     assert ours_peak < stock_peak / 2, (ours_peak, stock_peak)
+
+
+def test_fallback_message_is_said_once(capsys):
+    from solution.patches import qwen2_lm_head_loss as patch
+
+    patch._SAID.discard("test reason")
+    patch._say_once("test reason")
+    patch._say_once("test reason")
+    assert capsys.readouterr().out.count("[solution] test reason") == 1
