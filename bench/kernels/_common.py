@@ -18,6 +18,16 @@ def bench_args(doc: str) -> argparse.Namespace | None:
     return args
 
 
+def _x(v) -> str:
+    """A speed-up for a table cell ('' when unknown)."""
+    return "" if v is None else f"{v:.2f}x"
+
+
+def _f(v, fmt) -> str:
+    """A number for a table cell ('n/a' when unknown)."""
+    return "n/a" if v is None else format(v, fmt)
+
+
 def median_ms(fn, **kw):
     """Median time of ``fn`` in ms (triton.testing.do_bench, events)."""
     import triton

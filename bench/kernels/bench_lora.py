@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args, median_ms, profile_call  # noqa: E402
+from bench.kernels._common import _f, _x, bench_args, median_ms, profile_call  # noqa: E402
 
 HIDDEN = 1536
 PROJ = {"q_proj": 1536, "v_proj": 256}
@@ -95,14 +95,6 @@ def bench_case(proj, out_f, tokens, dropout, lora_dtype):
     rows[-1]["fwd_equal_to_stock"] = torch.equal(outs["ours"], outs["stock"])
     rows[-1]["speedup_fwd_bwd"] = rows[0]["fwd_bwd_ms"] / rows[1]["fwd_bwd_ms"]
     return rows
-
-
-def _x(v) -> str:
-    return "" if v is None else f"{v:.2f}x"
-
-
-def _f(v, fmt) -> str:
-    return "n/a" if v is None else format(v, fmt)
 
 
 def main() -> int:

@@ -30,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args, median_ms, profile_call  # noqa: E402
+from bench.kernels._common import _f, _x, bench_args, median_ms, profile_call  # noqa: E402
 import triton  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
@@ -175,14 +175,6 @@ def bench_linear():
             rows[-1]["fwd_equal_to_stock"] = same
             rows[-1]["speedup_fwd_bwd"] = res["stock"]["fwd_bwd_ms"] / res["ours"]["fwd_bwd_ms"]
     return rows
-
-
-def _x(v) -> str:
-    return "" if v is None else f"{v:.2f}x"
-
-
-def _f(v, fmt) -> str:
-    return "n/a" if v is None else format(v, fmt)
 
 
 def main() -> int:
