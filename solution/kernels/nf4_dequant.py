@@ -65,9 +65,11 @@ GPU_NUM_WARPS = 4
 # 16-byte stores (checked in the sm_75 TTGIR/PTX). Gather: one load per element from a 64-byte
 # table (a single L1 line) is fewer instructions, but Triton gives the gather a 1-element-per-
 # thread layout and converts through shared memory around it (5 barriers per program). Which is
-# faster on a T4 (~30 simple instructions per element at full bandwidth) is measured by
-# bench_nf4.py; both are bit-exact.
-LUT_GATHER = False
+# faster is measured by bench_nf4.py; both are bit-exact. Measured on the H200 (2026-11-29 23:39
+# UTC, dequant kernel alone, 64 blocks per program, 4 warps): gather 0.0142 / 0.0143 / 0.0071 /
+# 0.0050 ms against select 0.0193 / 0.0189 / 0.0075 / 0.0056 ms for gate-up / down / q-o / k-v,
+# so gather is the default. Not yet measured on a T4.
+LUT_GATHER = True
 # In the CPU interpreter each program costs Python overhead, so fewer, larger programs.
 INTERPRETER_BLOCKS_PER_PROGRAM = 1024
 
@@ -444,7 +446,7 @@ def sm75_specs():
                 "fn": nf4_dequant_cast_kernel,
                 "signature": sig,
                 "constexprs": {"BLOCKSIZE": 64, "NESTED": True, "NESTED_BS": 256, "NB": GPU_BLOCKS_PER_PROGRAM,
-                               "ROUND_BF16": round_bf16, "LUT_GATHER": False, "CAST_A": cast_a,
+                               "ROUND_BF16": round_bf16, "LUT_GATHER": LUT_GATHER, "CAST_A": cast_a,
                                "CAST_B": cast_b, "CAST_BLOCK": GPU_CAST_BLOCK},
                 "num_warps": GPU_NUM_WARPS, "options": options,
             }
