@@ -134,7 +134,10 @@ def run_variant(variant: str, model: str, data: str, out: Path, profile: bool, w
     if proc.returncode != 0 or not res_path.exists():
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
         raise RuntimeError(f"{name} run failed (exit {proc.returncode}); log {log_path}:\n{tail}")
-    return json.loads(res_path.read_text(encoding="utf-8"))
+    result = json.loads(res_path.read_text(encoding="utf-8"))
+    # Soup's closing console panel is one of its outputs too (rich draws it into the log).
+    result["soup_complete_panel"] = "Training Complete!" in log_path.read_text(encoding="utf-8", errors="replace")
+    return result
 
 
 def kernel_split(result: dict | None) -> dict | None:

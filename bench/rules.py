@@ -155,6 +155,8 @@ def check_outputs(result: dict, expected_steps: int, base: dict | None) -> dict:
     step_rows = {m["step"] for m in metrics if m.get("loss") is not None}
     if step_rows != set(range(1, expected_steps + 1)):
         problems.append(f"tracker metrics cover {len(step_rows)} of {expected_steps} steps")
+    if result.get("soup_complete_panel") is False:
+        problems.append("Soup's 'Training Complete!' panel was not printed")
     outs = result.get("outputs", {})
     missing = [k for k, v in outs.get("present", {}).items() if not v]
     if missing:

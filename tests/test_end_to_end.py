@@ -38,6 +38,7 @@ def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path):
     assert rc == 0 and not failed, failed
     assert (out / "report.md").is_file() and (out / "report.png").is_file()
     assert report["baseline"]["steps"] == report["solution"]["steps"] == 2
+    assert report["baseline"]["soup_complete_panel"] and report["solution"]["soup_complete_panel"]
     installed = set(report["solution"]["installed"])
     assert {"qwen2_rmsnorm", "qwen2_rope", "qwen2_mlp", "qwen2_lm_head_loss"} <= installed
     assert report["own_kernels_ran"], "our kernels must run in the solution pass"
