@@ -139,3 +139,15 @@ def test_apply_is_idempotent_and_revert_restores(monkeypatch):
     assert (modeling_qwen2.Qwen2RMSNorm.forward, modeling_qwen2.apply_rotary_pos_emb,
             modeling_qwen2.Qwen2MLP.forward) == originals
     assert solution.installed() == {}
+
+
+def test_compare_rejects_a_malformed_dataset_row(tmp_path, capsys):
+    from bench.compare import main
+
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"instruction": "a", "input": "", "output": "b"}\n{"instruction": "c"\n', encoding="utf-8")
+    before = data.read_bytes()
+    rc = main(["--data", str(data), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "line 2" in err, err
+    assert data.read_bytes() == before and not (tmp_path / "out").exists()
