@@ -28,6 +28,37 @@ def _f(v, fmt) -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
+def print_stock_vs_ours(results: list[dict], id_cols: list[tuple[str, str]]) -> None:
+    """Markdown table of (stock, ours) row pairs: the identity columns, then fwd / fwd+bwd ms,
+    memory saved for backward and peak, and fwd+bwd speed-up against the pair's stock row."""
+    head = [h for h, _ in id_cols] + ["fwd ms", "fwd+bwd ms", "saved for bwd MiB", "peak fwd+bwd MiB",
+                                       "speedup fwd+bwd"]
+    print("| " + " | ".join(head) + " |")
+    print("| " + " | ".join("---" for _ in id_cols) + " | ---: | ---: | ---: | ---: | ---: |")
+    for i, r in enumerate(results):
+        base = results[i - i % 2]["fwd_bwd_ms"]
+        cells = [str(r[k]) for _, k in id_cols]
+        cells += [f"{r['fwd_ms']:.4f}", f"{r['fwd_bwd_ms']:.4f}", f"{r['saved_for_bwd_MiB']:.2f}",
+                  f"{r['peak_fwd_bwd_MiB']:.2f}", f"{base / r['fwd_bwd_ms']:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def autocast_fwd_and_fwd_bwd(fn, x, g):
+    """(fwd, fwd_bwd) closures timing ``fn(x)`` under fp16 autocast, as the training step runs it:
+    forward alone without grad, and forward + backward with upstream gradient ``g``."""
+
+    def fwd():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            fn(x)
+
+    def fwd_bwd():
+        with torch.autocast("cuda", dtype=torch.float16):
+            y = fn(x)
+        y.backward(g)
+
+    return fwd, fwd_bwd
+
+
 def median_ms(fn, **kw):
     """Median time of ``fn`` in ms (triton.testing.do_bench, events)."""
     import triton

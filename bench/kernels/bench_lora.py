@@ -21,7 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import _f, _x, bench_args, median_ms, profile_call  # noqa: E402
+from bench.kernels._common import (_f, _x, autocast_fwd_and_fwd_bwd, bench_args, median_ms,  # noqa: E402
+                                   profile_call)
 
 HIDDEN = 1536
 PROJ = {"q_proj": 1536, "v_proj": 256}
@@ -64,14 +65,7 @@ def bench_case(proj, out_f, tokens, dropout, lora_dtype):
     params = [x, layer.lora_A["default"].weight, layer.lora_B["default"].weight]
     rows = []
     for impl, fn in fns.items():
-        def fwd(fn=fn):
-            with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-                fn(x)
-
-        def fwd_bwd(fn=fn):
-            with torch.autocast("cuda", dtype=torch.float16):
-                y = fn(x)
-            y.backward(g)
+        fwd, fwd_bwd = autocast_fwd_and_fwd_bwd(fn, x, g)
 
         t_f, t_fb = median_ms(fwd), median_ms(fwd_bwd, grad_to_none=params)
         prof = profile_call(fwd_bwd, reset=params)

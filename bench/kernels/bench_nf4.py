@@ -30,7 +30,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import _f, _x, bench_args, median_ms, profile_call  # noqa: E402
+from bench.kernels._common import (_f, _x, autocast_fwd_and_fwd_bwd, bench_args, median_ms,  # noqa: E402
+                                   profile_call)
 import triton  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
@@ -150,14 +151,7 @@ def bench_linear():
             fns = {"stock": lambda t: stock_forward(layer, t), "ours": lambda t: ours_forward(layer, t)}
             res = {}
             for impl, fn in fns.items():
-                def fwd(fn=fn):
-                    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-                        fn(x)
-
-                def fwd_bwd(fn=fn):
-                    with torch.autocast("cuda", dtype=torch.float16):
-                        y = fn(x)
-                    y.backward(g)
+                fwd, fwd_bwd = autocast_fwd_and_fwd_bwd(fn, x, g)
 
                 def ac(fn=fn):
                     def run(t):

@@ -17,7 +17,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args  # noqa: E402
+from bench.kernels._common import bench_args, print_stock_vs_ours  # noqa: E402
 import triton  # noqa: E402
 
 from solution.kernels.rmsnorm import rmsnorm  # noqa: E402
@@ -89,13 +89,7 @@ def main() -> int:
     for shape, x_dtype, w_dtype in CASES:
         results += bench_case(shape, x_dtype, w_dtype)
     print(f"GPU: {torch.cuda.get_device_name()}\n")
-    print("| impl | tokens | x | w | fwd ms | fwd+bwd ms | saved for bwd MiB | peak fwd+bwd MiB | speedup fwd+bwd |")
-    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for i, r in enumerate(results):
-        base = results[i - i % 2]["fwd_bwd_ms"]
-        print(f"| {r['impl']} | {r['tokens']} | {r['x_dtype']} | {r['w_dtype']} | {r['fwd_ms']:.4f} | "
-              f"{r['fwd_bwd_ms']:.4f} | {r['saved_for_bwd_MiB']:.2f} | {r['peak_fwd_bwd_MiB']:.2f} | "
-              f"{base / r['fwd_bwd_ms']:.2f}x |")
+    print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("x", "x_dtype"), ("w", "w_dtype")])
     with open(args.out, "w") as f:
         json.dump({"op": "rmsnorm", "gpu": torch.cuda.get_device_name(), "hidden": HIDDEN, "results": results},
                   f, indent=2)

@@ -22,7 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args  # noqa: E402
+from bench.kernels._common import bench_args, print_stock_vs_ours  # noqa: E402
 import triton  # noqa: E402
 
 from solution.kernels import rope as rope_mod  # noqa: E402
@@ -46,6 +46,29 @@ def _views(q_flat, k_flat, seq):
     return (q_flat.view(B, seq, HQ, D).transpose(1, 2), k_flat.view(B, seq, HK, D).transpose(1, 2))
 
 
+def _rope_closures(fn, q_flat, k_flat, seq, cos, sin, gq, gk):
+    """(fwd, fwd_bwd) for ``fn`` applied to q/k in Qwen2's layout (views of the projection outputs)."""
+
+    def fwd():
+        q, k = _views(q_flat, k_flat, seq)
+        return fn(q, k, cos, sin)
+
+    def fwd_bwd():
+        qo, ko = fwd()
+        torch.autograd.backward((qo, ko), (gq, gk))
+
+    return fwd, fwd_bwd
+
+
+def _time_fwd_and_fwd_bwd(fwd, fwd_bwd, q_flat, k_flat):
+    """Median ms of the forward (no grad) and of forward + backward."""
+    with torch.no_grad():
+        t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
+    t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[q_flat, k_flat],
+                                   return_mode="median")
+    return t_fwd, t_fb
+
+
 def bench_case(seq, qk_dtype, cs_dtype):
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb as stock  # never patched here
 
@@ -57,18 +80,8 @@ def bench_case(seq, qk_dtype, cs_dtype):
     fns = {"stock": stock, "ours": rope}
     rows = []
     for name, fn in fns.items():
-        def fwd():
-            q, k = _views(q_flat, k_flat, seq)
-            return fn(q, k, cos, sin)
-
-        def fwd_bwd():
-            qo, ko = fwd()
-            torch.autograd.backward((qo, ko), (gq, gk))
-
-        with torch.no_grad():
-            t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
-        t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[q_flat, k_flat],
-                                       return_mode="median")
+        fwd, fwd_bwd = _rope_closures(fn, q_flat, k_flat, seq, cos, sin, gq, gk)
+        t_fwd, t_fb = _time_fwd_and_fwd_bwd(fwd, fwd_bwd, q_flat, k_flat)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -103,18 +116,8 @@ def sweep_tokens_per_program(seq=512):
             rope_mod.GPU_TILE_ELEMS = tile
             block_t = rope_mod._launch_config(B * seq, HQ, HK, D)["BLOCK_T"]
 
-            def fwd():
-                q, k = _views(q_flat, k_flat, seq)
-                return rope(q, k, cos, sin)
-
-            def fwd_bwd():
-                qo, ko = fwd()
-                torch.autograd.backward((qo, ko), (gq, gk))
-
-            with torch.no_grad():
-                t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
-            t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[q_flat, k_flat],
-                                           return_mode="median")
+            fwd, fwd_bwd = _rope_closures(rope, q_flat, k_flat, seq, cos, sin, gq, gk)
+            t_fwd, t_fb = _time_fwd_and_fwd_bwd(fwd, fwd_bwd, q_flat, k_flat)
             rows.append({"gpu_tile_elems": tile, "block_t": block_t, "default": tile == default,
                          "tokens": B * seq, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb})
     finally:
@@ -130,13 +133,7 @@ def main() -> int:
     for seq, qk_dtype, cs_dtype in CASES:
         results += bench_case(seq, qk_dtype, cs_dtype)
     print(f"GPU: {torch.cuda.get_device_name()}\n")
-    print("| impl | tokens | q/k | cos/sin | fwd ms | fwd+bwd ms | saved for bwd MiB | peak fwd+bwd MiB | speedup fwd+bwd |")
-    print("| --- | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for i, r in enumerate(results):
-        base = results[i - i % 2]["fwd_bwd_ms"]
-        print(f"| {r['impl']} | {r['tokens']} | {r['qk_dtype']} | {r['cos_dtype']} | {r['fwd_ms']:.4f} | "
-              f"{r['fwd_bwd_ms']:.4f} | {r['saved_for_bwd_MiB']:.2f} | {r['peak_fwd_bwd_MiB']:.2f} | "
-              f"{base / r['fwd_bwd_ms']:.2f}x |")
+    print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("q/k", "qk_dtype"), ("cos/sin", "cos_dtype")])
     print("\nours bit-equal to stock:", [r.get("bit_equal_to_stock") for r in results if r["impl"] == "ours"])
     sweep = sweep_tokens_per_program()
     print("\nTokens per program (ours, fp32, 2048 tokens):\n")
