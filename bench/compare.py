@@ -67,15 +67,12 @@ def resolve_inputs(args) -> tuple[str, str, str]:
     data = Path(args.data) if args.data else DEFAULT_DATA
     if not data.is_file():
         raise InputError(f"dataset not found: {data}")
+    from workload.data.validate import validate_dataset
+
     try:
-        from workload.data.validate import validate_dataset
-    except ImportError:  # pragma: no cover
-        validate_dataset = None
-    if validate_dataset is not None:
-        try:
-            validate_dataset(data)
-        except ValueError as exc:
-            raise InputError(f"dataset {data}: {exc}") from exc
+        validate_dataset(data)
+    except ValueError as exc:
+        raise InputError(f"dataset {data}: {exc}") from exc
     if args.model:
         model = Path(args.model)
         if not (model / "config.json").is_file():

@@ -74,7 +74,7 @@ def markdown(rep: dict) -> str:
            f"- command: `{rep['command']}`",
            f"- workload: {rep['workload']['examples']} examples, batch {rep['workload']['batch_size']}, "
            f"max length {rep['workload']['max_length']}, {rep['workload']['steps']} steps",
-           f"- precision: {rep['solution'].get('precision_emulation') or 'as Soup chooses on this device'}",
+           f"- T4 paths: {rep['solution'].get('t4_emulation') or 'as Soup and PyTorch choose on this device'}",
            f"- installed by apply(): {', '.join(rep['solution'].get('installed') or {}) or 'nothing'}", "",
            "| metric | baseline | solution | gain (baseline/solution) |", "| --- | ---: | ---: | ---: |"]
     for name, b, s, better in _rows(rep):

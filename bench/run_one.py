@@ -101,7 +101,7 @@ class StepClock:
         return out
 
 
-def emulate_t4_precision() -> str | None:
+def emulate_t4_paths() -> str | None:
     """Make a newer GPU take the T4's code paths for precision and attention (harness only,
     both variants).
 
@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", help="write a cProfile summary of the host (Python) time to this file")
     ap.add_argument("--native-precision", action="store_true",
-                    help="on an sm_80+ GPU keep Soup's bf16 choice instead of the T4's fp16 path")
+                    help="on an sm_80+ GPU keep Soup's bf16 and PyTorch's flash/cuDNN attention instead of the T4's paths")
     args = ap.parse_args(argv)
 
     work = Path(args.workdir).resolve()
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     cfg_path = work / "soup.yaml"
     cfg_path.write_text(workload.soup_yaml(args.model, args.data, str(out_dir)), encoding="utf-8")
 
-    emulation = emulate_t4_precision() if not args.native_precision else None
+    emulation = emulate_t4_paths() if not args.native_precision else None
     installed = {}
     t_start = time.perf_counter()
     if args.variant == "solution":
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
         "installed": installed,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
-        "precision_emulation": emulation,
+        "t4_emulation": emulation,
         "wall_s": wall,
         "train_s": (clock.t_end - clock.t_begin) if clock.t_end else None,
         "steps": len(steps),
