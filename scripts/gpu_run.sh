@@ -3,7 +3,8 @@
 # network (the lent GPU machine): install the carried wheels (.whl/, from
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
-#   bash scripts/gpu_run.sh [tests] [bench] [compare]     (default: all three)
+#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile]     (default: the first three)
+# Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
 # most 8 files), with the comparison's report.md beside it.
 set -uo pipefail
@@ -38,7 +39,7 @@ rc=0
 for step in $steps; do
   case $step in
     tests)
-      timeout ${TEST_TIMEOUT:-300} python3 -m pytest tests -q -p no:cacheprovider -k "not test_every_kernel_compiles_for_sm75" 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
+      timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -k "not test_every_kernel_compiles_for_sm75" 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
       python3 -m solution.kernels.sm75_check 2>&1 | tee "$OUT/sm75.log" | tail -30 ;;
     bench)
       : > "$OUT/kernels.md"
@@ -53,7 +54,7 @@ for step in $steps; do
       for v in baseline solution; do
         timeout 150 python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
           --workdir "$OUT/cprofile-$v" --cprofile "$OUT/cprofile-$v.txt" > "$OUT/cprofile-$v.log" 2>&1 || rc=1
-        head -60 "$OUT/cprofile-$v.txt"
+        head -45 "$OUT/cprofile-$v.txt"
       done ;;
     compare)
       timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/compare" 2>&1 | tail -60 || rc=1 ;;

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 
 from solution.env import check_support
 from solution.patches import PATCHES
@@ -34,9 +35,10 @@ def apply(verbose: bool = True) -> dict[str, str]:
         return {}
     if verbose:
         _say(f"kernels run on: {support.reason}")
+    skip = skipped_patches()
     for module_name in PATCHES:
         module = importlib.import_module(module_name)
-        reason = module.check()
+        reason = f"listed in {SKIP_ENV}" if module.NAME in skip else module.check()
         if reason is not None:
             _say(f"skip {module.NAME}: {reason} (stock path kept)")
             continue
@@ -50,7 +52,38 @@ def apply(verbose: bool = True) -> dict[str, str]:
         _installed[module.NAME] = desc
         if verbose:
             _say(f"installed {module.NAME}: {desc}")
+    if _installed and support.device == "cuda" and _set_expandable_segments(True):
+        _installed[ALLOCATOR] = ("CUDA caching allocator with expandable segments: batches of varying "
+                                 "length no longer fragment reserved memory")
+        if verbose:
+            _say(f"installed {ALLOCATOR}: {_installed[ALLOCATOR]}")
     return dict(_installed)
+
+
+SKIP_ENV = "SOLUTION_SKIP_PATCHES"
+ALLOCATOR = "cuda_allocator"
+
+
+def skipped_patches() -> set[str]:
+    """Patch names listed (comma-separated) in $SOLUTION_SKIP_PATCHES: left out by apply(), to
+    compare or to work around a problem."""
+    return {name.strip() for name in os.environ.get(SKIP_ENV, "").split(",") if name.strip()}
+
+
+def _set_expandable_segments(on: bool) -> bool:
+    """Turn PyTorch's expandable segments on/off for allocations made from now on. With packed
+    batches every step allocates tensors of new sizes; fixed-size segments then fragment (reserved
+    memory grows far above what is allocated). Unless the user configured the allocator
+    ($PYTORCH_CUDA_ALLOC_CONF) or listed cuda_allocator in $SOLUTION_SKIP_PATCHES."""
+    import torch
+
+    if ALLOCATOR in skipped_patches() or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        return False
+    try:
+        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+    except Exception:  # noqa: BLE001 - an allocator without the setting: leave it as it is
+        return False
+    return True
 
 
 def _partial_restore(keep: int) -> None:
@@ -63,6 +96,8 @@ def _partial_restore(keep: int) -> None:
 def revert() -> None:
     """Restore every patched object to the stock one. Safe to call when nothing is installed."""
     _swaps.restore()
+    if _installed.pop(ALLOCATOR, None) is not None:
+        _set_expandable_segments(False)
     _installed.clear()
 
 

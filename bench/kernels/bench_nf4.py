@@ -86,6 +86,14 @@ def bench_dequant(copy_gbs, nominal_gbs):
         fused_ok = torch.equal(x16, x.half()) and torch.equal(buf.view(torch.int16), ref.view(torch.int16))
         t_fused = median_ms(lambda: plan.launch(buf, a=x, a16=x16)) if fused_ok else float("nan")
         t_separate = median_ms(lambda: (plan.launch(buf), x.to(torch.float16)))
+        # why the fused launch can lose: its cast programs alone (dequant=False), per cast block
+        cast_sweep = {"torch_cast": median_ms(lambda: x.to(torch.float16))}
+        default_block = plan.cast_block
+        for cb in (1024, 2048, 4096, 8192):
+            plan.cast_block = cb
+            cast_sweep[f"cast_only_CB{cb}"] = median_ms(lambda: plan.launch(buf, dequant=False, a=x, a16=x16))
+            cast_sweep[f"fused_CB{cb}"] = median_ms(lambda: plan.launch(buf, a=x, a16=x16))
+        plan.cast_block = default_block
         sweep = {}
         lut = nd._nf4_lut(packed.device)
         for nb, warps, gather in SWEEP:
@@ -109,6 +117,7 @@ def bench_dequant(copy_gbs, nominal_gbs):
         rows[-1]["speedup"] = t_bnb / t_ours
         rows[-1]["sweep_ms"] = sweep
         rows[-1]["dequant_plus_cast_2048_ms"] = {"fused": t_fused, "separate": t_separate}
+        rows[-1]["cast_block_sweep_ms"] = cast_sweep
     return rows
 
 
@@ -190,6 +199,14 @@ def main() -> int:
         fc = f"{fc['fused']:.4f} / {fc['separate']:.4f}" if fc else ""
         print(f"| {r['weight']} {tuple(r['shape'])} | {r['impl']} | {r['ms']:.4f} | {r['GB_s']:.0f} | "
               f"{r['pct_of_copy']:.0f}% | {_x(r.get('speedup'))} | {r.get('bit_exact_vs_bnb', '')} | {best} | {fc} |")
+    sweeps = [r for r in deq if r.get("cast_block_sweep_ms")]
+    if sweeps:
+        keys = list(sweeps[0]["cast_block_sweep_ms"])
+        print("\n(fp16 cast of 2048 fp32 rows, ms: torch's cast, our cast programs alone and the fused launch, per cast block)")
+        print("| weight | " + " | ".join(keys) + " |")
+        print("| --- |" + " ---: |" * len(keys))
+        for r in sweeps:
+            print(f"| {r['weight']} | " + " | ".join(f"{r['cast_block_sweep_ms'][k]:.4f}" for k in keys) + " |")
     print("\n| weight | tokens | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd | fwd equal |"
           " fwd+bwd: host ms | GPU ops | GPU ms | our launches |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")

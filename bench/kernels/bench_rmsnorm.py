@@ -1,4 +1,5 @@
-"""GPU benchmark: stock Qwen2RMSNorm vs solution's fused Triton RMSNorm at the workload's shapes.
+"""GPU benchmark: stock Qwen2RMSNorm vs solution's fused Triton RMSNorm at the workload's shapes,
+and the decoder layer's residual add + post-attention RMSNorm, stock vs fused (add_rmsnorm).
 
     python bench/kernels/bench_rmsnorm.py --out rmsnorm.json
 
@@ -7,6 +8,12 @@ Dtypes: x fp32 / weight fp32 (the workload: fp32 residual stream, weight cast to
 prepare_model_for_kbit_training) and x fp16 / weight fp32. The weight is frozen as in the workload
 (no weight gradient). Reports median times (triton.testing.do_bench) for forward and forward +
 backward, the memory the forward keeps alive for backward, and the peak memory of fwd + bwd.
+
+Residual add + RMSNorm: ``h = residual + x; y = norm(h)`` with residual fp32 and x fp16 (the
+attention output under fp16 autocast), 2048 x 1536, weight fp32 frozen; forward + backward takes
+upstream gradients for both h (the later ``residual + mlp_out``) and y (the MLP), as in the layer.
+Three implementations, printed as two stock-vs-ours pairs: the stock ops vs ``add_rmsnorm``, and
+torch's add followed by our RMSNorm kernel (what the RMSNorm patch alone runs) vs ``add_rmsnorm``.
 """
 from __future__ import annotations
 
@@ -20,6 +27,7 @@ import torch  # noqa: E402
 from bench.kernels._common import bench_args, print_stock_vs_ours  # noqa: E402
 import triton  # noqa: E402
 
+from solution.kernels.add_rmsnorm import add_rmsnorm  # noqa: E402
 from solution.kernels.rmsnorm import rmsnorm  # noqa: E402
 
 HIDDEN = 1536
@@ -81,6 +89,68 @@ def bench_case(shape, x_dtype, w_dtype):
     return rows
 
 
+ADD_CASE = ((4, 512), torch.float32, torch.float16, torch.float32)  # shape, residual, x, weight
+
+
+def _memory_pair(fn, r, x, gh, gy):
+    """_memory for ``fn(r, x) -> (h, y)``: (bytes kept for backward besides h and y, peak fwd+bwd)."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    h, y = fn(r, x)
+    kept = torch.cuda.memory_allocated() - base - sum(t.numel() * t.element_size() for t in (h, y))
+    torch.autograd.backward((h, y), (gh, gy))
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    r.grad = x.grad = None
+    del h, y
+    return kept, peak
+
+
+def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
+    """Residual add + RMSNorm, forward and forward + backward: rows for the two pairs."""
+    torch.manual_seed(0)
+    m = _stock_module(w_dtype)
+    stock_forward = type(m).forward
+
+    def stock(r, x):
+        h = r + x
+        return h, stock_forward(m, h)
+
+    def add_then_ours(r, x):
+        h = r + x
+        return h, rmsnorm(h, m.weight, EPS)
+
+    def fused(r, x):
+        return add_rmsnorm(r, x, m.weight, EPS)
+
+    r = (torch.randn(*shape, HIDDEN, device="cuda") * 4).to(r_dtype).requires_grad_(True)
+    x = torch.randn(*shape, HIDDEN, device="cuda", dtype=x_dtype, requires_grad=True)
+    h_dtype = torch.promote_types(r_dtype, x_dtype)
+    gh = torch.randn(*shape, HIDDEN, device="cuda", dtype=h_dtype)
+    gy = torch.randn(*shape, HIDDEN, device="cuda", dtype=torch.promote_types(h_dtype, w_dtype))
+    timed = {}
+    for name, fn in (("stock ops", stock), ("add + our rmsnorm", add_then_ours), ("add_rmsnorm", fused)):
+        with torch.no_grad():
+            t_fwd = triton.testing.do_bench(lambda: fn(r, x), warmup=10, rep=50, return_mode="median")
+
+        def fwd_bwd():
+            torch.autograd.backward(fn(r, x), (gh, gy))
+
+        t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[r, x], return_mode="median")
+        kept, peak = _memory_pair(fn, r, x, gh, gy)
+        timed[name] = {"impl": name, "tokens": shape[0] * shape[1], "res_dtype": str(r_dtype).split(".")[-1],
+                       "x_dtype": str(x_dtype).split(".")[-1], "w_dtype": str(w_dtype).split(".")[-1],
+                       "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "saved_for_bwd_MiB": kept / 2**20,
+                       "peak_fwd_bwd_MiB": peak / 2**20}
+    # correctness guard: the benchmark must compare equal work (h is exact, y within rounding)
+    with torch.no_grad():
+        (h_o, y_o), (h_s, y_s) = fused(r, x), stock(r, x)
+        timed["add_rmsnorm"]["h_bit_equal_to_stock"] = bool(torch.equal(h_o, h_s))
+        timed["add_rmsnorm"]["max_abs_diff_vs_stock"] = (y_o.float() - y_s.float()).abs().max().item()
+    return [timed["stock ops"], timed["add_rmsnorm"], timed["add + our rmsnorm"], dict(timed["add_rmsnorm"])]
+
+
 def main() -> int:
     args = bench_args(__doc__)
     if args is None:
@@ -90,9 +160,13 @@ def main() -> int:
         results += bench_case(shape, x_dtype, w_dtype)
     print(f"GPU: {torch.cuda.get_device_name()}\n")
     print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("x", "x_dtype"), ("w", "w_dtype")])
+    add_results = bench_add_case(*ADD_CASE)
+    print("\nresidual add + RMSNorm fwd+bwd (h = residual + x, y = norm(h); grads of h and y)\n")
+    print_stock_vs_ours(add_results, [("impl", "impl"), ("tokens", "tokens"), ("residual", "res_dtype"),
+                                      ("x", "x_dtype"), ("w", "w_dtype")])
     with open(args.out, "w") as f:
-        json.dump({"op": "rmsnorm", "gpu": torch.cuda.get_device_name(), "hidden": HIDDEN, "results": results},
-                  f, indent=2)
+        json.dump({"op": "rmsnorm", "gpu": torch.cuda.get_device_name(), "hidden": HIDDEN, "results": results,
+                   "add_rmsnorm_results": add_results}, f, indent=2)
     return 0
 
 

@@ -39,6 +39,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
+from solution import padding
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
@@ -132,13 +133,32 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor):
     if isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0:
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
+    # Packed real tokens of a right-padded batch (solution/padding.py): draw over stock's padded
+    # shape, keep the real rows, so the random numbers are stock's.
+    padded_shape = padding.padded_draw_shape(x)
     with torch.no_grad():  # our Function owns the whole input gradient, dropout's part included
         if _dropout_is_native(x):
-            xd, mask = torch.native_dropout(x, p, True)
+            if padded_shape is None:
+                xd, mask = torch.native_dropout(x, p, True)
+            else:
+                _, mask = torch.native_dropout(torch.ones(padded_shape, dtype=x.dtype, device=x.device), p, True)
+                mask = padding.unpad_rows(mask, padding.active()).view(x.shape)
+                # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
+                xd = x * mask * _native_dropout_scale(p)
             return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
-        noise = torch.empty_like(x).bernoulli_(1 - p)
+        if padded_shape is None:
+            noise = torch.empty_like(x).bernoulli_(1 - p)
+        else:
+            noise = torch.empty(padded_shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
+            noise = padding.unpad_rows(noise, padding.active()).view(x.shape)
         noise.div_(1 - p)
         return x * noise, noise, DROPOUT_NOISE, 1.0
+
+
+def _native_dropout_scale(p: float) -> float:
+    """The scale native_dropout's CUDA kernel multiplies by: 1 / (1 - p) computed in fp32."""
+    one = torch.tensor(1.0, dtype=torch.float32)
+    return float(one / torch.tensor(1.0 - p, dtype=torch.float32))
 
 
 def _fusable(t: torch.Tensor) -> bool:

@@ -24,6 +24,11 @@ Exact semantics kept (they matter when x is fp16):
     then the fp32 normalization gradient is applied; dx is stored in x.dtype.
 In the real workload x (the fp32 residual stream) and weight (cast to fp32 by peft's
 prepare_model_for_kbit_training) are both fp32, so all roundings above are no-ops.
+
+The row-tile and normalization arithmetic lives in small @triton.jit helpers (``_row_tile``,
+``_rms_scale_rows``, ``_rms_grad_rows``) that solution/kernels/add_rmsnorm.py calls too, so the
+fused residual-add + norm computes exactly these numbers. (Inlined by Triton: the PTX is the same
+instruction mix as with the arithmetic written in the kernels.)
 """
 from __future__ import annotations
 
@@ -41,6 +46,43 @@ _SUPPORTED_DTYPES = (torch.float16, torch.float32)
 
 
 # --------------------------------------------------------------------------------------------------
+# Row-tile helpers (shared with solution/kernels/add_rmsnorm.py)
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _row_tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's [BLOCK_ROWS, BLOCK] tile of rows: (rows, rows as int64, row mask, columns,
+    column mask, 2-D mask). BLOCK >= n_cols (a power of two); the column tail and the rows past
+    n_rows are masked off. int64 rows: row * stride can exceed 2^31 on big inputs."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_mask = rows < n_rows
+    cols = tl.arange(0, BLOCK)
+    col_mask = cols < n_cols
+    return rows, rows.to(tl.int64), row_mask, cols, col_mask, row_mask[:, None] & col_mask[None, :]
+
+
+@triton.jit
+def _rms_scale_rows(x, w, n_cols, eps, X_DTYPE: tl.constexpr):
+    """(w * (x * rstd).to(X_DTYPE), rstd) for an fp32 tile x [R, BLOCK] (masked lanes 0) and fp32
+    weight w [BLOCK]: rstd = 1 / sqrt(mean(x^2) + eps) per row. The normalized value is rounded to
+    the input dtype X_DTYPE before the weight multiply, exactly like stock (no-op for fp32)."""
+    mean_sq = tl.sum(x * x, axis=1) / n_cols  # masked lanes are 0 and add nothing
+    rstd = tl.rsqrt(mean_sq + eps)
+    normed = (x * rstd[:, None]).to(X_DTYPE).to(tl.float32)
+    return normed * w[None, :], rstd
+
+
+@triton.jit
+def _rms_grad_rows(x, g, w, rstd, n_cols, X_DTYPE: tl.constexpr):
+    """fp32 gradient of the norm's input: rstd * (dy - xhat * mean(dy * xhat)), with
+    xhat = x * rstd and dy = (g * w) rounded to X_DTYPE (the gradient that reaches stock's
+    ``.to(input_dtype)``). x, g: fp32 tiles [R, BLOCK]; w fp32 [BLOCK]; rstd fp32 [R]."""
+    xhat = x * rstd[:, None]
+    dy = (g * w[None, :]).to(X_DTYPE).to(tl.float32)
+    mean_dy_xhat = tl.sum(dy * xhat, axis=1) / n_cols
+    return (dy - xhat * mean_dy_xhat[:, None]) * rstd[:, None]
+
+
+# --------------------------------------------------------------------------------------------------
 # Kernels
 # --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
@@ -49,21 +91,11 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, x_row_stride, o
     """out[r] = w * (x[r] * rstd[r]).to(x.dtype), rstd[r] = 1 / sqrt(mean(x[r]^2) + eps), for the
     BLOCK_ROWS rows r of this program's tile.
 
-    Tile [BLOCK_ROWS, BLOCK], BLOCK >= n_cols (a power of two); the column tail and the rows past
-    n_rows are masked off. All arithmetic in fp32; rstd is saved (fp32) for the backward kernel."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
-    rows64 = rows.to(tl.int64)  # int64: row * stride can exceed 2^31 on big inputs
-    cols = tl.arange(0, BLOCK)
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
+    All arithmetic in fp32; rstd is saved (fp32) for the backward kernel."""
+    rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
     x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=1) / n_cols  # masked lanes are 0 and add nothing
-    rstd = tl.rsqrt(mean_sq + eps)
-    # Round the normalized value to the input dtype first, exactly like stock (no-op for fp32).
-    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    out = normed * w[None, :]
+    out, rstd = _rms_scale_rows(x, w, n_cols, eps, x_ptr.dtype.element_ty)
     tl.store(out_ptr + rows64[:, None] * out_row_stride + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask)
     tl.store(rstd_ptr + rows, rstd, mask=row_mask)
@@ -77,20 +109,12 @@ def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, n_rows, x_row_
     for the BLOCK_ROWS rows r of this program's tile.
 
     fp32 arithmetic, dx stored in x.dtype."""
-    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    row_mask = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
+    rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
     x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows64[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-    xhat = x * rstd[:, None]
-    dy = (g * w[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    mean_dy_xhat = tl.sum(dy * xhat, axis=1) / n_cols
-    dx = (dy - xhat * mean_dy_xhat[:, None]) * rstd[:, None]
+    dx = _rms_grad_rows(x, g, w, rstd, n_cols, x_ptr.dtype.element_ty)
     tl.store(dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 

@@ -130,6 +130,7 @@ def make_forward(original_forward):
         return lora_nf4(x, wa, wb, bias16, plan, xd, mask, mode, drop_scale, scaling)
 
     forward.__wrapped__ = original_forward
+    forward._solution_lora_dropout = True  # draws dropout over the padded shape (see qwen2_unpad)
     return forward
 
 

@@ -145,11 +145,27 @@ def _head_ok(model, labels, logits_to_keep, kwargs) -> bool:
             and head.weight.shape[0] == model.config.vocab_size)
 
 
+def _packed_lm_head(packed, weight, shift_labels, dtype, num_items_in_batch):
+    """The fused LM head on the packed real-token rows of an unpadded decoder run (qwen2_unpad):
+    labels gathered the same way, per-token results put back at their [batch, seqlen] positions
+    (0 at pad positions, where stock's values are never used)."""
+    from solution.kernels.lm_head_loss import fused_lm_head_loss
+    from solution.padding import pad_rows, unpad_rows
+
+    hidden, info = packed
+    labels = unpad_rows(shift_labels.reshape(-1), info).view(1, -1)
+    res = fused_lm_head_loss(hidden, weight, labels, compute_dtype=dtype, num_items_in_batch=num_items_in_batch)
+    shape = (info.batch, info.seqlen)
+    per_token = [pad_rows(t.reshape(-1), info).view(shape) for t in (res.token_entropy, res.token_argmax, res.token_loss)]
+    return (*per_token, res.loss)
+
+
 def _make_forward(stock_forward):
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils.generic import can_return_tuple
 
     from solution.kernels.lm_head_loss import fused_lm_head_loss, shift_labels_like_stock
+    from solution.patches.qwen2_unpad import capture_packed_hidden
 
     output_class = _output_class()
 
@@ -162,9 +178,10 @@ def _make_forward(stock_forward):
                                  inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
                                  logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         # From here on: the stock forward's body, with the LM head + loss fused.
-        outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                             use_cache=use_cache, **kwargs)
+        with capture_packed_hidden() as packed:  # filled when the decoder ran on real tokens only
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds,
+                                 use_cache=use_cache, **kwargs)
         hidden_states = outputs.last_hidden_state
         weight = self.lm_head.weight
         dtype = _compute_dtype(hidden_states, weight)
@@ -176,12 +193,18 @@ def _make_forward(stock_forward):
             return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
                                           hidden_states=outputs.hidden_states, attentions=outputs.attentions)
         shift_labels = shift_labels_like_stock(labels.to(hidden_states.device))
-        res = fused_lm_head_loss(hidden_states, weight, shift_labels, compute_dtype=dtype,
-                                 num_items_in_batch=kwargs.get("num_items_in_batch"))
-        return output_class(loss=res.loss, logits=None, past_key_values=outputs.past_key_values,
+        if packed:
+            # Only the real tokens' rows go through the LM head (pad positions: label -100, and
+            # trl weighs their entropy by attention_mask 0); their results are scattered back.
+            token_entropy, token_argmax, token_loss, loss = _packed_lm_head(
+                packed[0], weight, shift_labels, dtype, kwargs.get("num_items_in_batch"))
+        else:
+            res = fused_lm_head_loss(hidden_states, weight, shift_labels, compute_dtype=dtype,
+                                     num_items_in_batch=kwargs.get("num_items_in_batch"))
+            token_entropy, token_argmax, token_loss, loss = res.token_entropy, res.token_argmax, res.token_loss, res.loss
+        return output_class(loss=loss, logits=None, past_key_values=outputs.past_key_values,
                             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                            token_entropy=res.token_entropy, token_argmax=res.token_argmax,
-                            token_loss=res.token_loss)
+                            token_entropy=token_entropy, token_argmax=token_argmax, token_loss=token_loss)
 
     # Same name, docstring and (through __wrapped__) signature as stock: the Trainer inspects the
     # forward signature (label names, **kwargs => model_accepts_loss_kwargs).

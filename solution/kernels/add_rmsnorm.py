@@ -1,0 +1,252 @@
+"""Residual add fused with the RMSNorm that follows it: ``h = residual + x; y = rmsnorm(h)``.
+
+1. What it replaces. In ``Qwen2DecoderLayer.forward`` (transformers 5.17.0)
+       hidden_states = residual + hidden_states          # residual stream + attention output
+       residual = hidden_states
+       hidden_states = self.post_attention_layernorm(hidden_states)
+   i.e. one elementwise add and one Qwen2RMSNorm (``weight * (h.float() * rstd).to(h.dtype)``), and
+   in backward autograd's sum of the two gradients that reach h (from the norm, and from the later
+   ``residual + mlp_out``) plus AddBackward's cast of that sum to the attention output's dtype.
+   solution/patches/qwen2_decoder_layer.py routes the decoder layer through ``add_rmsnorm``.
+
+2. Why that was slow. Every step is a separate pass over the [tokens, hidden] tensor, and the
+   work is memory-bound. Forward: the add reads residual and x and writes h, then the norm reads h
+   back. Backward: the norm's dx kernel writes its gradient, autograd reads it back together with
+   the gradient from the later add and writes the sum, then reads the sum again to write its fp16
+   copy for x. Three launches and two extra round trips through memory.
+
+3. What it does instead. One forward kernel per row tile: loads residual and x, adds them in fp32,
+   rounds to h's dtype, stores h, and normalizes the same registers (the RMSNorm arithmetic is the
+   jit helper shared with solution/kernels/rmsnorm.py, so both kernels compute the same numbers),
+   storing y and one fp32 rstd per row. One backward kernel per row tile: loads h, grad_y, grad_h
+   (if h's gradient is defined), computes the norm's input gradient, adds grad_h and stores the
+   gradient of residual and of x, each in its own dtype (one buffer when the dtypes agree, exactly
+   as autograd hands the same tensor to both operands of an add). The weight gradient, only when
+   the weight trains (never in the workload: norms are frozen), is rmsnorm.py's dw kernel.
+   Bytes moved at 2048 x 1536 (residual fp32, x fp16, weight fp32; computed, not measured) against
+   ``residual + x`` followed by our own RMSNorm kernel: forward 18 -> 14 bytes per element
+   (54 -> 42 MiB), backward 30 -> 18 bytes per element (90 -> 54 MiB); launches 2 -> 1 forward and
+   3 -> 1 backward. docs/kernels/add_rmsnorm.md has the accounting.
+
+4. Correctness risks. Rounding chain, kept exactly as autograd runs the stock ops (all computed in
+   fp32 in registers, rounded where stock rounds):
+     * h = (fp32(residual) + fp32(x)) rounded to promote_types(residual, x): bit-equal to torch;
+     * y: rmsnorm.py's semantics (normalized value rounded to h.dtype before the weight multiply);
+     * the norm's gradient is rounded to h.dtype (it is the gradient of ``h.to(float32)``), then
+       added to grad_h and rounded to h.dtype (autograd accumulates h's gradients in h's dtype),
+       then cast to residual's and x's dtypes (AddBackward + the engine's cast).
+   The row sums (mean of squares, mean of dy * xhat) are reduced in another order than torch's
+   ops, so fp32 y and gradients differ from stock in the last bits (~1e-7 relative); not bit-exact.
+   Rows longer than rmsnorm.MAX_HIDDEN, dtypes other than fp16/fp32, and residual / x of different
+   shapes are refused by ``add_rmsnorm_supported`` (the patch then runs the stock ops). Double
+   backward raises (``once_differentiable``). Tests: tests/test_add_rmsnorm.py.
+
+5. How it was measured. To be measured on the GPU: ``python bench/kernels/bench_rmsnorm.py --out
+   rmsnorm.json`` has a "residual add + RMSNorm fwd+bwd" case (2048 x 1536, residual fp32, x fp16)
+   against the stock ops. Nothing has been timed yet; the byte counts above are computed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.autograd.function import once_differentiable
+
+from solution.kernels import rmsnorm as _rms
+from solution.kernels._launches import record
+from solution.kernels.rmsnorm import (_TRITON_TYPE, _as_rows, _launch_backward_dw, _rms_grad_rows, _rms_scale_rows,
+                                      _row_config, _row_tile, _rows_per_program, rmsnorm_supported)
+
+
+# --------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["n_rows"])
+def _add_rmsnorm_fwd_kernel(res_ptr, x_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, n_rows, res_row_stride, x_row_stride,
+                            n_cols, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """h = (residual + x) rounded to h.dtype; y = w * (h * rstd).to(h.dtype); rstd per row (fp32).
+
+    h and y are contiguous [n_rows, n_cols]; residual and x any row stride, unit column stride."""
+    rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
+    res = tl.load(res_ptr + rows64[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
+    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
+    # torch's add: both operands widened to fp32, added, rounded once to the promoted dtype.
+    h = (res.to(tl.float32) + x.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    out_offs = rows64[:, None] * n_cols + cols[None, :]
+    tl.store(h_ptr + out_offs, h, mask=mask)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y, rstd = _rms_scale_rows(h.to(tl.float32), w, n_cols, eps, h_ptr.dtype.element_ty)
+    tl.store(y_ptr + out_offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(rstd_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _add_rmsnorm_bwd_kernel(h_ptr, w_ptr, gy_ptr, gh_ptr, rstd_ptr, d1_ptr, d2_ptr, n_rows, gy_row_stride,
+                            gh_row_stride, n_cols, HAS_GRAD_H: tl.constexpr, TWO_OUTPUTS: tl.constexpr,
+                            BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """dh = (grad_h + norm_grad(grad_y).to(h.dtype)) rounded to h.dtype, stored as d1 (and d2) in
+    d1's (d2's) dtype: the gradients of residual and x.
+
+    h (saved output) and d1 / d2 are contiguous [n_rows, n_cols]; grad_y / grad_h any row stride.
+    HAS_GRAD_H False: h's own gradient is undefined (h unused later), dh = the norm's gradient.
+    TWO_OUTPUTS False: residual and x share one dtype (or only one needs a gradient): d2 unused."""
+    rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
+    h_offs = rows64[:, None] * n_cols + cols[None, :]
+    h = tl.load(h_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
+    gy = tl.load(gy_ptr + rows64[:, None] * gy_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
+    # The norm's contribution reaches h through h.to(float32): autograd rounds it to h's dtype.
+    dh = _rms_grad_rows(h, gy, w, rstd, n_cols, h_ptr.dtype.element_ty).to(h_ptr.dtype.element_ty)
+    if HAS_GRAD_H:
+        gh = tl.load(gh_ptr + rows64[:, None] * gh_row_stride + cols[None, :], mask=mask, other=0.0)
+        # autograd's accumulation of h's two gradients, in h's dtype.
+        dh = (gh.to(tl.float32) + dh.to(tl.float32)).to(h_ptr.dtype.element_ty)
+    tl.store(d1_ptr + h_offs, dh.to(d1_ptr.dtype.element_ty), mask=mask)
+    if TWO_OUTPUTS:
+        tl.store(d2_ptr + h_offs, dh.to(d2_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------------
+def add_rmsnorm_supported(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Can the kernels handle these tensors (dtypes fp16/fp32, same shapes, hidden <= MAX_HIDDEN,
+    one device)? Which devices the kernels run on is checked by the caller."""
+    return (isinstance(residual, torch.Tensor) and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
+            and residual.shape == x.shape and rmsnorm_supported(residual, weight) and rmsnorm_supported(x, weight))
+
+
+def _grad_dtypes(res_dtype: torch.dtype, x_dtype: torch.dtype, need_res: bool, need_x: bool) -> list[torch.dtype]:
+    """Dtypes of the gradient buffers the backward kernel writes (d1, then d2): residual's and x's,
+    one buffer per distinct dtype among the inputs that need a gradient."""
+    dtypes = [res_dtype] if need_res else []
+    if need_x and x_dtype not in dtypes:
+        dtypes.append(x_dtype)
+    return dtypes
+
+
+def _launch_forward(r2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float, shape):
+    n_rows, n_cols = x2.shape
+    h_dtype = torch.promote_types(r2.dtype, x2.dtype)
+    h = torch.empty(shape, dtype=h_dtype, device=x2.device)
+    y = torch.empty(shape, dtype=torch.promote_types(h_dtype, weight.dtype), device=x2.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x2.device)
+    if n_rows > 0:
+        block, warps = _row_config(n_cols)
+        rows = _rows_per_program(n_rows, block)
+        _add_rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
+            r2, x2, weight, h, y, rstd, n_rows, r2.stride(0), x2.stride(0), n_cols, eps,
+            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
+        record("_add_rmsnorm_fwd_kernel")
+    return h, y, rstd
+
+
+def _launch_backward(h2, weight, gy2, gh2, rstd, dtypes):
+    """The gradient buffers (one per dtype in ``dtypes``, 1 or 2) of residual / x."""
+    n_rows, n_cols = h2.shape
+    outs = [torch.empty((n_rows, n_cols), dtype=dt, device=h2.device) for dt in dtypes]
+    if n_rows > 0:
+        block, warps = _row_config(n_cols)
+        rows = _rows_per_program(n_rows, block)
+        gh_arg = h2 if gh2 is None else gh2  # placeholder of h's dtype, never read when absent
+        _add_rmsnorm_bwd_kernel[(triton.cdiv(n_rows, rows),)](
+            h2, weight, gy2, gh_arg, rstd, outs[0], outs[-1], n_rows, gy2.stride(0),
+            0 if gh2 is None else gh2.stride(0), n_cols, HAS_GRAD_H=gh2 is not None, TWO_OUTPUTS=len(outs) == 2,
+            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
+        record("_add_rmsnorm_bwd_kernel")
+    return outs
+
+
+class AddRMSNormFunction(torch.autograd.Function):
+    """autograd wrapper: forward returns (h, y) and saves h (an output, so no extra memory), the
+    weight and rstd (4 bytes per row)."""
+
+    @staticmethod
+    def forward(ctx, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+        n_cols = x.shape[-1]
+        r2, x2 = _as_rows(residual, n_cols), _as_rows(x, n_cols)
+        w = weight if weight.is_contiguous() else weight.contiguous()
+        h, y, rstd = _launch_forward(r2, x2, w, float(eps), x.shape)
+        ctx.set_materialize_grads(False)  # grad_h is None when h is not used later: skip reading zeros
+        ctx.save_for_backward(h, w, rstd)
+        ctx.dtypes = (residual.dtype, x.dtype, weight.dtype)
+        return h, y
+
+    @staticmethod
+    @once_differentiable  # no double backward: raise instead of silently wrong 2nd derivatives
+    def backward(ctx, grad_h, grad_y):
+        h, w, rstd = ctx.saved_tensors
+        res_dtype, x_dtype, w_dtype = ctx.dtypes
+        need_res, need_x, need_w = ctx.needs_input_grad[:3]
+        if grad_y is None:  # y unused: h's gradient only goes through the add (stock AddBackward)
+            if grad_h is None:
+                return None, None, None, None
+            return (grad_h.to(res_dtype) if need_res else None, grad_h.to(x_dtype) if need_x else None,
+                    None, None)
+        n_cols = h.shape[-1]
+        h2 = h.view(-1, n_cols)
+        gy2 = _as_rows(grad_y, n_cols)
+        grads = {}
+        dtypes = _grad_dtypes(res_dtype, x_dtype, need_res, need_x)
+        if dtypes:
+            gh2 = None if grad_h is None else _as_rows(grad_h, n_cols)
+            grads = {dt: g.view(h.shape) for dt, g in zip(dtypes, _launch_backward(h2, w, gy2, gh2, rstd, dtypes))}
+        d_w = _launch_backward_dw(h2, gy2, rstd, w_dtype) if need_w else None
+        return grads.get(res_dtype) if need_res else None, grads.get(x_dtype) if need_x else None, d_w, None
+
+
+def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h, y) = (residual + x, Qwen2RMSNorm(h)) in one pass, with the stock ops' exact dtypes and
+    roundings: h in promote(residual, x), y = ``weight * (h.float() * rstd).to(h.dtype)`` in
+    promote(h, weight). residual, x: same shape [..., N], fp16/fp32, any strides; weight [N].
+    Both outputs are contiguous; differentiable w.r.t. residual, x and weight."""
+    return AddRMSNormFunction.apply(residual, x, weight, eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# sm_75 compile check
+# --------------------------------------------------------------------------------------------------
+def _launch_dtypes():
+    """Every (residual, x, weight) dtype triple the launchers accept."""
+    f16, f32 = torch.float16, torch.float32
+    return [(r, x, w) for r in (f32, f16) for x in (f16, f32) for w in (f32, f16)]
+
+
+def sm75_specs():
+    """Every GPU launch configuration at hidden 1536 (BLOCK 2048, 1 row per program, 8 warps): the
+    forward for all 8 dtype triples; the backward for every triple x grad_h present / absent x
+    which of residual / x need a gradient (the gradient buffers, ``_grad_dtypes``). Plus the
+    workload's triple (residual fp32, x fp16, weight fp32) at the smallest and largest BLOCK.
+    (The interpreter's big tiles never run on a GPU; the weight gradient is rmsnorm.py's kernel,
+    listed there.)"""
+    f16, f32 = torch.float16, torch.float32
+    workload = (f32, f16, f32)
+    configs = [(t, 1536) for t in _launch_dtypes()] + [(workload, 100), (workload, _rms.MAX_HIDDEN)]
+    for (r_dt, x_dt, w_dt), hidden in configs:
+        block, warps = _row_config(hidden)
+        rows = _rms._pow2_at_most(_rms.GPU_TILE_ELEMS // block)
+        h_dt = torch.promote_types(r_dt, x_dt)
+        y_dt = torch.promote_types(h_dt, w_dt)
+        t = {dt: _TRITON_TYPE[dt] for dt in (f16, f32)}
+        tag = f"r={t[r_dt][1:]} x={t[x_dt][1:]} w={t[w_dt][1:]} BLOCK={block} ROWS={rows} w{warps}"
+        shape = {"BLOCK_ROWS": rows, "BLOCK": block}
+        yield {"name": f"fwd {tag}", "fn": _add_rmsnorm_fwd_kernel, "num_warps": warps,
+               "signature": {"res_ptr": t[r_dt], "x_ptr": t[x_dt], "w_ptr": t[w_dt], "h_ptr": t[h_dt],
+                             "y_ptr": t[y_dt], "rstd_ptr": "*fp32", "n_rows": "i32", "res_row_stride": "i32",
+                             "x_row_stride": "i32", "n_cols": "i32", "eps": "fp32",
+                             "BLOCK_ROWS": "constexpr", "BLOCK": "constexpr"},
+               "constexprs": shape}
+        needs = [(True, True), (True, False), (False, True)] if hidden == 1536 else [(True, True)]
+        out_sets = {tuple(_grad_dtypes(r_dt, x_dt, nr, nx)) for nr, nx in needs}
+        for outs in sorted(out_sets, key=str):
+            for has_gh in ((True, False) if hidden == 1536 else (True,)):
+                consts = {"HAS_GRAD_H": has_gh, "TWO_OUTPUTS": len(outs) == 2, **shape}
+                yield {"name": f"bwd {tag} d={'+'.join(t[dt][1:] for dt in outs)}{'' if has_gh else ' no-gh'}",
+                       "fn": _add_rmsnorm_bwd_kernel, "num_warps": warps,
+                       "signature": {"h_ptr": t[h_dt], "w_ptr": t[w_dt], "gy_ptr": t[y_dt], "gh_ptr": t[h_dt],
+                                     "rstd_ptr": "*fp32", "d1_ptr": t[outs[0]], "d2_ptr": t[outs[-1]],
+                                     "n_rows": "i32", "gy_row_stride": "i32", "gh_row_stride": "i32",
+                                     "n_cols": "i32", **{k: "constexpr" for k in consts}},
+                       "constexprs": consts}

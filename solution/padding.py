@@ -1,0 +1,110 @@
+"""No work on padding: the real tokens of a right-padded batch as one packed row.
+
+trl pads every batch on the right to its longest row (4 rows, up to 512 tokens each). Every
+per-token op of the decoder (projections, LoRA, norms, RoPE, SwiGLU, the LM head) does the same
+work on a pad position as on a real one, and the result is thrown away: with right padding and
+causal attention a pad position never influences a real one (a real query at position t only
+sees keys 0..t, all real), and the loss ignores pad labels (-100).
+
+``Unpadded`` describes where the real tokens sit in the padded [batch, seqlen] layout. The
+Qwen2 patch (solution/patches/qwen2_unpad.py) gathers the real tokens into one row [1, N, H],
+runs the decoder layers on it, and only the attention goes back to the padded layout (the
+attention kernel needs rectangular [batch, heads, seqlen, dim] tensors); the final hidden states
+are scattered back to [batch, seqlen, H] with zeros at pad positions.
+
+What must not change, and how it is kept:
+- The values of every real position: per-token ops are row-independent; attention sees the same
+  keys (causal mask, ``is_causal=True`` instead of the stock boolean padding+causal mask: the
+  masked entries are excluded either way); RoPE positions are each row's own 0..len-1.
+- The random numbers of LoRA's dropout: torch draws a dropout mask over the tensor it is given,
+  so a packed [1, N, H] input would draw other bits (and move the RNG offset by another amount)
+  than stock's [batch, seqlen, H]. ``padded_dropout_mask`` draws the mask over the padded shape
+  exactly as stock does and keeps the rows of the real tokens.
+- The loss, metrics and Soup's per-token outputs: pad positions are ignored by all of them (loss
+  and accuracy: label -100; entropy: multiplied by attention_mask 0).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class Unpadded:
+    """Where the N real tokens of a right-padded [batch, seqlen] batch are.
+
+    idx: int64 [N] on the device, flat positions b * seqlen + t of the real tokens, in order.
+    positions: int64 [N] on the device, each token's position in its row (RoPE's position id).
+    lengths: real tokens per row (host ints)."""
+    idx: torch.Tensor
+    positions: torch.Tensor
+    batch: int
+    seqlen: int
+    lengths: tuple[int, ...]
+
+    @property
+    def n_tokens(self) -> int:
+        return int(sum(self.lengths))
+
+
+_ACTIVE: contextvars.ContextVar[Unpadded | None] = contextvars.ContextVar("solution_unpadded", default=None)
+
+
+def active() -> Unpadded | None:
+    """The Unpadded batch whose decoder layers are running now (None outside)."""
+    return _ACTIVE.get()
+
+
+@contextlib.contextmanager
+def running_unpadded(info: Unpadded):
+    token = _ACTIVE.set(info)
+    try:
+        yield info
+    finally:
+        _ACTIVE.reset(token)
+
+
+def right_padded_lengths(attention_mask: torch.Tensor) -> list[int] | None:
+    """Row lengths when ``attention_mask`` [batch, seqlen] is right padding (each row: ones then
+    zeros, no other values), else None. One device-to-host copy."""
+    if attention_mask.dim() != 2 or attention_mask.dtype not in (torch.int64, torch.int32, torch.bool, torch.uint8):
+        return None
+    m = attention_mask
+    lengths = (m != 0).sum(1)
+    expected = torch.arange(m.shape[1], device=m.device)[None, :] < lengths[:, None]
+    bad = ((m != expected.to(m.dtype)) | ((m != 0) & (m != 1))).any()
+    host = torch.cat([lengths, bad.view(1).to(lengths.dtype)]).tolist()
+    return None if host[-1] else [int(v) for v in host[:-1]]
+
+
+def make_unpadded(lengths: list[int], seqlen: int, device: torch.device) -> Unpadded:
+    """Index tensors for a right-padded batch with these row lengths (built on the host, one copy)."""
+    flat = torch.cat([torch.arange(b * seqlen, b * seqlen + n) for b, n in enumerate(lengths)])
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    both = torch.stack([flat, pos]).to(device)
+    return Unpadded(idx=both[0], positions=both[1], batch=len(lengths), seqlen=seqlen, lengths=tuple(lengths))
+
+
+def pad_rows(rows: torch.Tensor, info: Unpadded) -> torch.Tensor:
+    """[N, ...] real-token rows -> [batch * seqlen, ...] with zeros at pad positions (differentiable)."""
+    out = rows.new_zeros((info.batch * info.seqlen,) + tuple(rows.shape[1:]))
+    return out.index_copy(0, info.idx, rows)
+
+
+def unpad_rows(padded: torch.Tensor, info: Unpadded) -> torch.Tensor:
+    """[batch * seqlen, ...] -> the [N, ...] rows of the real tokens (differentiable)."""
+    return padded.index_select(0, info.idx)
+
+
+def padded_draw_shape(x: torch.Tensor) -> tuple[int, int] | None:
+    """While an Unpadded batch runs and x [.., N, H] holds its packed rows: the 2-D shape
+    [batch * seqlen, H] that stock's padded tensor has, over which a random draw (dropout mask,
+    Bernoulli noise) must be made so that it consumes the generator exactly as stock does; keep
+    the real rows of the draw with ``unpad_rows``. None otherwise (draw over x itself)."""
+    info = active()
+    if info is None or x.dim() < 2 or x.shape[:-1].numel() != info.n_tokens:
+        return None
+    return (info.batch * info.seqlen, x.shape[-1])

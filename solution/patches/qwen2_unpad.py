@@ -1,0 +1,239 @@
+"""No work on padding in Qwen2 (issue 5.1): the decoder runs on the batch's real tokens only.
+
+Two swaps:
+
+1. ``Qwen2Model.forward``: for a right-padded training batch (the only kind trl's collator makes
+   here: ``attention_mask`` rows of ones then zeros) it gathers the N real tokens into one packed
+   row [1, N] (solution/padding.py), embeds them, computes RoPE's cos/sin at each token's own
+   position (0..len-1 of its row, as stock's arange does for right padding), runs every decoder
+   layer on [1, N, H] with an ``Unpadded`` description in place of the attention mask, applies
+   the final norm and scatters the result back to [batch, seqlen, H] (zeros at pad positions).
+   The CausalLM head patch (qwen2_lm_head_loss) can take the packed rows directly
+   (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
+   generation, a cache, position_ids given, left padding, no padding at all, hidden states or
+   attentions requested, gradient checkpointing, sliding-window layers, attention dropout,
+   another attention implementation) runs the stock forward unchanged.
+2. ``AttentionInterface._global_mapping["sdpa"]``: when the mask argument is an ``Unpadded``,
+   q/k/v go back to the padded [batch, heads, seqlen, dim] layout (zeros at pads), the same SDPA
+   call as stock runs with ``is_causal=True`` (K/V repeated to the 12 query heads as stock does
+   when it passes a mask), and the real rows of the output are kept. With right padding a real
+   query at position t attends to keys 0..t, all real: the set of keys is stock's, so the values
+   are the same up to the attention kernel's rounding (masked entries are skipped instead of
+   set to -inf). Any other call goes to the stock function.
+
+Why the attention stays padded: SDPA's memory-efficient kernel (the T4's) takes rectangular
+batches; a packed causal mask over [N, N] would cost N^2 instead of sum(len^2). The padding it
+does there is the only work on pads left (attention is ~10% of the step's matrix work).
+
+Refused (check()) unless the installed Qwen2Model.forward and sdpa_attention_forward are the
+sources mirrored here (sha256).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import inspect
+import weakref
+
+import torch
+
+NAME = "qwen2_unpad"
+
+# sha256 of inspect.getsource() of the stock functions mirrored (transformers 5.17.0)
+_QWEN2_MODEL_FORWARD_SHA256 = "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076"
+_SDPA_FORWARD_SHA256 = "2519bd4da7bc7181c84f14ed764249b88bef262fd75f2b441d3e5b23a88c4a96"
+
+# Set by the LM-head patch around its call of the decoder: a list that receives
+# (packed final hidden states [1, N, H], Unpadded) when the decoder ran unpadded.
+_PACKED_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("qwen2_unpad_sink", default=None)
+
+
+@contextlib.contextmanager
+def capture_packed_hidden():
+    """Within this block, an unpadded Qwen2Model forward also appends (packed hidden, Unpadded)
+    to the yielded list, for a caller that can use the packed rows (the fused LM head)."""
+    sink: list = []
+    token = _PACKED_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _PACKED_SINK.reset(token)
+
+
+def _sha(fn) -> str:
+    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
+
+
+def check() -> str | None:
+    try:
+        from transformers.integrations import sdpa_attention
+        from transformers.modeling_utils import AttentionInterface
+        from transformers.models.qwen2 import modeling_qwen2
+    except Exception as exc:  # noqa: BLE001 - transformers missing or broken
+        return f"transformers' Qwen2 / attention interface not importable ({type(exc).__name__}: {exc})"
+    try:
+        if _sha(modeling_qwen2.Qwen2Model.forward) != _QWEN2_MODEL_FORWARD_SHA256:
+            return "Qwen2Model.forward is not the transformers 5.17.0 source this patch mirrors"
+        if _sha(sdpa_attention.sdpa_attention_forward) != _SDPA_FORWARD_SHA256:
+            return "sdpa_attention_forward is not the transformers 5.17.0 source this patch mirrors"
+    except (OSError, TypeError) as exc:
+        return f"cannot read the stock sources ({exc})"
+    if AttentionInterface._global_mapping.get("sdpa") is not sdpa_attention.sdpa_attention_forward:
+        return "the 'sdpa' attention function is already replaced by someone else"
+    return None
+
+
+def _kernel_device_ok(device: torch.device) -> bool:
+    from solution.env import interpreter_enabled
+
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+
+
+def _has_neftune_hook(module: torch.nn.Module) -> bool:
+    """NEFTune's embedding hook scales its noise by the sequence shape: packed rows would change it."""
+    return any("neftune" in getattr(h, "__name__", "") for h in module._forward_hooks.values())
+
+
+_DROPOUTS_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _dropouts_ok(model) -> bool:
+    """Every dropout with p > 0 in the decoder is a LoRA dropout of a peft bnb 4-bit layer whose
+    forward is ours (solution/patches/peft_lora_bnb.py -> lora_nf4.lora_dropout draws the mask over
+    the padded shape). Any other dropout would draw over the packed rows: other random numbers than
+    stock's, so such a model keeps the padded path. (Cached per model.)"""
+    ok = _DROPOUTS_OK.get(model)
+    if ok is None:
+        try:
+            from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+        except Exception:  # noqa: BLE001 - peft / bnb absent
+            LoraLinear4bit = ()
+        handled = set()
+        ours = getattr(getattr(LoraLinear4bit, "forward", None), "_solution_lora_dropout", False)
+        for mod in model.modules():
+            if ours and isinstance(mod, LoraLinear4bit):
+                handled.update(id(d) for d in mod.lora_dropout.modules())
+        ok = not any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 and id(mod) not in handled
+                     for mod in model.modules())
+        _DROPOUTS_OK[model] = ok
+    return ok
+
+
+def _plan(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
+    """The Unpadded description when this call can run packed, else None (stock forward)."""
+    from solution import padding
+
+    cfg = model.config
+    if not (model.training and torch.is_grad_enabled()):
+        return None
+    if (input_ids is None or inputs_embeds is not None or position_ids is not None or past_key_values is not None
+            or use_cache or not isinstance(attention_mask, torch.Tensor) or input_ids.dim() != 2
+            or attention_mask.shape != input_ids.shape or not _kernel_device_ok(input_ids.device)):
+        return None
+    if (kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or kwargs.get("return_dict") is False
+            or getattr(cfg, "output_hidden_states", False) or getattr(cfg, "output_attentions", False)
+            or kwargs.get("is_causal", getattr(cfg, "is_causal", None)) is False):
+        return None
+    if (model.gradient_checkpointing or model.has_sliding_layers or cfg._attn_implementation != "sdpa"
+            or getattr(cfg, "attention_dropout", 0.0) != 0.0 or _has_neftune_hook(model.embed_tokens)
+            or not _dropouts_ok(model)):
+        return None
+    lengths = padding.right_padded_lengths(attention_mask)
+    seqlen = input_ids.shape[1]
+    if lengths is None or min(lengths) < 1 or sum(lengths) == len(lengths) * seqlen:
+        return None  # not right padding, an empty row, or no padding at all: nothing to skip
+    return padding.make_unpadded(lengths, seqlen, input_ids.device)
+
+
+def _unpadded_forward(model, input_ids, info, kwargs):
+    """Stock Qwen2Model.forward's body on the packed real tokens (no cache, no masks to build)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    from solution import padding
+
+    ids = padding.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
+    hidden_states = model.embed_tokens(ids)
+    position_ids = info.positions.unsqueeze(0)
+    position_embeddings = model.rotary_emb(hidden_states, position_ids)
+    with padding.running_unpadded(info):
+        for decoder_layer in model.layers[: model.config.num_hidden_layers]:
+            hidden_states = decoder_layer(
+                hidden_states,
+                attention_mask=info,
+                position_embeddings=position_embeddings,
+                position_ids=position_ids,
+                past_key_values=None,
+                use_cache=False,
+                **kwargs,
+            )
+    hidden_states = model.norm(hidden_states)
+    sink = _PACKED_SINK.get()
+    if sink is not None:
+        sink.append((hidden_states, info))
+    padded = padding.pad_rows(hidden_states[0], info).view(info.batch, info.seqlen, -1)
+    return BaseModelOutputWithPast(last_hidden_state=padded, past_key_values=None)
+
+
+def _make_model_forward(stock_forward):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                inputs_embeds=None, use_cache=None, **kwargs):
+        info = _plan(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
+                     kwargs)
+        if info is None:
+            return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask,
+                                 position_ids=position_ids, past_key_values=past_key_values,
+                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+        return _unpadded_forward(self, input_ids, info, kwargs)
+
+    functools.update_wrapper(forward, stock_forward)
+    return forward
+
+
+def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **kwargs):
+    """Attention of packed rows: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> [1, N, Hq, D]
+    (the layout stock's sdpa_attention_forward returns), through the padded layout."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    from solution import padding
+
+    b, s = info.batch, info.seqlen
+
+    def to_padded(t):  # [1, h, N, D] -> [b, h, s, D] (a transposed view of [b, s, h, D], like stock's)
+        rows = padding.pad_rows(t[0].transpose(0, 1), info)
+        return rows.view(b, s, t.shape[1], t.shape[3]).transpose(1, 2)
+
+    q, k, v = to_padded(query), to_padded(key), to_padded(value)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout,
+                                                           scale=scaling, is_causal=True)
+    out = out.transpose(1, 2).reshape(b * s, -1)
+    out = padding.unpad_rows(out, info)
+    return out.view(1, out.shape[0], query.shape[1], query.shape[3]), None
+
+
+def _make_sdpa(stock_sdpa):
+    from solution.padding import Unpadded
+
+    def sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs):
+        if isinstance(attention_mask, Unpadded):
+            return sdpa_unpadded(module, query, key, value, attention_mask, *args, **kwargs)
+        return stock_sdpa(module, query, key, value, attention_mask, *args, **kwargs)
+
+    functools.update_wrapper(sdpa_attention_forward, stock_sdpa)
+    return sdpa_attention_forward
+
+
+def install(swaps) -> str:
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.models.qwen2 import modeling_qwen2
+
+    cls = modeling_qwen2.Qwen2Model
+    swaps.set(cls, "forward", _make_model_forward(cls.forward))
+    mapping = AttentionInterface._global_mapping
+    swaps.set_item(mapping, "sdpa", _make_sdpa(mapping["sdpa"]))
+    return ("Qwen2Model.forward runs right-padded training batches on their real tokens only "
+            "(attention through the padded layout); stock for anything else")

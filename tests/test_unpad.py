@@ -1,0 +1,217 @@
+"""No work on padding (solution/padding.py, solution/patches/qwen2_unpad.py).
+
+A tiny Qwen2 (+ peft LoRA on q/v) runs a right-padded batch stock and packed; everything the
+trainer sees must agree: the loss, the per-token entropy / argmax / loss at the real positions,
+and every gradient. fp32 on the CPU (interpreter) and on the GPU: the packed path computes the
+same products in another order (attention with is_causal instead of a mask, GEMMs over N rows
+instead of batch x seqlen), so agreement is to fp32 rounding (rel 1e-5), not bit for bit.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from solution import padding
+from tests.conftest import rel_err
+from tests.test_lm_head_loss import tiny_qwen2
+
+IGNORE = -100
+
+
+def _right_padded_batch(lengths, seqlen, vocab=998, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.full((len(lengths), seqlen), vocab, dtype=torch.long)  # pad id = vocab (998 = tiny pad)
+    mask = torch.zeros((len(lengths), seqlen), dtype=torch.long)
+    labels = torch.full((len(lengths), seqlen), IGNORE, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        ids[b, :n] = torch.randint(0, vocab, (n,), generator=g)
+        mask[b, :n] = 1
+        labels[b, n // 3:n] = ids[b, n // 3:n]  # loss on the "completion" only
+    return ids.to(device), mask.to(device), labels.to(device)
+
+
+def test_right_padded_lengths():
+    m = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
+    assert padding.right_padded_lengths(m) == [3, 1, 4]
+    assert padding.right_padded_lengths(m.bool()) == [3, 1, 4]
+    assert padding.right_padded_lengths(torch.tensor([[0, 1, 1]])) is None  # left padding
+    assert padding.right_padded_lengths(torch.tensor([[1, 0, 1]])) is None  # a hole
+    assert padding.right_padded_lengths(torch.tensor([[1, 2, 0]])) is None  # not a 0/1 mask
+    assert padding.right_padded_lengths(torch.ones(2, 3, 4, dtype=torch.long)) is None
+    info = padding.make_unpadded([3, 1], 4, torch.device("cpu"))
+    assert info.idx.tolist() == [0, 1, 2, 4] and info.positions.tolist() == [0, 1, 2, 0]
+    rows = torch.arange(4.0).view(4, 1).requires_grad_()
+    padded = padding.pad_rows(rows, info)
+    assert padded.view(-1).tolist() == [0.0, 1.0, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0]
+    padding.unpad_rows(padded, info).sum().backward()
+    assert rows.grad.view(-1).tolist() == [1.0] * 4
+
+
+def test_dropout_draws_over_the_padded_shape():
+    """lora_dropout on packed rows keeps exactly the rows of the draw stock makes over the padded
+    tensor (CPU: Bernoulli noise; the CUDA native_dropout case is in the GPU test below)."""
+    from solution.kernels.lora_nf4 import lora_dropout
+
+    lengths, seqlen, hidden = [5, 2, 7], 7, 6
+    info = padding.make_unpadded(lengths, seqlen, torch.device("cpu"))
+    x_pad = torch.randn(len(lengths) * seqlen, hidden)
+    x_packed = padding.unpad_rows(x_pad, info).view(1, -1, hidden)
+    drop = torch.nn.Dropout(0.3).train()
+    torch.manual_seed(5)
+    xd_stock, noise_stock, _, _ = lora_dropout(drop, x_pad)
+    after_stock = torch.rand(1)
+    torch.manual_seed(5)
+    with padding.running_unpadded(info):
+        xd, noise, _, _ = lora_dropout(drop, x_packed)
+    after_ours = torch.rand(1)
+    assert torch.equal(xd.view(-1, hidden), padding.unpad_rows(xd_stock, info))
+    assert torch.equal(noise.view(-1, hidden), padding.unpad_rows(noise_stock, info))
+    assert torch.equal(after_stock, after_ours)  # the generator advanced by the same amount
+
+
+@pytest.mark.gpu
+def test_dropout_draws_over_the_padded_shape_cuda(device):
+    if device != "cuda":
+        pytest.skip("native_dropout is the CUDA path")
+    from solution.kernels.lora_nf4 import lora_dropout
+
+    lengths, seqlen, hidden = [300, 17, 512, 64], 512, 1536
+    info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
+    x_pad = torch.randn(len(lengths) * seqlen, hidden, device="cuda")
+    x_packed = padding.unpad_rows(x_pad, info).view(1, -1, hidden)
+    drop = torch.nn.Dropout(0.05).train()
+    torch.manual_seed(7)
+    xd_stock, mask_stock, _, _ = lora_dropout(drop, x_pad)
+    after_stock = torch.rand(1, device="cuda")
+    torch.manual_seed(7)
+    with padding.running_unpadded(info):
+        xd, mask, _, _ = lora_dropout(drop, x_packed)
+    after_ours = torch.rand(1, device="cuda")
+    assert torch.equal(mask.view(-1, hidden), padding.unpad_rows(mask_stock, info))
+    assert torch.equal(xd.view(-1, hidden), padding.unpad_rows(xd_stock, info))
+    assert torch.equal(after_stock, after_ours)
+
+
+@pytest.fixture
+def unpad_patched():
+    """Install the LM-head and unpad patches; ``swaps.restore()`` is stock again (also at the end)."""
+    from solution.patches import qwen2_lm_head_loss, qwen2_unpad
+    from solution.patches._base import Swaps
+
+    assert qwen2_unpad.check() is None, qwen2_unpad.check()
+    swaps = Swaps()
+    qwen2_lm_head_loss.install(swaps)
+    qwen2_unpad.install(swaps)
+    yield swaps
+    swaps.restore()
+
+
+def _lora_model(device, dropout=0.0):
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_qwen2(device)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, task_type="CAUSAL_LM",
+                                            target_modules=["q_proj", "v_proj"]))
+
+
+def _count_packed_calls(monkeypatch) -> list:
+    from solution.patches import qwen2_unpad
+
+    calls = []
+    real_forward = qwen2_unpad._unpadded_forward
+    monkeypatch.setattr(qwen2_unpad, "_unpadded_forward", lambda *a: calls.append(1) or real_forward(*a))
+    return calls
+
+
+def _run(model, ids, mask, labels, fused):
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+
+    model.train()
+    model.zero_grad()
+    if fused:
+        with fused_lm_head_requested():
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(11))
+    else:
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(11))
+    out.loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out, grads
+
+
+@pytest.mark.parametrize("lengths,seqlen", [([9, 4, 13], 13), ([1, 6], 8)])
+def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen):
+    from trl.trainer.sft_trainer import entropy_from_logits
+
+    model = _lora_model(device)
+    ref = copy.deepcopy(model)
+    ids, mask, labels = _right_padded_batch(lengths, seqlen, device=device)
+    calls = _count_packed_calls(monkeypatch)
+    out, grads = _run(model, ids, mask, labels, fused=True)
+    assert out.logits is None and len(calls) == 1
+    unpad_patched.restore()  # the reference: stock transformers / peft / trl code
+    ref_out, ref_grads = _run(ref, ids, mask, labels, fused=False)
+    assert len(calls) == 1
+    assert rel_err(out.loss, ref_out.loss) < 1e-5
+    real = mask.bool()
+    ent_ref = entropy_from_logits(ref_out.logits.detach())
+    assert rel_err(out.token_entropy[real], ent_ref[real]) < 1e-5
+    assert torch.all(out.token_entropy[~real] == 0)
+    labelled = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[:, 1:] != IGNORE
+    assert torch.equal(out.token_argmax[labelled], ref_out.logits.argmax(-1)[labelled])
+    assert set(grads) == set(ref_grads) and any("lora_B" in n for n in grads)
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-4, name
+
+
+def test_packed_path_is_taken_only_when_it_applies(device, unpad_patched, monkeypatch):
+    calls = _count_packed_calls(monkeypatch)
+    model = _lora_model(device)
+    ids, mask, labels = _right_padded_batch([5, 3], 6, device=device)
+    _run(model, ids, mask, labels, fused=True)
+    assert len(calls) == 1
+    _run(model, ids, torch.ones_like(mask), labels, fused=True)  # no padding: nothing to skip
+    _run(model, ids, mask.flip(1), labels, fused=True)  # left padding
+    model.eval()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # eval / no grad
+    assert len(calls) == 1
+    # a LoRA dropout our LoRA kernel does not own (plain peft Linear): the RNG would differ -> stock
+    dropped = _lora_model(device, dropout=0.1)
+    _run(dropped, ids, mask, labels, fused=True)
+    assert len(calls) == 1
+
+
+def test_check_and_revert():
+    from transformers.modeling_utils import AttentionInterface
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+
+    from solution.patches import qwen2_unpad
+    from solution.patches._base import Swaps
+
+    stock_fwd, stock_sdpa = Qwen2Model.__dict__["forward"], AttentionInterface._global_mapping["sdpa"]
+    swaps = Swaps()
+    qwen2_unpad.install(swaps)
+    assert Qwen2Model.__dict__["forward"] is not stock_fwd
+    assert AttentionInterface._global_mapping["sdpa"] is not stock_sdpa
+    assert qwen2_unpad.check() is not None  # the sdpa entry is taken: a second install is refused
+    swaps.restore()
+    assert Qwen2Model.__dict__["forward"] is stock_fwd and AttentionInterface._global_mapping["sdpa"] is stock_sdpa
+
+
+def test_skip_setting_leaves_a_patch_out(monkeypatch):
+    """$SOLUTION_SKIP_PATCHES names patches apply() leaves out (stock path kept)."""
+    import solution
+    from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
+
+    solution.revert()
+    stock_fwd = Qwen2Model.__dict__["forward"]
+    monkeypatch.setenv("SOLUTION_SKIP_PATCHES", "qwen2_unpad, cuda_allocator")
+    try:
+        installed = solution.apply(verbose=False)
+        assert "qwen2_unpad" not in installed and "cuda_allocator" not in installed
+        assert "qwen2_lm_head_loss" in installed
+        assert Qwen2Model.__dict__["forward"] is stock_fwd
+    finally:
+        solution.revert()
