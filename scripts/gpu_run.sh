@@ -4,7 +4,8 @@
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
 #   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile]     (default: the first three)
-# Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT.
+# Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile),
+#      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
 # most 8 files), with the comparison's report.md beside it.
 set -uo pipefail
@@ -57,7 +58,7 @@ for step in $steps; do
         head -45 "$OUT/cprofile-$v.txt"
       done ;;
     compare)
-      timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/compare" 2>&1 | tail -60 || rc=1 ;;
+      timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/compare" ${COMPARE_ARGS:-} 2>&1 | tail -60 || rc=1 ;;
   esac
 done
 exit $rc
