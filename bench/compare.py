@@ -179,8 +179,10 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload) ->
         rep["own_kernel_gpu_s"] = own
     else:
         rep["own_kernel_share"] = None
-        rep["own_kernel_share_note"] = ("not measured: no CUDA profiler on the CPU (kernels ran in Triton's "
-                                        "interpreter, whose time is no GPU time)")
+        rep["own_kernel_share_note"] = (
+            "not measured: no profiled pass (--no-profile)" if not sol.get("interpreter") else
+            "not measured: no CUDA profiler on the CPU (kernels ran in Triton's interpreter, whose time is "
+            "no GPU time)")
     rep["rules"] = check_static() + check_run(rep)
     return rep
 

@@ -79,8 +79,12 @@ def _set_expandable_segments(on: bool) -> bool:
 
     if ALLOCATOR in skipped_patches() or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         return False
+    setting = f"expandable_segments:{on}"
     try:
-        torch.cuda.memory._set_allocator_settings(f"expandable_segments:{on}")
+        if hasattr(torch._C, "_accelerator_setAllocatorSettings"):  # torch >= 2.10
+            torch._C._accelerator_setAllocatorSettings(setting)
+        else:
+            torch.cuda.memory._set_allocator_settings(setting)
     except Exception:  # noqa: BLE001 - an allocator without the setting: leave it as it is
         return False
     return True
