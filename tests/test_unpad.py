@@ -215,3 +215,43 @@ def test_skip_setting_leaves_a_patch_out(monkeypatch):
         assert Qwen2Model.__dict__["forward"] is stock_fwd
     finally:
         solution.revert()
+
+
+def test_sft_trainer_logs_match_stock_with_packed_batches(device, tmp_path, monkeypatch):
+    """A real trl SFTTrainer run (right-padded batches of variable length, LoRA on q/v, no
+    gradient checkpointing as in Soup 0.77): every logged metric with the LM-head + unpad patches
+    equals stock's, and the packed path ran on every step."""
+    from trl import SFTConfig, SFTTrainer
+
+    from solution.patches import qwen2_lm_head_loss, qwen2_unpad
+    from solution.patches._base import Swaps
+    from tests.test_lm_head_loss import _tiny_dataset, _tiny_tokenizer
+
+    def train(use_patch, out):
+        model = _lora_model(device)
+        args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
+                         report_to=[], use_cpu=(device == "cpu"), gradient_checkpointing=False,
+                         save_strategy="no", seed=0, learning_rate=1e-2, disable_tqdm=True)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=_tiny_dataset(1000),
+                             processing_class=_tiny_tokenizer(1000))
+        swaps = Swaps()
+        if use_patch:
+            qwen2_lm_head_loss.install(swaps)
+            qwen2_unpad.install(swaps)
+        try:
+            trainer.train()
+        finally:
+            swaps.restore()
+        return [h for h in trainer.state.log_history if "loss" in h]
+
+    stock = train(False, tmp_path / "stock")
+    calls = _count_packed_calls(monkeypatch)
+    ours = train(True, tmp_path / "ours")
+    assert len(calls) == 2  # both steps ran packed
+    assert len(stock) == len(ours) == 2
+    for s, o in zip(stock, ours):
+        assert set(s) == set(o)
+        for key in ("num_tokens", "mean_token_accuracy", "learning_rate", "epoch", "step"):
+            assert o[key] == s[key], (key, o[key], s[key])
+        for key in ("loss", "entropy", "grad_norm"):
+            assert abs(o[key] - s[key]) <= 1e-5 * max(1.0, abs(s[key])), (key, o[key], s[key])
