@@ -38,9 +38,12 @@ class Unpadded:
 
     idx: int64 [N] on the device, flat positions b * seqlen + t of the real tokens, in order.
     positions: int64 [N] on the device, each token's position in its row (RoPE's position id).
+    src: int64 [batch * seqlen] on the device, the packed index of each padded position's token,
+    -1 at pad positions (the inverse of idx).
     lengths: real tokens per row (host ints)."""
     idx: torch.Tensor
     positions: torch.Tensor
+    src: torch.Tensor
     batch: int
     seqlen: int
     lengths: tuple[int, ...]
@@ -84,8 +87,12 @@ def make_unpadded(lengths: list[int], seqlen: int, device: torch.device) -> Unpa
     """Index tensors for a right-padded batch with these row lengths (built on the host, one copy)."""
     flat = torch.cat([torch.arange(b * seqlen, b * seqlen + n) for b, n in enumerate(lengths)])
     pos = torch.cat([torch.arange(n) for n in lengths])
-    both = torch.stack([flat, pos]).to(device)
-    return Unpadded(idx=both[0], positions=both[1], batch=len(lengths), seqlen=seqlen, lengths=tuple(lengths))
+    src = torch.full((len(lengths) * seqlen,), -1, dtype=torch.int64)
+    src[flat] = torch.arange(flat.numel())
+    n = flat.numel()
+    packed = torch.cat([flat, pos, src]).to(device)  # one host-to-device copy
+    return Unpadded(idx=packed[:n], positions=packed[n:2 * n], src=packed[2 * n:], batch=len(lengths),
+                    seqlen=seqlen, lengths=tuple(lengths))
 
 
 def pad_rows(rows: torch.Tensor, info: Unpadded) -> torch.Tensor:

@@ -140,16 +140,22 @@ def _run(model, ids, mask, labels, fused):
     return out, grads
 
 
+@pytest.mark.parametrize("layout_kernels", [False, True])
 @pytest.mark.parametrize("lengths,seqlen", [([9, 4, 13], 13), ([1, 6], 8)])
-def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen):
+def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen, layout_kernels):
     from trl.trainer.sft_trainer import entropy_from_logits
 
+    from solution.kernels import _launches
+
+    monkeypatch.setenv("SOLUTION_ATTN_LAYOUT_KERNELS", "1" if layout_kernels else "0")
+    _launches.reset()
     model = _lora_model(device)
     ref = copy.deepcopy(model)
     ids, mask, labels = _right_padded_batch(lengths, seqlen, device=device)
     calls = _count_packed_calls(monkeypatch)
     out, grads = _run(model, ids, mask, labels, fused=True)
     assert out.logits is None and len(calls) == 1
+    assert (_launches.LAUNCHES["pad_rows_kernel"] > 0) == layout_kernels
     unpad_patched.restore()  # the reference: stock transformers / peft / trl code
     ref_out, ref_grads = _run(ref, ids, mask, labels, fused=False)
     assert len(calls) == 1

@@ -35,9 +35,12 @@ import contextvars
 import functools
 import hashlib
 import inspect
+import os
 import weakref
 
 import torch
+
+from solution.kernels import attn_layout
 
 NAME = "qwen2_unpad"
 
@@ -198,6 +201,8 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
 
     from solution import padding
 
+    if layout_kernels_enabled() and attn_layout.supported(query):
+        return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling)
     b, s = info.batch, info.seqlen
 
     def to_padded(t):  # [1, h, N, D] -> [b, h, s, D] (a transposed view of [b, s, h, D], like stock's)
@@ -213,6 +218,32 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
     out = out.transpose(1, 2).reshape(b * s, -1)
     out = padding.unpad_rows(out, info)
     return out.view(1, out.shape[0], query.shape[1], query.shape[3]), None
+
+
+LAYOUT_KERNELS_ENV = "SOLUTION_ATTN_LAYOUT_KERNELS"
+
+
+def layout_kernels_enabled() -> bool:
+    """Our Triton pad/unpad kernels around attention (solution/kernels/attn_layout.py) instead of
+    torch's index ops: off by default until measured on a GPU; $SOLUTION_ATTN_LAYOUT_KERNELS=1."""
+    return os.environ.get(LAYOUT_KERNELS_ENV, "0") == "1"
+
+
+def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling):
+    """sdpa_unpadded with the layout moves in our kernels: one launch pads q, one pads and repeats
+    k, one v (cast to fp16 in the same pass when fp16 autocast would cast them for SDPA), one
+    gathers the output's real rows."""
+    dev = query.device.type
+    dtype = query.dtype
+    if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) == torch.float16:
+        dtype = torch.float16  # SDPA is on autocast's fp16 list: the cast it would make, done here
+    groups = getattr(module, "num_key_value_groups", 1)
+    q = attn_layout.pad_heads(query[0].transpose(0, 1), info, 1, dtype)
+    k = attn_layout.pad_heads(key[0].transpose(0, 1), info, groups, dtype)
+    v = attn_layout.pad_heads(value[0].transpose(0, 1), info, groups, dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout,
+                                                           scale=scaling, is_causal=True)
+    return attn_layout.unpad_heads(out, info).unsqueeze(0), None
 
 
 def _make_sdpa(stock_sdpa):

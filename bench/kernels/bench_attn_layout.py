@@ -1,0 +1,99 @@
+"""GPU benchmark: attention on packed rows, torch's layout ops vs our pad/unpad kernels.
+
+    python bench/kernels/bench_attn_layout.py --out attn_layout.json
+
+``sdpa_unpadded`` (solution/patches/qwen2_unpad.py) at the Qwen2.5-1.5B attention shape (12 query
+heads, 2 KV heads, head_dim 128), q/k/v fp32 packed rows as the projections give them, under fp16
+autocast, forward and forward + backward, for a batch of 4 rows with lengths like the workload's
+(one row at the maximum 512, the others shorter) and for 4 full rows. "stock" here is our own
+torch-op path (zeros + index_copy, repeat_kv, autocast's casts, index_select); "ours" the same
+attention with the layout moves in solution/kernels/attn_layout.py
+($SOLUTION_ATTN_LAYOUT_KERNELS=1). Also: whether the outputs and gradients agree, host time and
+GPU work per call.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from bench.kernels._common import bench_args, median_ms, print_stock_vs_ours, profile_call  # noqa: E402
+from solution import padding  # noqa: E402
+from solution.patches import qwen2_unpad  # noqa: E402
+
+HQ, HKV, D = 12, 2, 128
+
+
+class _Attn(torch.nn.Module):
+    num_key_value_groups = HQ // HKV
+
+
+def run_case(lengths, seqlen, kernels: bool):
+    os.environ[qwen2_unpad.LAYOUT_KERNELS_ENV] = "1" if kernels else "0"
+    info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
+    n = sum(lengths)
+    torch.manual_seed(0)
+    q = torch.randn(1, n, HQ, D, device="cuda").transpose(1, 2).requires_grad_()
+    k = torch.randn(1, n, HKV, D, device="cuda").transpose(1, 2).requires_grad_()
+    v = torch.randn(1, n, HKV, D, device="cuda").transpose(1, 2).requires_grad_()
+    g = torch.randn(1, n, HQ, D, device="cuda", dtype=torch.float16)
+    mod = _Attn()
+
+    def fwd():
+        with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            qwen2_unpad.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
+
+    def fwd_bwd():
+        with padding.running_unpadded(info), torch.autocast("cuda", dtype=torch.float16):
+            out, _ = qwen2_unpad.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
+        out.backward(g)
+
+    for t in (q, k, v):
+        t.grad = None
+    fwd_bwd()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+        out, _ = qwen2_unpad.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    fwd_bwd()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2**20
+    res = {"impl": "ours" if kernels else "stock", "tokens": n, "seqlen": seqlen,
+           "fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd, grad_to_none=[q, k, v]),
+           "saved_for_bwd_MiB": float("nan"), "peak_fwd_bwd_MiB": peak,
+           "fwd_bwd_profile": profile_call(fwd_bwd, reset=(q, k, v))}
+    return res, out.float(), grads
+
+
+def main() -> int:
+    args = bench_args(__doc__)
+    if args is None:
+        return 1
+    results = []
+    for lengths, seqlen in (([512, 300, 180, 60], 512), ([512] * 4, 512)):
+        (stock, out_s, g_s), (ours, out_o, g_o) = (run_case(lengths, seqlen, False), run_case(lengths, seqlen, True))
+        ours["max_abs_diff_out"] = float((out_s - out_o).abs().max())
+        ours["max_rel_diff_grads"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(g_o, g_s))
+        results += [stock, ours]
+    os.environ.pop(qwen2_unpad.LAYOUT_KERNELS_ENV, None)
+    print(f"GPU: {torch.cuda.get_device_name()}\n")
+    print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("seqlen", "seqlen")])
+    print("\n| impl | tokens | host ms | GPU ops | GPU ms | out max abs diff | grads max rel diff |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in results:
+        p = r["fwd_bwd_profile"]
+        print(f"| {r['impl']} | {r['tokens']} | {p['host_ms']:.3f} | {p['gpu_ops']} | {p['gpu_ms']} | "
+              f"{r.get('max_abs_diff_out', '')} | {r.get('max_rel_diff_grads', '')} |")
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(results, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
