@@ -39,3 +39,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
         return float("inf")
     denom = ref64.norm().item()
     return (out64 - ref64).norm().item() / (denom if denom > 0 else 1.0)
+
+
+def cast_launches() -> int:
+    """Launches that cast activations / gradients to fp16 next to a dequantization: the fused
+    nf4_dequant_cast kernel, or with SEPARATE_CAST the standalone fp16_cast_kernel."""
+    from solution.kernels import _launches
+
+    return _launches.LAUNCHES["nf4_dequant_cast"] + _launches.LAUNCHES["fp16_cast_kernel"]
+
+
+def dequant_launches() -> int:
+    """Launches that dequantize an NF4 weight (alone or fused with casts)."""
+    from solution.kernels import _launches
+
+    return _launches.LAUNCHES["nf4_dequant"] + _launches.LAUNCHES["nf4_dequant_cast"]

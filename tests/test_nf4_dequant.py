@@ -139,12 +139,17 @@ def test_rejects_fp4(device):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy cast of 70000
 @pytest.mark.parametrize("cast_a,cast_b", [(True, 0), (True, 1), (True, 2), (False, 2)])
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
-def test_fused_casts(cast_a, cast_b, state_dtype, device):
+@pytest.mark.parametrize("separate", [False, True])
+def test_fused_casts(cast_a, cast_b, state_dtype, separate, device, monkeypatch):
     """The fused launch (nf4_dequant_cast_kernel): the weight bits are those of the plain kernel,
     the casts those of torch (fp32 -> fp16 round to nearest even, overflow to inf, subnormals;
     the scaled copy = fp16(fp16(a) * s) as torch's fp16 tensor * float), nothing written past
     the outputs; with dequant=False only the casts run. (NaN is left out: its payload bits are
-    not part of the contract.)"""
+    not part of the contract.) separate: the same through SEPARATE_CAST (dequant kernel, then
+    fp16_cast_kernel), which must give the same bits."""
+    import solution.kernels.nf4_dequant as nd
+
+    monkeypatch.setattr(nd, "SEPARATE_CAST", separate)
     packed, qs = quantize((40, 96), state_dtype, True, device)
     plan = DequantPlan(packed, qs)
     g = torch.Generator().manual_seed(3)
@@ -162,7 +167,11 @@ def test_fused_casts(cast_a, cast_b, state_dtype, device):
             _launches.reset()
             plan.launch(out[: 40 * 96], round_bf16, dequant=dequant, a=a, a16=None if a16 is None else a16[:n],
                         b=b if cast_b == 1 else None, b16=b16[:n] if cast_b else None, cast_b=cast_b, scaling=2.0)
-            assert dict(_launches.LAUNCHES) == {("nf4_dequant_cast" if dequant else "fp16_cast"): 1}
+            if separate:
+                want = {"nf4_dequant": 1, "fp16_cast_kernel": 1} if dequant else {"fp16_cast_kernel": 1}
+            else:
+                want = {("nf4_dequant_cast" if dequant else "fp16_cast"): 1}
+            assert dict(_launches.LAUNCHES) == want
             ref_w = dequantize_nf4(packed, qs, rounding_dtype=torch.bfloat16 if round_bf16 else torch.float16)
             if dequant:
                 assert same_bits(out[: 40 * 96].view(40, 96), ref_w)

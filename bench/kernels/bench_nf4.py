@@ -94,6 +94,18 @@ def bench_dequant(copy_gbs, nominal_gbs):
             cast_sweep[f"cast_only_CB{cb}"] = median_ms(lambda: plan.launch(buf, dequant=False, a=x, a16=x16))
             cast_sweep[f"fused_CB{cb}"] = median_ms(lambda: plan.launch(buf, a=x, a16=x16))
         plan.cast_block = default_block
+        # the standalone cast kernel (SEPARATE_CAST): its own launch configuration
+        n_x = x.numel()
+        for cb, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
+            def sep(cb=cb, warps=warps):
+                nd.fp16_cast_kernel[(triton.cdiv(n_x, cb),)](x, x16, x, x16, n_x, 1.0, CAST_A=True, CAST_B=0,
+                                                             CAST_BLOCK=cb, num_warps=warps, enable_fp_fusion=False)
+            sep()
+            cast_sweep[f"separate_CB{cb}_w{warps}"] = median_ms(sep) if torch.equal(x16, x.half()) else float("nan")
+        cast_sweep["dequant_then_separate_cast"] = median_ms(
+            lambda: (plan.launch(buf), nd.fp16_cast_kernel[(triton.cdiv(n_x, nd.SEPARATE_CAST_BLOCK),)](
+                x, x16, x, x16, n_x, 1.0, CAST_A=True, CAST_B=0, CAST_BLOCK=nd.SEPARATE_CAST_BLOCK,
+                num_warps=nd.SEPARATE_CAST_WARPS, enable_fp_fusion=False)))
         sweep = {}
         lut = nd._nf4_lut(packed.device)
         for nb, warps, gather in SWEEP:

@@ -39,6 +39,7 @@ no bf16 instructions).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -222,12 +223,28 @@ def nf4_dequant_cast_kernel(
                     CAST_A, CAST_B, CAST_BLOCK)
 
 
+@triton.jit(do_not_specialize=["n_cast"])
+def fp16_cast_kernel(a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,
+                     CAST_A: tl.constexpr, CAST_B: tl.constexpr, CAST_BLOCK: tl.constexpr):
+    """The casts of ``nf4_dequant_cast_kernel`` as a kernel of their own (``_cast_block``): compiled
+    without the dequantization branch, so its programs get a cast's registers and occupancy
+    (the fused kernel's cast programs run at about half of torch's cast bandwidth: see the module
+    doc of the launcher below). Used when SEPARATE_CAST is on."""
+    _cast_block(tl.program_id(0), a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling, CAST_A, CAST_B, CAST_BLOCK)
+
+
 # --------------------------------------------------------------------------------------------
 # launcher
 
 # fp16 casts fused into the dequantization launch: elements per program (4 warps -> 16 per
 # thread on the GPU; large blocks in the interpreter, where each program costs Python time)
 GPU_CAST_BLOCK = 2048
+# Dequantize and cast in two launches (nf4_dequant_kernel + fp16_cast_kernel) instead of one fused
+# launch. Off by default until measured on a GPU: the fused launch saves a launch (host time) but
+# its cast programs are slow (GPU time). $SOLUTION_SEPARATE_CAST=1 turns it on.
+SEPARATE_CAST = os.environ.get("SOLUTION_SEPARATE_CAST", "0") == "1"
+SEPARATE_CAST_BLOCK = 1024
+SEPARATE_CAST_WARPS = 4
 INTERPRETER_CAST_BLOCK = 1 << 16
 MAX_CAST_ELEMENTS = 2**31 - 2**17  # _cast_block indexes with int32
 
@@ -367,6 +384,16 @@ class DequantPlan:
             record(KERNEL_NAME)
             return
         n_cast = a.numel()
+        if SEPARATE_CAST:
+            if dequant:
+                self.launch(out, round_bf16)
+            cast_block = SEPARATE_CAST_BLOCK if out.device.type == "cuda" else self.cast_block
+            fp16_cast_kernel[(-(-n_cast // cast_block),)](
+                a, out if a16 is None else a16, a if b is None else b, out if b16 is None else b16,
+                n_cast, float(scaling), CAST_A=a16 is not None, CAST_B=cast_b, CAST_BLOCK=cast_block,
+                num_warps=SEPARATE_CAST_WARPS, enable_fp_fusion=False)
+            record("fp16_cast_kernel")
+            return
         n_deq = self.n_deq_programs if dequant else 0
         grid = (n_deq - (-n_cast // self.cast_block),)  # (not triton.cdiv: a slow constexpr_function on the host)
         nf4_dequant_cast_kernel[grid](
@@ -441,6 +468,16 @@ def sm75_specs():
             sig.update({"absmax_ptr": "*u8", "n_deq_programs": "i32", "a_ptr": f"*{src}", "a16_ptr": "*fp16",
                         "b_ptr": f"*{src}", "b16_ptr": "*fp16", "n_cast": "i32", "scaling": "fp32",
                         "CAST_A": "constexpr", "CAST_B": "constexpr", "CAST_BLOCK": "constexpr"})
+            if round_bf16 is False:
+                yield {
+                    "name": f"fp16_cast({src},A={int(cast_a)},B={cast_b}) (SEPARATE_CAST)",
+                    "fn": fp16_cast_kernel,
+                    "signature": {"a_ptr": f"*{src}", "a16_ptr": "*fp16", "b_ptr": f"*{src}", "b16_ptr": "*fp16",
+                                  "n_cast": "i32", "scaling": "fp32", "CAST_A": "constexpr", "CAST_B": "constexpr",
+                                  "CAST_BLOCK": "constexpr"},
+                    "constexprs": {"CAST_A": cast_a, "CAST_B": cast_b, "CAST_BLOCK": SEPARATE_CAST_BLOCK},
+                    "num_warps": SEPARATE_CAST_WARPS, "options": options,
+                }
             yield {
                 "name": f"nf4_dequant_cast({src},A={int(cast_a)},B={cast_b},bf16_round={int(round_bf16)})",
                 "fn": nf4_dequant_cast_kernel,
