@@ -313,7 +313,7 @@ def test_patch_check_refuses_other_source(monkeypatch):
         return hidden_states
 
     monkeypatch.setattr(modeling_qwen2.Qwen2DecoderLayer, "forward", forward)
-    assert "not the transformers 5.17.0 source" in qwen2_decoder_layer.check()
+    assert "is not one of the reviewed sources" in qwen2_decoder_layer.check()
 
 
 def test_apply_installs_and_revert_restores(monkeypatch):
@@ -500,9 +500,10 @@ def test_tiny_qwen2_model_matches_stock(device, monkeypatch, autocast):
     loss_s, grads_s, _ = results[()]
     for patches in (("qwen2_decoder_layer",), ("qwen2_rmsnorm", "qwen2_decoder_layer")):
         loss_o, grads_o, launches = results[patches]
-        # 2 layers: forward twice each (checkpointing recomputes it), backward once each; the
-        # tiny model trains the norm weights: one weight-gradient launch per fused norm.
-        assert launches["_add_rmsnorm_fwd_kernel"] == 4 and launches["_add_rmsnorm_bwd_kernel"] == 2, launches
+        # 2 layers: forward twice each where checkpointing recomputes it (transformers 5.17; 5.23
+        # ran it once here), backward once each; the tiny model trains the norm weights: one
+        # weight-gradient launch per fused norm.
+        assert launches["_add_rmsnorm_fwd_kernel"] in (2, 4) and launches["_add_rmsnorm_bwd_kernel"] == 2, launches
         assert launches["_rmsnorm_bwd_dw_kernel"] == (2 if patches == ("qwen2_decoder_layer",) else 5), launches
         # Against stock: fp32 differences of ~1e-7 from the row sums' order (1e-6 loss, 1e-5
         # gradients, as tests/test_rope.py's RMSNorm model test). Under fp16 autocast the layer's

@@ -22,27 +22,20 @@ Autocast: stock's add is not on autocast's lists and the norm's ops see fp32 (or
 inputs, so stock's dtypes do not depend on autocast; the fused Function reproduces them
 (h in promote(residual, attn_out), y in promote(h, weight)).
 
-Refused (check()) unless the installed ``Qwen2DecoderLayer.forward`` is the source mirrored here
-(sha256 of inspect.getsource) and Qwen2RMSNorm's stock forward has the formula the kernel
+Refused (check()) unless the installed ``Qwen2DecoderLayer.forward`` is one of the reviewed sources
+(sha256, solution/patches/_sources.py: transformers 5.16.1-5.23.0) and Qwen2RMSNorm's stock forward has the formula the kernel
 implements.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 
 import torch
 from torch.nn.modules import module as _nn_module
 
+from solution.patches._sources import unexpected_source
+
 NAME = "qwen2_decoder_layer"
-
-# sha256 of inspect.getsource(Qwen2DecoderLayer.forward), transformers 5.17.0.
-_DECODER_FORWARD_SHA256 = "75d1d62e173e8c574b8a61338d1fa5052774d13b848eecd282cde88cd6690b8e"
-
-
-def _source_sha256(fn) -> str:
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
 
 
 def _stock_norm_forward(norm_cls):
@@ -60,11 +53,9 @@ def check() -> str | None:
     norm_cls = getattr(modeling_qwen2, "Qwen2RMSNorm", None)
     if layer_cls is None or norm_cls is None or "forward" not in layer_cls.__dict__:
         return "transformers has no Qwen2DecoderLayer.forward / Qwen2RMSNorm (another transformers version?)"
-    try:
-        if _source_sha256(layer_cls.forward) != _DECODER_FORWARD_SHA256:
-            return "Qwen2DecoderLayer.forward is not the transformers 5.17.0 source this patch mirrors"
-    except (OSError, TypeError) as exc:
-        return f"cannot read Qwen2DecoderLayer.forward's source ({exc})"
+    reason = unexpected_source("transformers.Qwen2DecoderLayer.forward", layer_cls.forward)
+    if reason is not None:
+        return reason
     from solution.patches.qwen2_rmsnorm import _stock_forward_is_expected
 
     reason = _stock_forward_is_expected(_stock_norm_forward(norm_cls))

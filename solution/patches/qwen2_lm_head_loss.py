@@ -27,24 +27,22 @@ None on every other call, so a stale value is never read.
 Why not only patch the loss: trl reads ``outputs.logits`` for its metrics, so the logits would have
 to exist anyway; without them trl crashes unless ``use_liger_kernel`` is set, which we must not
 require. The patch is refused (check()) unless the installed sources of both methods are exactly the
-ones mirrored here (sha256 of their source text).
+ones mirrored here or reviewed as equivalent (sha256 of their source text, solution/patches/_sources.py:
+transformers 5.16.1-5.23.0, trl 0.29.0-0.29.1).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
-import hashlib
-import inspect
 from dataclasses import dataclass
 
 import torch
 
+from solution.patches._sources import unexpected_source
+
 NAME = "qwen2_lm_head_loss"
 
-# sha256 of inspect.getsource() of the mirrored stock methods (transformers 5.17.0, trl 0.29.1).
-_QWEN2_FORWARD_SHA256 = "e7cc0724264fb97ab48ea8e9beeee6edadc87d486085501b2703576b2b2bc183"
-_SFT_COMPUTE_LOSS_SHA256 = "949aa5ebf4ec1e6a69c59a958effc389963427174d4fdb5bac6fc02606dc4fb0"
 
 # Set by the patched SFTTrainer.compute_loss around its model call: "I read the metrics from
 # token_entropy / token_argmax, logits are not needed". A context variable, so nothing is added to
@@ -106,10 +104,6 @@ def _output_class():
 
     CausalLMOutputWithTokenStats.__qualname__ = "CausalLMOutputWithTokenStats"
     return CausalLMOutputWithTokenStats
-
-
-def _source_sha256(fn) -> str:
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
 
 
 def _kernel_device_ok(device: torch.device) -> bool:
@@ -320,11 +314,8 @@ def check() -> str | None:
         from trl.trainer.sft_trainer import SFTTrainer
     except Exception as exc:  # noqa: BLE001 - any import problem means: keep stock
         return f"transformers Qwen2 / trl SFTTrainer not importable ({type(exc).__name__}: {exc})"
-    if _source_sha256(modeling_qwen2.Qwen2ForCausalLM.forward) != _QWEN2_FORWARD_SHA256:
-        return "Qwen2ForCausalLM.forward is not the transformers 5.17.0 code this patch mirrors"
-    if _source_sha256(SFTTrainer.compute_loss) != _SFT_COMPUTE_LOSS_SHA256:
-        return "trl SFTTrainer.compute_loss is not the trl 0.29.1 code this patch mirrors"
-    return None
+    return (unexpected_source("transformers.Qwen2ForCausalLM.forward", modeling_qwen2.Qwen2ForCausalLM.forward)
+            or unexpected_source("trl.SFTTrainer.compute_loss", SFTTrainer.compute_loss))
 
 
 def install(swaps) -> str:

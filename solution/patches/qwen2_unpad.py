@@ -26,27 +26,24 @@ batches; a packed causal mask over [N, N] would cost N^2 instead of sum(len^2). 
 does there is the only work on pads left (attention is ~10% of the step's matrix work).
 
 Refused (check()) unless the installed Qwen2Model.forward and sdpa_attention_forward are the
-sources mirrored here (sha256).
+sources mirrored here or reviewed as equivalent (sha256, solution/patches/_sources.py: transformers
+5.16.1-5.23.0).
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
-import hashlib
-import inspect
 import os
 import weakref
 
 import torch
 
 from solution.kernels import attn_layout
+from solution.patches._sources import unexpected_source
 
 NAME = "qwen2_unpad"
 
-# sha256 of inspect.getsource() of the stock functions mirrored (transformers 5.17.0)
-_QWEN2_MODEL_FORWARD_SHA256 = "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076"
-_SDPA_FORWARD_SHA256 = "2519bd4da7bc7181c84f14ed764249b88bef262fd75f2b441d3e5b23a88c4a96"
 
 # Set by the LM-head patch around its call of the decoder: a list that receives
 # (packed final hidden states [1, N, H], Unpadded) when the decoder ran unpadded.
@@ -65,10 +62,6 @@ def capture_packed_hidden():
         _PACKED_SINK.reset(token)
 
 
-def _sha(fn) -> str:
-    return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
-
-
 def check() -> str | None:
     try:
         from transformers.integrations import sdpa_attention
@@ -76,13 +69,10 @@ def check() -> str | None:
         from transformers.models.qwen2 import modeling_qwen2
     except Exception as exc:  # noqa: BLE001 - transformers missing or broken
         return f"transformers' Qwen2 / attention interface not importable ({type(exc).__name__}: {exc})"
-    try:
-        if _sha(modeling_qwen2.Qwen2Model.forward) != _QWEN2_MODEL_FORWARD_SHA256:
-            return "Qwen2Model.forward is not the transformers 5.17.0 source this patch mirrors"
-        if _sha(sdpa_attention.sdpa_attention_forward) != _SDPA_FORWARD_SHA256:
-            return "sdpa_attention_forward is not the transformers 5.17.0 source this patch mirrors"
-    except (OSError, TypeError) as exc:
-        return f"cannot read the stock sources ({exc})"
+    reason = (unexpected_source("transformers.Qwen2Model.forward", modeling_qwen2.Qwen2Model.forward)
+              or unexpected_source("transformers.sdpa_attention_forward", sdpa_attention.sdpa_attention_forward))
+    if reason is not None:
+        return reason
     if AttentionInterface._global_mapping.get("sdpa") is not sdpa_attention.sdpa_attention_forward:
         return "the 'sdpa' attention function is already replaced by someone else"
     return None
