@@ -116,6 +116,12 @@ def _lora_model(device, dropout=0.0):
                                             target_modules=["q_proj", "v_proj"]))
 
 
+def unpad_patched_request():
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+
+    return fused_lm_head_requested()
+
+
 def _count_packed_calls(monkeypatch) -> list:
     from solution.patches import qwen2_unpad
 
@@ -132,9 +138,11 @@ def _run(model, ids, mask, labels, fused):
     model.zero_grad()
     if fused:
         with fused_lm_head_requested():
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(11))
-    else:
-        out = model(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(11))
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
+                        num_items_in_batch=torch.tensor(11))
+    else:  # use_cache=False as trl's compute_loss passes it (with a cache requested the stock path runs)
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
+                    num_items_in_batch=torch.tensor(11))
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out, grads
@@ -179,6 +187,8 @@ def test_packed_path_is_taken_only_when_it_applies(device, unpad_patched, monkey
     assert len(calls) == 1
     _run(model, ids, torch.ones_like(mask), labels, fused=True)  # no padding: nothing to skip
     _run(model, ids, mask.flip(1), labels, fused=True)  # left padding
+    with unpad_patched_request():
+        model(input_ids=ids, attention_mask=mask, labels=labels)  # use_cache unset: config's True -> stock
     model.eval()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)  # eval / no grad

@@ -17,8 +17,10 @@ transformers >= 5.16.1, < 6 and trl >= 0.29, < 1):
   (Qwen2 has none) - accepted.
 - 5.23.0: type hints (``inputs_embeds: torch.Tensor``); sdpa packs GQA heads for one-token
   queries (decoding only) - accepted.
-- 5.24.0: ``past_key_values`` renamed ``cache`` in the model, decoder layer and outputs - NOT
-  accepted (the mirrors use the old names); those patches fall back to stock there.
+- 5.24.0: ``past_key_values`` renamed ``cache`` (arguments of the CausalLM, the model and the
+  decoder layer, fields of the outputs; the old name kept as a deprecated alias); sdpa's paged
+  cache branch moved out - accepted: the mirrors take the cache argument's name from the installed
+  signature (``cache_kwarg``) and the decoder layer passes it through untouched.
 """
 from __future__ import annotations
 
@@ -30,19 +32,23 @@ ACCEPTED: dict[str, dict[str, str]] = {
         "e7cc0724264fb97ab48ea8e9beeee6edadc87d486085501b2703576b2b2bc183": "5.16.1-5.20.2",
         "2e49fae88f3208b4d9dd0e83d9f9ad083aaeffcf977b24e132bd605ef9016a18": "5.21.0-5.22.2",
         "eb9111d837a8aacb4182220b93d7d6c991b076bc8f613b54eb1c7e8250c07505": "5.23.0",
+        "fa830c43105026921f5565f25ed02ccb465cc628e81eafd9542137fad89edacf": "5.24.0",
     },
     "transformers.Qwen2Model.forward": {
         "523115d50c78f82f5256cc0aa9cba43732f8f6b92bef4831382a07c570c2b076": "5.16.1-5.22.2",
         "7fb64c79b3ddce2fcf8f4556616579364caf4d15136062cb4d380a803f70ccc5": "5.23.0",
+        "c202eeb4c426724157bfa5c3711e916dbab001331e5a2355bf49fa385a7163f6": "5.24.0",
     },
     "transformers.Qwen2DecoderLayer.forward": {
         "75d1d62e173e8c574b8a61338d1fa5052774d13b848eecd282cde88cd6690b8e": "5.16.1-5.23.0",
+        "2b52523b7afe2a371de1384a5c81b6f64e9a32b7490388160afea6edb28ff5c2": "5.24.0",
     },
     "transformers.sdpa_attention_forward": {
         "2519bd4da7bc7181c84f14ed764249b88bef262fd75f2b441d3e5b23a88c4a96": "5.16.1-5.18.0",
         "6a965ca3df2d5f0856625f6259718f9645cfc4ab54e2bd56173af4faa3f056e4": "5.19.0-5.20.2",
         "b3604d235f012925ac45eed5d02cd54df1fec4aff6ca549181241ff69cf71a44": "5.21.0-5.22.2",
         "e3d016070b6ac957cd7b419a9f3572c8caafa0c0e1d135e70afb80e9c495eb8d": "5.23.0",
+        "9be3d6b1f79abc00ee3a03325c51d1d09127d3155af6cb7bbdf59a49a8aaa412": "5.24.0",
     },
     "trl.SFTTrainer.compute_loss": {
         "949aa5ebf4ec1e6a69c59a958effc389963427174d4fdb5bac6fc02606dc4fb0": "0.29.0-0.29.1",
@@ -65,3 +71,10 @@ def unexpected_source(name: str, fn) -> str | None:
         return None
     versions = ", ".join(sorted(set(ACCEPTED[name].values())))
     return f"{name} is not one of the reviewed sources (versions {versions})"
+
+
+def cache_kwarg(fn) -> str:
+    """The name of the KV-cache argument of an installed transformers forward: ``cache`` (5.24 on)
+    or ``past_key_values`` (before); outputs name their field the same way."""
+    return "cache" if "cache" in inspect.signature(inspect.unwrap(fn)).parameters else "past_key_values"
+

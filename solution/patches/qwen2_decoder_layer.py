@@ -95,11 +95,12 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool)
         hidden_states: torch.Tensor,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
         use_cache=False,
         position_embeddings=None,
         **kwargs,
     ) -> torch.Tensor:
+        # The KV cache argument (``past_key_values`` up to transformers 5.23, ``cache`` from 5.24)
+        # travels in kwargs, under whichever name the caller used, to self_attn as stock passes it.
         residual = hidden_states
         hidden_states = self.input_layernorm(hidden_states)
         # Self Attention
@@ -107,7 +108,6 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool)
             hidden_states=hidden_states,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
             use_cache=use_cache,
             position_embeddings=position_embeddings,
             **kwargs,

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from solution.patches._sources import unexpected_source
+from solution.patches._sources import cache_kwarg, unexpected_source
 
 NAME = "qwen2_lm_head_loss"
 
@@ -163,19 +163,23 @@ def _make_forward(stock_forward):
 
     output_class = _output_class()
 
+    cache_kw = cache_kwarg(stock_forward)  # "past_key_values" (transformers <= 5.23) or "cache" (5.24)
+
     @can_return_tuple
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, **kwargs):
-        if not _head_ok(self, labels, logits_to_keep, kwargs):
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                use_cache=None, logits_to_keep=0, **kwargs):
+        # The KV cache argument stays in kwargs under the caller's name; the fused path runs only without one.
+        if (not _head_ok(self, labels, logits_to_keep, kwargs) or kwargs.get(cache_kw) is not None
+                or kwargs.get("past_key_values") is not None):
             return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, past_key_values=past_key_values,
-                                 inputs_embeds=inputs_embeds, labels=labels, use_cache=use_cache,
-                                 logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+                                 position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
+                                 use_cache=use_cache, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
+        kwargs.pop(cache_kw, None)
+        kwargs.pop("past_key_values", None)
         # From here on: the stock forward's body, with the LM head + loss fused.
         with capture_packed_hidden() as packed:  # filled when the decoder ran on real tokens only
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                 past_key_values=past_key_values, inputs_embeds=inputs_embeds,
-                                 use_cache=use_cache, **kwargs)
+                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **{cache_kw: None}, **kwargs)
         hidden_states = outputs.last_hidden_state
         weight = self.lm_head.weight
         dtype = _compute_dtype(hidden_states, weight)
@@ -184,8 +188,8 @@ def _make_forward(stock_forward):
             # Stock tail (logits_to_keep == 0 here, so the slice is the whole sequence).
             logits = self.lm_head(hidden_states)
             loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-            return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=outputs.past_key_values,
-                                          hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+            return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                          attentions=outputs.attentions, **{cache_kw: getattr(outputs, cache_kw)})
         shift_labels = shift_labels_like_stock(labels.to(hidden_states.device))
         if packed:
             # Only the real tokens' rows go through the LM head (pad positions: label -100, and
@@ -196,9 +200,9 @@ def _make_forward(stock_forward):
             res = fused_lm_head_loss(hidden_states, weight, shift_labels, compute_dtype=dtype,
                                      num_items_in_batch=kwargs.get("num_items_in_batch"))
             token_entropy, token_argmax, token_loss, loss = res.token_entropy, res.token_argmax, res.token_loss, res.loss
-        return output_class(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
-                            token_entropy=token_entropy, token_argmax=token_argmax, token_loss=token_loss)
+        return output_class(loss=loss, logits=None, hidden_states=outputs.hidden_states,
+                            attentions=outputs.attentions, token_entropy=token_entropy, token_argmax=token_argmax,
+                            token_loss=token_loss, **{cache_kw: getattr(outputs, cache_kw)})
 
     # Same name, docstring and (through __wrapped__) signature as stock: the Trainer inspects the
     # forward signature (label names, **kwargs => model_accepts_loss_kwargs).

@@ -114,14 +114,19 @@ def _dropouts_ok(model) -> bool:
     return ok
 
 
-def _plan(model, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, kwargs):
-    """The Unpadded description when this call can run packed, else None (stock forward)."""
+def _plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs):
+    """The Unpadded description when this call can run packed, else None (stock forward). The KV
+    cache argument, if any, is in kwargs (``past_key_values`` or, from transformers 5.24, ``cache``)."""
     from solution import padding
 
     cfg = model.config
     if not (model.training and torch.is_grad_enabled()):
         return None
-    if (input_ids is None or inputs_embeds is not None or position_ids is not None or past_key_values is not None
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return None
+    if use_cache or (use_cache is None and getattr(cfg, "use_cache", False)):
+        return None  # stock would build and return a KV cache
+    if (input_ids is None or inputs_embeds is not None or position_ids is not None
             or use_cache or not isinstance(attention_mask, torch.Tensor) or input_ids.dim() != 2
             or attention_mask.shape != input_ids.shape or not _kernel_device_ok(input_ids.device)):
         return None
@@ -157,7 +162,6 @@ def _unpadded_forward(model, input_ids, info, kwargs):
                 attention_mask=info,
                 position_embeddings=position_embeddings,
                 position_ids=position_ids,
-                past_key_values=None,
                 use_cache=False,
                 **kwargs,
             )
@@ -166,18 +170,19 @@ def _unpadded_forward(model, input_ids, info, kwargs):
     if sink is not None:
         sink.append((hidden_states, info))
     padded = padding.pad_rows(hidden_states[0], info).view(info.batch, info.seqlen, -1)
-    return BaseModelOutputWithPast(last_hidden_state=padded, past_key_values=None)
+    return BaseModelOutputWithPast(last_hidden_state=padded)  # no cache
 
 
 def _make_model_forward(stock_forward):
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
-                inputs_embeds=None, use_cache=None, **kwargs):
-        info = _plan(self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache,
-                     kwargs)
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, use_cache=None,
+                **kwargs):
+        info = _plan(self, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs)
         if info is None:
             return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask,
-                                 position_ids=position_ids, past_key_values=past_key_values,
-                                 inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs)
+                                 position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
+                                 **kwargs)
+        kwargs.pop("past_key_values", None)  # None here (checked by _plan), as is "cache"
+        kwargs.pop("cache", None)
         return _unpadded_forward(self, input_ids, info, kwargs)
 
     functools.update_wrapper(forward, stock_forward)
