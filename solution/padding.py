@@ -18,8 +18,9 @@ What must not change, and how it is kept:
   masked entries are excluded either way); RoPE positions are each row's own 0..len-1.
 - The random numbers of LoRA's dropout: torch draws a dropout mask over the tensor it is given,
   so a packed [1, N, H] input would draw other bits (and move the RNG offset by another amount)
-  than stock's [batch, seqlen, H]. ``padded_dropout_mask`` draws the mask over the padded shape
-  exactly as stock does and keeps the rows of the real tokens.
+  than stock's [batch, seqlen, H]. ``padded_draw_shape`` gives LoRA's dropout
+  (solution/kernels/lora_nf4.py) the padded shape to draw over, exactly as stock does; it keeps
+  the rows of the real tokens.
 - The loss, metrics and Soup's per-token outputs: pad positions are ignored by all of them (loss
   and accuracy: label -100; entropy: multiplied by attention_mask 0).
 """

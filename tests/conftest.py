@@ -54,3 +54,17 @@ def dequant_launches() -> int:
     from solution.kernels import _launches
 
     return _launches.LAUNCHES["nf4_dequant"] + _launches.LAUNCHES["nf4_dequant_cast"]
+
+
+def tiny_padded_batch(seed: int, device):
+    """(input_ids, attention_mask, labels) for the tiny Qwen2 models' tests: 2 rows of 9 tokens
+    (vocab 128), the second right-padded after 6 as trl's collator does, loss on positions 3+."""
+    torch.manual_seed(seed)
+    input_ids = torch.randint(0, 128, (2, 9))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, 6:] = 0
+    labels = input_ids.clone()
+    labels[:, :3] = -100
+    labels[1, 6:] = -100
+    return tuple(t.to(device) for t in (input_ids, attention_mask, labels))
+

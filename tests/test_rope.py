@@ -24,7 +24,7 @@ import triton
 from solution.kernels import _launches
 from solution.kernels import rope as rope_mod
 from solution.kernels.rope import rope, rope_supported
-from tests.conftest import rel_err
+from tests.conftest import rel_err, tiny_padded_batch
 
 modeling_qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
 STOCK_ROPE = modeling_qwen2.apply_rotary_pos_emb
@@ -371,14 +371,7 @@ def test_tiny_qwen2_model_matches_stock(device, monkeypatch, checkpointing, auto
     model = _tiny_model(device)
     if checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    torch.manual_seed(7)
-    input_ids = torch.randint(0, 128, (2, 9))
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[1, 6:] = 0  # right padding, as trl's collator does
-    labels = input_ids.clone()
-    labels[:, :3] = -100
-    labels[1, 6:] = -100
-    input_ids, attention_mask, labels = (t.to(device) for t in (input_ids, attention_mask, labels))
+    input_ids, attention_mask, labels = tiny_padded_batch(7, device)
 
     solution.revert()
     loss_s, grads_s = _loss_and_grads(model, input_ids, labels, attention_mask, autocast)

@@ -28,6 +28,11 @@ def _f(v, fmt) -> str:
     return "n/a" if v is None else format(v, fmt)
 
 
+def profile_cells(p: dict) -> str:
+    """The table cells "host ms | GPU ops | GPU ms | our launches" of a ``profile_call`` result."""
+    return f"{p['host_ms']:.3f} | {_f(p['gpu_ops'], '.1f')} | {_f(p['gpu_ms'], '.4f')} | {p['our_launches']}"
+
+
 def print_stock_vs_ours(results: list[dict], id_cols: list[tuple[str, str]]) -> None:
     """Markdown table of (stock, ours) row pairs: the identity columns, then fwd / fwd+bwd ms,
     memory saved for backward and peak, and fwd+bwd speed-up against the pair's stock row."""

@@ -30,8 +30,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import (_f, _x, autocast_fwd_and_fwd_bwd, bench_args, median_ms,  # noqa: E402
-                                   profile_call)
+from bench.kernels._common import (_x, autocast_fwd_and_fwd_bwd, bench_args, median_ms,  # noqa: E402
+                                   profile_call, profile_cells)
 import triton  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
@@ -226,7 +226,7 @@ def main() -> int:
         p = r["fwd_bwd_profile"]
         print(f"| {r['weight']} | {r['tokens']} | {r['impl']} | {r['fwd_ms']:.4f} | {r['fwd_bwd_ms']:.4f} | "
               f"{r['peak_fwd_bwd_MiB']:.1f} | {_x(r.get('speedup_fwd_bwd'))} | {r.get('fwd_equal_to_stock', '')} | "
-              f"{p['host_ms']:.3f} | {_f(p['gpu_ops'], '.1f')} | {_f(p['gpu_ms'], '.4f')} | {p['our_launches']} |")
+              f"{profile_cells(p)} |")
     print("\n(host ms: CPU time to issue one forward + backward with the GPU idle; when it is above the GPU ms,"
           " the call is host-bound and the do_bench time follows the host time)")
     with open(args.out, "w") as f:

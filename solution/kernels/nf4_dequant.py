@@ -384,22 +384,22 @@ class DequantPlan:
             record(KERNEL_NAME)
             return
         n_cast = a.numel()
+        # unused pointers point at a valid tensor (the kernel never touches them)
+        cast_args = (a, out if a16 is None else a16, a if b is None else b, out if b16 is None else b16,
+                     n_cast, float(scaling))
         if SEPARATE_CAST:
             if dequant:
                 self.launch(out, round_bf16)
             cast_block = SEPARATE_CAST_BLOCK if out.device.type == "cuda" else self.cast_block
             fp16_cast_kernel[(-(-n_cast // cast_block),)](
-                a, out if a16 is None else a16, a if b is None else b, out if b16 is None else b16,
-                n_cast, float(scaling), CAST_A=a16 is not None, CAST_B=cast_b, CAST_BLOCK=cast_block,
+                *cast_args, CAST_A=a16 is not None, CAST_B=cast_b, CAST_BLOCK=cast_block,
                 num_warps=SEPARATE_CAST_WARPS, enable_fp_fusion=False)
             record("fp16_cast_kernel")
             return
         n_deq = self.n_deq_programs if dequant else 0
         grid = (n_deq - (-n_cast // self.cast_block),)  # (not triton.cdiv: a slow constexpr_function on the host)
         nf4_dequant_cast_kernel[grid](
-            *self.args, out, *self.sizes, n_deq,
-            a, out if a16 is None else a16, a if b is None else b, out if b16 is None else b16,
-            n_cast, float(scaling),
+            *self.args, out, *self.sizes, n_deq, *cast_args,
             ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, CAST_A=a16 is not None, CAST_B=cast_b,
             CAST_BLOCK=self.cast_block, **self.consts)
         record(KERNEL_NAME + "_cast" if dequant else "fp16_cast")

@@ -78,3 +78,17 @@ def cache_kwarg(fn) -> str:
     or ``past_key_values`` (before); outputs name their field the same way."""
     return "cache" if "cache" in inspect.signature(inspect.unwrap(fn)).parameters else "past_key_values"
 
+
+CACHE_ARGS = ("past_key_values", "cache")  # the KV-cache argument's names, before and from 5.24
+
+
+def cache_given(kwargs: dict) -> bool:
+    """Does a call's kwargs carry a KV cache (under either name)?"""
+    return any(kwargs.get(name) is not None for name in CACHE_ARGS)
+
+
+def drop_cache_args(kwargs: dict) -> None:
+    """Remove the (None) KV-cache arguments from kwargs, under either name."""
+    for name in CACHE_ARGS:
+        kwargs.pop(name, None)
+

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from solution.patches._sources import cache_kwarg, unexpected_source
+from solution.patches._sources import cache_given, cache_kwarg, drop_cache_args, unexpected_source
 
 NAME = "qwen2_lm_head_loss"
 
@@ -169,13 +169,11 @@ def _make_forward(stock_forward):
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
                 use_cache=None, logits_to_keep=0, **kwargs):
         # The KV cache argument stays in kwargs under the caller's name; the fused path runs only without one.
-        if (not _head_ok(self, labels, logits_to_keep, kwargs) or kwargs.get(cache_kw) is not None
-                or kwargs.get("past_key_values") is not None):
+        if not _head_ok(self, labels, logits_to_keep, kwargs) or cache_given(kwargs):
             return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask,
                                  position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
                                  use_cache=use_cache, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
-        kwargs.pop(cache_kw, None)
-        kwargs.pop("past_key_values", None)
+        drop_cache_args(kwargs)
         # From here on: the stock forward's body, with the LM head + loss fused.
         with capture_packed_hidden() as packed:  # filled when the decoder ran on real tokens only
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

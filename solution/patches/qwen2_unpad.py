@@ -40,7 +40,7 @@ import weakref
 import torch
 
 from solution.kernels import attn_layout
-from solution.patches._sources import unexpected_source
+from solution.patches._sources import cache_given, drop_cache_args, unexpected_source
 
 NAME = "qwen2_unpad"
 
@@ -122,12 +122,10 @@ def _plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cac
     cfg = model.config
     if not (model.training and torch.is_grad_enabled()):
         return None
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
-        return None
-    if use_cache or (use_cache is None and getattr(cfg, "use_cache", False)):
-        return None  # stock would build and return a KV cache
+    if cache_given(kwargs) or use_cache or (use_cache is None and getattr(cfg, "use_cache", False)):
+        return None  # a cache given, or one stock would build and return
     if (input_ids is None or inputs_embeds is not None or position_ids is not None
-            or use_cache or not isinstance(attention_mask, torch.Tensor) or input_ids.dim() != 2
+            or not isinstance(attention_mask, torch.Tensor) or input_ids.dim() != 2
             or attention_mask.shape != input_ids.shape or not _kernel_device_ok(input_ids.device)):
         return None
     if (kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or kwargs.get("return_dict") is False
@@ -181,8 +179,7 @@ def _make_model_forward(stock_forward):
             return stock_forward(self, input_ids=input_ids, attention_mask=attention_mask,
                                  position_ids=position_ids, inputs_embeds=inputs_embeds, use_cache=use_cache,
                                  **kwargs)
-        kwargs.pop("past_key_values", None)  # None here (checked by _plan), as is "cache"
-        kwargs.pop("cache", None)
+        drop_cache_args(kwargs)  # None here (checked by _plan)
         return _unpadded_forward(self, input_ids, info, kwargs)
 
     functools.update_wrapper(forward, stock_forward)
