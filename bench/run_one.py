@@ -8,6 +8,8 @@ transformers Trainer built in this process (the same for baseline and solution: 
 clocks, logs and memory counters); renders the workload into a Soup YAML and runs
 `soup train --config <yaml> --yes` in-process through Soup's own CLI; then reads back Soup's
 SQLite tracker and output files, and writes result.json into the workdir.
+With --memory-peak FILE, the allocator history is recorded and what is alive at the peak is
+written to FILE (bench/memory_peak.py).
 With --profile, torch.profiler records GPU kernels from step 3 to the end (a separate pass:
 the timed runs are never profiled).
 """
@@ -184,6 +186,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default=None, help="workload YAML (default: workload/workload.yaml)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", help="write a cProfile summary of the host (Python) time of steps 3..end to this file")
+    ap.add_argument("--memory-peak", help="record the allocator history and write what is alive at the peak "
+                    "(grouped by allocating line) to this file (a separate pass: it slows the host)")
     ap.add_argument("--native-precision", action="store_true",
                     help="on an sm_80+ GPU keep Soup's bf16 and PyTorch's flash/cuDNN attention instead of the T4's paths")
     args = ap.parse_args(argv)
@@ -222,6 +226,11 @@ def main(argv=None) -> int:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     _launches.reset()
+    recording = False
+    if args.memory_peak:
+        from bench import memory_peak
+
+        recording = memory_peak.start_recording()
 
     from soup_cli.cli import app
 
@@ -240,6 +249,9 @@ def main(argv=None) -> int:
         stats.sort_stats("cumulative").print_stats(100)
         Path(args.cprofile).write_text(buf.getvalue(), encoding="utf-8")
     wall = time.perf_counter() - t_start
+    if recording:
+        br = memory_peak.peak_breakdown(memory_peak.take_snapshot())
+        Path(args.memory_peak).write_text(memory_peak.format_breakdown(br) + "\n", encoding="utf-8")
 
     steps = clock.step_times()
     timed = steps[SKIP_STEPS:]

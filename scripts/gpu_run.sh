@@ -3,9 +3,12 @@
 # network (the lent GPU machine): install the carried wheels (.whl/, from
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
-#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile]     (default: the first three)
+#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile] [memory] [variants]
+#   (default: the first three)
 # Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile),
-#      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT.
+#      VARIANTS (bench.variants labels, e.g. "default attn=SOLUTION_ATTN_LAYOUT_KERNELS=1"),
+#      VARIANT_ARGS (e.g. --baseline), MEMORY_VARIANTS (default "solution"),
+#      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
 # most 8 files), with the comparison's report.md beside it.
 set -uo pipefail
@@ -57,6 +60,17 @@ for step in $steps; do
           --workdir "$OUT/cprofile-$v" --cprofile "$OUT/cprofile-$v.txt" > "$OUT/cprofile-$v.log" 2>&1 || rc=1
         head -45 "$OUT/cprofile-$v.txt"
       done ;;
+    memory)
+      # What is alive at the peak of allocated memory, by allocating line (bench/memory_peak.py).
+      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
+      python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
+      for v in ${MEMORY_VARIANTS:-solution}; do
+        timeout 180 python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
+          --workdir "$OUT/memory-$v" --memory-peak "$OUT/memory-$v.md" > "$OUT/memory-$v.log" 2>&1 || rc=1
+        head -32 "$OUT/memory-$v.md"
+      done ;;
+    variants)
+      timeout ${VARIANTS_TIMEOUT:-540} python3 -m bench.variants --out "$OUT/variants" ${VARIANT_ARGS:-} ${VARIANTS:-default} 2>&1 | tail -30 || rc=1 ;;
     compare)
       timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/compare" ${COMPARE_ARGS:-} 2>&1 | tail -60 || rc=1 ;;
   esac

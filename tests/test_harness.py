@@ -151,3 +151,21 @@ def test_compare_rejects_a_malformed_dataset_row(tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "line 2" in err, err
     assert data.read_bytes() == before and not (tmp_path / "out").exists()
+
+
+def test_memory_peak_replay_finds_the_peak_and_its_owners():
+    from bench.memory_peak import format_breakdown, peak_breakdown
+
+    def ev(action, addr, size, line):
+        return {"action": action, "addr": addr, "size": size,
+                "frames": [{"filename": "/x/torch/nn/functional.py", "line": 1, "name": "linear"},
+                           {"filename": "/work/main/solution/kernels/a.py", "line": line, "name": "f"}]}
+
+    trace = [ev("alloc", 1, 100, 10), ev("alloc", 2, 50, 20), ev("free_requested", 2, 50, 20),
+             ev("free_completed", 2, 50, 20), ev("alloc", 3, 70, 30), ev("alloc", 4, 10, 30),
+             ev("free_requested", 1, 100, 10), ev("alloc", 5, 5, 40)]
+    br = peak_breakdown({"device_traces": [trace]})
+    assert br["peak_bytes"] == 180 and br["event_index"] == 5
+    sites = {site: (nbytes, count) for site, nbytes, count in br["by_site"]}
+    assert sites == {"solution/kernels/a.py:10 f": (100, 1), "solution/kernels/a.py:30 f": (80, 2)}
+    assert "solution/kernels/a.py:30 f" in format_breakdown(br)

@@ -1,0 +1,117 @@
+"""What is alive on the GPU at the moment of peak allocated memory, and who allocated it.
+
+Used by bench/run_one.py --memory-peak FILE: PyTorch's allocator history is recorded for the whole
+run (model load included); afterwards the trace is replayed, the moment of the highest allocated
+total is found, and the blocks alive then are grouped by the Python line that allocated them
+(the innermost frame outside torch's own files). Measurement only: recording the history slows
+the host a little and changes nothing on the GPU, so it runs in a separate pass.
+
+    python -m bench.memory_peak SNAPSHOT.pickle      # analyse a snapshot saved earlier
+"""
+from __future__ import annotations
+
+import pickle
+import sys
+from collections import defaultdict
+
+MAX_ENTRIES = 3_000_000  # allocator events kept: a 64-step run makes ~1M
+
+
+def start_recording() -> bool:
+    import torch
+
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
+                                             max_entries=MAX_ENTRIES)
+    return True
+
+
+def take_snapshot() -> dict:
+    import torch
+
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    return snap
+
+
+_SKIP = ("/torch/", "/contextlib.py", "/functools.py", "<frozen", "/triton/")
+
+
+def _site(frames: list[dict]) -> str:
+    """The innermost frame that is not torch / Triton plumbing: the line that asked for memory."""
+    for fr in frames:
+        fn = fr.get("filename", "")
+        if not any(s in fn for s in _SKIP):
+            short = fn.split("site-packages/")[-1].split("/work/main/")[-1]
+            return f"{short}:{fr.get('line')} {fr.get('name')}"
+    if frames:
+        fr = frames[0]
+        return f"{fr.get('filename', '?').split('site-packages/')[-1]}:{fr.get('line')} {fr.get('name')}"
+    return "(no Python frame: C++ autograd / allocator)"
+
+
+def peak_breakdown(snap: dict, device: int = 0) -> dict:
+    """Replays the allocation trace; returns the peak, and the blocks alive at it grouped by site."""
+    trace = snap["device_traces"][device]
+    live: dict[int, int] = {}
+    total = peak = 0
+    peak_at = -1
+    for i, ev in enumerate(trace):
+        act = ev["action"]
+        if act == "alloc":
+            live[ev["addr"]] = ev["size"]
+            total += ev["size"]
+            if total > peak:
+                peak, peak_at = total, i
+        elif act == "free_requested":  # the allocated counter drops here
+            size = live.pop(ev["addr"], None)
+            if size is not None:
+                total -= size
+    # second pass: the set alive at the peak event, with the allocating frames
+    alive: dict[int, dict] = {}
+    for ev in trace[: peak_at + 1]:
+        if ev["action"] == "alloc":
+            alive[ev["addr"]] = ev
+        elif ev["action"] == "free_requested":
+            alive.pop(ev["addr"], None)
+    by_site: dict[str, list] = defaultdict(lambda: [0, 0])
+    for ev in alive.values():
+        s = by_site[_site(ev.get("frames", []))]
+        s[0] += ev["size"]
+        s[1] += 1
+    dropped = len(trace) >= MAX_ENTRIES
+    return {"peak_bytes": peak, "event_index": peak_at, "events": len(trace), "trace_truncated": dropped,
+            "by_site": sorted(((k, v[0], v[1]) for k, v in by_site.items()), key=lambda r: -r[1]),
+            "peak_frames": trace[peak_at].get("frames", [])[:12] if peak_at >= 0 else []}
+
+
+def format_breakdown(br: dict, top: int = 40) -> str:
+    gib = 2**30
+    lines = [f"peak allocated (replayed trace): {br['peak_bytes'] / gib:.3f} GiB at event {br['event_index']} "
+             f"of {br['events']}" + (" (TRACE TRUNCATED: early blocks missing)" if br["trace_truncated"] else ""),
+             "", "| MiB alive at peak | blocks | allocated at |", "| ---: | ---: | --- |"]
+    for site, nbytes, count in br["by_site"][:top]:
+        lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")
+    rest = br["by_site"][top:]
+    if rest:
+        lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
+    lines += ["", "the allocation that set the peak, innermost frame first:"]
+    lines += [f"  {fr.get('filename', '?').split('site-packages/')[-1]}:{fr.get('line')} {fr.get('name')}"
+              for fr in br["peak_frames"]]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print(__doc__)
+        return 2
+    with open(argv[0], "rb") as f:
+        snap = pickle.load(f)
+    print(format_breakdown(peak_breakdown(snap)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
