@@ -38,8 +38,10 @@ def is_own_kernel(kernel_name: str) -> bool:
 
 CATEGORIES = [
     ("ours (solution/ Triton)", None),
-    ("matmul (cuBLAS/CUTLASS)", ("gemm", "gemv", "cutlass", "xmma", "cublas", "sm80_", "sm90_", "ampere_", "turing_", "volta_", "splitk", "matmul")),
+    # attention before matmul: PyTorch's memory-efficient attention kernels are named
+    # fmha_cutlass*, which the matmul keys would claim
     ("attention (SDPA)", ("fmha", "flash", "attention", "sdpa", "efficient_attention", "pytorch_flash")),
+    ("matmul (cuBLAS/CUTLASS)", ("gemm", "gemv", "cutlass", "xmma", "cublas", "sm80_", "sm90_", "ampere_", "turing_", "volta_", "splitk", "matmul")),
     ("bitsandbytes dequant", ("dequantize", "kdequant", "kquant", "bnb")),
     ("softmax / loss", ("softmax", "nll_loss", "cross_entropy", "log_softmax", "logsumexp")),
     ("optimizer", ("multi_tensor", "adam", "fused_adam", "foreach")),

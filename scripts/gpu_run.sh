@@ -8,7 +8,8 @@
 # Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile),
 #      VARIANTS (bench.variants labels, e.g. "default attn=SOLUTION_ATTN_LAYOUT_KERNELS=1"),
 #      VARIANT_ARGS (e.g. --baseline), MEMORY_VARIANTS (default "solution"),
-#      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT.
+#      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT,
+#      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
 # most 8 files), with the comparison's report.md beside it.
 set -uo pipefail
@@ -55,8 +56,8 @@ for step in $steps; do
       # Where the host (Python) time of a step goes, stock and ours (separate runs, cProfile on).
       M=.cache/models/qwen2.5-1.5b-instruct-standin-full
       python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
-      for v in baseline solution; do
-        timeout 150 python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
+      for v in ${CPROFILE_VARIANTS:-baseline solution}; do
+        timeout ${CPROFILE_TIMEOUT:-150} python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
           --workdir "$OUT/cprofile-$v" --cprofile "$OUT/cprofile-$v.txt" > "$OUT/cprofile-$v.log" 2>&1 || rc=1
         head -45 "$OUT/cprofile-$v.txt"
       done ;;
@@ -65,7 +66,7 @@ for step in $steps; do
       M=.cache/models/qwen2.5-1.5b-instruct-standin-full
       python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
       for v in ${MEMORY_VARIANTS:-solution}; do
-        timeout 180 python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
+        timeout ${MEMORY_TIMEOUT:-180} python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
           --workdir "$OUT/memory-$v" --memory-peak "$OUT/memory-$v.md" > "$OUT/memory-$v.log" 2>&1 || rc=1
         head -32 "$OUT/memory-$v.md"
       done ;;

@@ -5,7 +5,7 @@ import importlib
 import logging
 import os
 
-from solution.env import check_support
+from solution.env import check_support, memory_policy
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
 
@@ -23,12 +23,14 @@ def _say(msg: str) -> None:
 def apply(verbose: bool = True) -> dict[str, str]:
     """Install every patch this environment supports. Idempotent.
 
-    Returns {patch name: description} of what is installed. On an unsupported environment (no
+    Returns {patch name: description} of what is installed; raises ValueError, before installing
+    anything, when a setting is invalid ($SOLUTION_MEMORY_POLICY). On an unsupported environment (no
     CUDA and no interpreter, no Triton, GPU older than sm_75, another model architecture...) it
     installs nothing for the affected part, prints why, and training runs the stock path.
     """
     if _installed:
         return dict(_installed)
+    memory_policy()  # a bad $SOLUTION_MEMORY_POLICY is the user's error: raise before touching anything
     support = check_support()
     if not support.ok:
         _say(f"falling back to the stock path: {support.reason}")

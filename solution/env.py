@@ -56,3 +56,18 @@ def bf16_native() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
+MEMORY_POLICIES = ("speed", "memory")
+
+
+def memory_policy() -> str:
+    """The activation memory policy named by $SOLUTION_MEMORY_POLICY (default "speed"; see
+    solution/kernels/nf4_mlp.py). ValueError with the accepted values when it names none."""
+    raw = os.environ.get(MEMORY_POLICY_ENV, "")
+    value = raw.strip().lower() or "speed"
+    if value not in MEMORY_POLICIES:
+        raise ValueError(f"${MEMORY_POLICY_ENV}={raw!r} is not a memory policy: "
+                         f"expected one of {', '.join(MEMORY_POLICIES)}")
+    return value

@@ -95,6 +95,7 @@ def test_own_kernel_discovery_and_categories():
     assert is_own_kernel(some) and categorize(some).startswith("ours")
     assert categorize("ampere_fp16_s16816gemm_fp16_128x128") .startswith("matmul")
     assert categorize("void at::native::vectorized_elementwise_kernel<4>") .startswith("elementwise")
+    assert categorize("fmha_cutlassB_f16_aligned_128x128_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel").startswith("attention")
 
 
 def _fake_result(variant, losses, tokens, grad=1.0):

@@ -305,6 +305,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
             model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=torch.float16,
                                                          device_map={"": 0})
             model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+            torch.manual_seed(1234)  # LoRA A init draws from the global RNG: the same A in both runs
             model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
                                                      target_modules=["q_proj", "v_proj"]))
             model.train()
@@ -326,3 +327,17 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():
         assert rel_err(grads_o[name], g) < 3e-2, name
+
+
+def test_layout_kernels_take_only_the_dtypes_they_reproduce():
+    """The pad kernels cast to the dtype SDPA computes in: autocast's (fp16 only: bf16 is not
+    theirs) or the inputs' own; anything else keeps the torch ops, which do exactly stock's."""
+    from solution.patches.qwen2_unpad import _sdpa_input_dtype
+
+    q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
+    assert _sdpa_input_dtype(q, k, k) == torch.float32
+    assert _sdpa_input_dtype(q, k, k.to(torch.bfloat16)) is None
+    assert _sdpa_input_dtype(q.half(), k.half(), k.half()) == torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _sdpa_input_dtype(q, k, k) is None
+    assert _sdpa_input_dtype(torch.zeros(1, 4, 3, 12), k, k) is None  # head_dim not a power of two

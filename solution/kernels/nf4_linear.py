@@ -176,6 +176,10 @@ def linear_plan(module) -> LinearPlan:
 
 
 def bnb_would_use_fused_gemm(x: torch.Tensor, plan: LinearPlan) -> bool:
+    return bnb_would_use_fused_gemm_m(x.numel() // plan.k, x.device.index, plan)
+
+
+def bnb_would_use_fused_gemm_m(m: int, device_index, plan: LinearPlan) -> bool:
     """True when bnb 0.50's gemm_4bit would run its own fused 4-bit GEMM for this call (small M on
     CUDA), whose rounding differs from dequant + cuBLAS: we leave those calls to bnb. Mirrors
     ``bitsandbytes.backends.cuda.ops``' dispatch: M > ``_gemm_4bit_custom_max_m`` (1536) or K not a
@@ -184,7 +188,6 @@ def bnb_would_use_fused_gemm(x: torch.Tensor, plan: LinearPlan) -> bool:
     if not plan.on_cuda:
         return False  # CPU: bnb's default gemm_4bit is dequant + F.linear, like ours
     k = plan.k
-    m = x.numel() // k
     if _cuda_ops is None:
         try:
             from bitsandbytes.backends.cuda import ops as _cuda_ops
@@ -199,7 +202,7 @@ def bnb_would_use_fused_gemm(x: torch.Tensor, plan: LinearPlan) -> bool:
     choose = getattr(_cuda_ops, "_gemm_4bit_use_custom_fn", None)
     if choose is None:
         return m <= 4
-    return bool(choose(x.device.index, torch.float16, m, plan.n_out, k))
+    return bool(choose(device_index, torch.float16, m, plan.n_out, k))
 
 
 def call_reason(plan: LinearPlan, module, x: torch.Tensor) -> str | None:

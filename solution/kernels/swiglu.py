@@ -88,10 +88,13 @@ def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, table_ptr, n_rows, n_cols,
                        stride_g, stride_u, stride_h,
                        SILU_TABLE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_STOCK: tl.constexpr):
     """h = round(round(silu(g)) * u) per element, fp32 math, rounding to h's dtype twice like stock
     (silu's output is rounded before the multiply). With SILU_TABLE the rounded silu(g) is read from
-    a 65,536-entry table of torch's own silu indexed by g's 16-bit pattern."""
+    a 65,536-entry table of torch's own silu indexed by g's 16-bit pattern.
+    FP32_STOCK: reproduce stock run on fp32 tensors (silu's output kept in fp32), with g / u / h
+    stored in fp16: h = fp16(fp32(silu(g)) * u), i.e. stock fp32 followed by the fp16 cast that the
+    next fp16 GEMM makes."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
     g_raw = tl.load(g_ptr + rows * stride_g + cols, mask=mask, other=0.0)
     u = tl.load(u_ptr + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
@@ -101,7 +104,10 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, table_ptr, n_rows, n_cols,
         a = tl.load(table_ptr + bits, mask=mask, other=0.0).to(tl.float32)
     else:
         silu, _ = _silu_f32(g_raw.to(tl.float32), LIBDEVICE_EXP)
-        a = silu.to(out_ty).to(tl.float32)  # stock rounds silu's output to the tensor dtype
+        if FP32_STOCK:
+            a = silu
+        else:
+            a = silu.to(out_ty).to(tl.float32)  # stock rounds silu's output to the tensor dtype
     tl.store(h_ptr + rows * stride_h + cols, (a * u).to(out_ty), mask=mask)
 
 
@@ -109,11 +115,13 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, table_ptr, n_rows, n_cols,
 def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, table_ptr, n_rows, n_cols,
                        stride_dh, stride_g, stride_u, stride_dg, stride_du,
                        SILU_TABLE: tl.constexpr, LIBDEVICE_EXP: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+                       BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, FP32_STOCK: tl.constexpr):
     """From dh, g, u: du = round(dh * round(silu(g))) and
     dg = round(round(dh * u) * s * (1 + g * (1 - s))), s = sigmoid(g), fp32 math in stock's order.
     dg_ptr / du_ptr may equal g_ptr / u_ptr (in place): every element is read before it is written,
-    by the same program."""
+    by the same program.
+    FP32_STOCK: stock's fp32 backward (no intermediate rounding), dg / du rounded once to their
+    fp16 storage: the cast the gate / up GEMMs' backward makes."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
     dh = tl.load(dh_ptr + rows * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g_raw = tl.load(g_ptr + rows * stride_g + cols, mask=mask, other=0.0)
@@ -124,10 +132,15 @@ def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, table_ptr, n_rows, 
     if SILU_TABLE:
         bits = g_raw.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         a = tl.load(table_ptr + bits, mask=mask, other=0.0).to(tl.float32)
+    elif FP32_STOCK:
+        a = silu
     else:
         a = silu.to(out_ty).to(tl.float32)
     du = (dh * a).to(out_ty)
-    dy = (dh * u).to(out_ty).to(tl.float32)  # stock's mul backward rounds dh * u first
+    if FP32_STOCK:
+        dy = dh * u
+    else:
+        dy = (dh * u).to(out_ty).to(tl.float32)  # stock's mul backward rounds dh * u first
     dg = ((dy * s) * tl.fma(g, 1.0 - s, 1.0)).to(out_ty)
     tl.store(dg_ptr + rows * stride_dg + cols, dg, mask=mask)
     tl.store(du_ptr + rows * stride_du + cols, du, mask=mask)
@@ -193,24 +206,41 @@ def silu_mode_name(dtype: torch.dtype, device) -> str:
     return "table" if _silu_mode(dtype, device)[0] else "compute"
 
 
-def _launch_fwd(g2, u2, h2, use_table: bool, table) -> None:
+def _launch_fwd(g2, u2, h2, use_table: bool, table, fp32_stock: bool = False) -> None:
     n_rows, n_cols = g2.shape
     record("swiglu_fwd")
     _swiglu_fwd_kernel[_grid(n_rows, n_cols)](
         g2, u2, h2, table if use_table else g2, n_rows, n_cols,
         g2.stride(0), u2.stride(0), h2.stride(0),
         SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
-        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], num_warps=NUM_WARPS)
+        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
 
 
-def _launch_bwd(dh2, g2, u2, dg2, du2, use_table: bool, table) -> None:
+def _launch_bwd(dh2, g2, u2, dg2, du2, use_table: bool, table, fp32_stock: bool = False) -> None:
     n_rows, n_cols = g2.shape
     record("swiglu_bwd")
     _swiglu_bwd_kernel[_grid(n_rows, n_cols)](
         dh2, g2, u2, dg2, du2, table if use_table else g2, n_rows, n_cols,
         dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
         SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
-        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], num_warps=NUM_WARPS)
+        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
+
+
+def swiglu_fp16_of_fp32(g16: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
+    """fp16(silu(fp32(g)) * fp32(u)) for 2-D fp16 g, u (unit column stride): what stock computes
+    when the gate / up outputs are fp32 tensors holding fp16 values (bnb casts its fp16 GEMM output
+    back to the fp32 input's dtype), followed by the down projection's fp16 cast. No autograd."""
+    h = torch.empty(g16.shape, dtype=torch.float16, device=g16.device)
+    if h.numel():
+        _launch_fwd(g16, u16, h, False, None, fp32_stock=True)
+    return h
+
+
+def swiglu_backward_fp16_of_fp32(dh16, g16, u16, dg_out, du_out) -> None:
+    """The matching backward (2-D fp16 tensors): dg = fp16(stock fp32 dg), du = fp16(stock fp32
+    du), given dh (an fp16 GEMM output, exact in fp32). dg_out / du_out may be g16 / u16."""
+    if g16.numel():
+        _launch_bwd(dh16, g16, u16, dg_out, du_out, False, None, fp32_stock=True)
 
 
 def swiglu_forward(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -359,20 +389,22 @@ def swiglu_packed(gu: torch.Tensor, inplace_backward: bool = False) -> torch.Ten
 # ----------------------------------------------------------------------------------------------
 
 def sm75_specs():
-    for dt in ("fp16", "fp32"):
-        for table in ((False, True) if dt == "fp16" else (False,)):
-            consts = {"SILU_TABLE": table, "LIBDEVICE_EXP": True, "BLOCK_R": BLOCK_R, "BLOCK_C": BLOCK_C}
-            tag = f"{dt}{' table' if table else ''} {BLOCK_R}x{BLOCK_C} w{NUM_WARPS}"
-            yield {"name": f"swiglu_fwd {tag}", "fn": _swiglu_fwd_kernel, "num_warps": NUM_WARPS,
-                   "signature": {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "h_ptr": f"*{dt}",
-                                 "table_ptr": f"*{dt}", "n_rows": "i32", "n_cols": "i32",
-                                 "stride_g": "i32", "stride_u": "i32", "stride_h": "i32",
-                                 **{k: "constexpr" for k in consts}},
-                   "constexprs": consts}
-            yield {"name": f"swiglu_bwd {tag}", "fn": _swiglu_bwd_kernel, "num_warps": NUM_WARPS,
-                   "signature": {"dh_ptr": f"*{dt}", "g_ptr": f"*{dt}", "u_ptr": f"*{dt}",
-                                 "dg_ptr": f"*{dt}", "du_ptr": f"*{dt}", "table_ptr": f"*{dt}",
-                                 "n_rows": "i32", "n_cols": "i32", "stride_dh": "i32",
-                                 "stride_g": "i32", "stride_u": "i32", "stride_dg": "i32",
-                                 "stride_du": "i32", **{k: "constexpr" for k in consts}},
-                   "constexprs": consts}
+    for dt, table, fp32_stock in (("fp16", False, False), ("fp16", True, False), ("fp32", False, False),
+                                  ("fp16", False, True)):
+        consts = {"SILU_TABLE": table, "LIBDEVICE_EXP": True, "BLOCK_R": BLOCK_R, "BLOCK_C": BLOCK_C,
+                  "FP32_STOCK": fp32_stock}
+        tag = (f"{dt}{' table' if table else ''}{' fp32-stock' if fp32_stock else ''} "
+               f"{BLOCK_R}x{BLOCK_C} w{NUM_WARPS}")
+        yield {"name": f"swiglu_fwd {tag}", "fn": _swiglu_fwd_kernel, "num_warps": NUM_WARPS,
+               "signature": {"g_ptr": f"*{dt}", "u_ptr": f"*{dt}", "h_ptr": f"*{dt}",
+                             "table_ptr": f"*{dt}", "n_rows": "i32", "n_cols": "i32",
+                             "stride_g": "i32", "stride_u": "i32", "stride_h": "i32",
+                             **{k: "constexpr" for k in consts}},
+               "constexprs": consts}
+        yield {"name": f"swiglu_bwd {tag}", "fn": _swiglu_bwd_kernel, "num_warps": NUM_WARPS,
+               "signature": {"dh_ptr": f"*{dt}", "g_ptr": f"*{dt}", "u_ptr": f"*{dt}",
+                             "dg_ptr": f"*{dt}", "du_ptr": f"*{dt}", "table_ptr": f"*{dt}",
+                             "n_rows": "i32", "n_cols": "i32", "stride_dh": "i32",
+                             "stride_g": "i32", "stride_u": "i32", "stride_dg": "i32",
+                             "stride_du": "i32", **{k: "constexpr" for k in consts}},
+               "constexprs": consts}

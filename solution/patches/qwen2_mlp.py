@@ -5,6 +5,12 @@ modules (so whatever is installed on bitsandbytes' Linear4bit / peft's LoRA laye
 and replaces ``act_fn(g) * u`` by one Triton kernel forward and one backward, with the backward
 writing dg / du in place into g / u (temporaries of this forward, read by nobody else).
 
+When the three projections are plain bnb NF4 ``Linear4bit`` layers on our NF4 path (the
+bnb_linear4bit patch installed, no bias, no hooks, no LoRA) and x is fp32 with a gradient (the
+workload's training step), the whole block runs as ONE autograd function that keeps the gate / up
+outputs in fp16 and follows the memory policy (solution/kernels/nf4_mlp.py: same values as stock,
+half the saved bytes, no fp32 round trips). Otherwise the per-projection path above.
+
 Falls back to the stock forward, unchanged, when the activation is not SiLU, or x is on a device
 our kernels do not run on; and to the stock expression ``act_fn(g) * u`` when the projections'
 outputs are not supported (mixed dtypes, bf16 before sm_80, fp64...).
@@ -36,9 +42,40 @@ def _silu_types() -> tuple:
     return (SiLUActivation, torch.nn.SiLU)
 
 
+def _no_hooks(module) -> bool:
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+
+
+def fused_plans(mlp, x: torch.Tensor):
+    """(gate, up, down) LinearPlans when this call can run as one fused NF4 MLP function (see the
+    module doc), else None."""
+    if x.dtype != torch.float32 or not (torch.is_grad_enabled() and x.requires_grad) or x.numel() == 0:
+        return None
+    try:
+        from bitsandbytes.nn import Linear4bit
+    except Exception:
+        return None
+    from solution.kernels.nf4_linear import bnb_would_use_fused_gemm_m, call_reason, linear_plan
+
+    mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not all(type(m) is Linear4bit and getattr(m, "bias", None) is None and _no_hooks(m) for m in mods):
+        return None
+    if getattr(Linear4bit.forward, "__wrapped__", None) is None:  # bnb_linear4bit patch not installed
+        return None
+    gate, up, down = (linear_plan(m) for m in mods)
+    if call_reason(gate, mods[0], x) or call_reason(up, mods[1], x) or down.reason is not None:
+        return None
+    if down.k != gate.n_out or up.n_out != gate.n_out or down.device != gate.device:
+        return None
+    if bnb_would_use_fused_gemm_m(x.numel() // gate.k, x.device.index, down):
+        return None
+    return gate, up, down
+
+
 def make_forward(stock_forward):
     """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback)."""
     from solution.env import interpreter_enabled
+    from solution.kernels.nf4_mlp import nf4_mlp
     from solution.kernels.swiglu import swiglu, unsupported_reason
 
     silu_types = _silu_types()
@@ -47,6 +84,10 @@ def make_forward(stock_forward):
         on_kernel_device = x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_enabled())
         if not on_kernel_device or not isinstance(self.act_fn, silu_types):
             return stock_forward(self, x)
+        if _no_hooks(self) and _global_hooks_free():
+            plans = fused_plans(self, x)
+            if plans is not None:
+                return nf4_mlp(x, *plans)
         g = self.gate_proj(x)
         u = self.up_proj(x)
         if unsupported_reason(g, u) is not None:
@@ -58,10 +99,21 @@ def make_forward(stock_forward):
     return forward
 
 
+def _global_hooks_free() -> bool:
+    m = torch.nn.modules.module
+    return not any(getattr(m, name, None) for name in (
+        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks"))
+
+
 def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
+    from solution.env import memory_policy
+    from solution.kernels import nf4_mlp
+
+    nf4_mlp.MEMORY_POLICY = MEMORY_POLICY = memory_policy()  # apply() already checked the value
     cls = modeling_qwen2.Qwen2MLP
     swaps.set(cls, "forward", make_forward(cls.__dict__["forward"]))
-    return ("Qwen2MLP.forward: gate_proj, up_proj, one Triton SwiGLU kernel (backward: one kernel, "
-            "dg/du in place), down_proj")
+    return ("Qwen2MLP.forward: NF4 gate/up/down + SwiGLU as one autograd function with fp16 "
+            f"activations (memory policy {MEMORY_POLICY!r}) when the projections are bnb NF4 on our path; "
+            "else gate_proj, up_proj, one Triton SwiGLU kernel (backward: one kernel, dg/du in place), down_proj")

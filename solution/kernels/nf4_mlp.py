@@ -1,0 +1,132 @@
+"""The frozen NF4 MLP block of Qwen2 (gate_proj, up_proj, SwiGLU, down_proj, all bnb NF4 without
+LoRA) as ONE autograd function that keeps the gate / up outputs in fp16, and a memory policy that
+chooses what the backward gets: the saved gate / up outputs, or the block's input to recompute them.
+
+What it replaces. In the workload the residual stream is fp32 (prepare_model_for_kbit_training
+makes the norms fp32), so bnb's Linear4bit casts its fp16 GEMM output back to fp32. Stock (and our
+per-layer path before this) per MLP call and token:
+    g = fp32(x16 @ Wg), u = fp32(x16 @ Wu)        two fp32 [T, 8960] tensors, SAVED for backward
+    h = silu(g) * u                                fp32, then cast to fp16 for down_proj
+    backward: dh fp16 -> fp32 cast, fp32 SwiGLU backward, dg / du fp32 -> two fp16 casts, two
+    dX GEMMs, two fp16 -> fp32 casts and an fp32 add
+The two saved fp32 tensors were 3.2 GiB of the solution's 7.46 GiB peak on the H200 (bench
+memory_peak, 2026-11-30 01:5x UTC): the largest item at the peak.
+
+Why that is wasteful: g and u are fp16 GEMM outputs; their fp32 copies hold fp16 values exactly.
+Storing them as fp16 loses nothing, as long as every later step computes what stock computes on
+the fp32 copies. So here:
+    x16 = fp16(x)   (one cast, fused into the gate weight's dequantization launch; stock casts x
+                     once per projection)
+    g16 = x16 @ Wg, u16 = x16 @ Wu                 kept fp16 (saved: half the bytes)
+    h16 = fp16(fp32 silu(g) * u)                   swiglu FP32_STOCK: stock's fp32 math, then the
+                                                   fp16 cast down_proj makes
+    y16 = h16 @ Wd                                 returned in fp16; the caller's residual add
+                                                   promotes it to fp32, the same values as stock's
+                                                   fp32 copy
+    backward: dh16 = dy16 @ Wd; swiglu backward in fp32 math writing fp16(dg), fp16(du) in place
+    (the casts the gate / up backward make); dx = fp32(dg16 @ Wg) + fp32(du16 @ Wu) (the fp32 sum
+    autograd makes of the two projections' input gradients; the sum is commutative, so the order
+    does not matter).
+Every rounding is stock's: the loss and every gradient are the same numbers (tests compare with
+stock bit for bit where the GPU gives the same GEMM kernels, and within fp16 noise otherwise).
+
+The memory policy (SOLUTION_MEMORY_POLICY, read by apply(); the choice of issue 5.2):
+  "speed" (default): save g16 and u16 (2 x T x 8960 x 2 bytes per layer).
+  "memory": save only x16 (T x 1536 x 2 bytes per layer, 11.7x less) and recompute g16 and u16 in
+      backward: two more NF4 dequantizations and GEMMs per layer (the same values: the recompute
+      runs the forward's kernels on the same inputs).
+Any other value makes apply() raise a clear error before it installs anything; apply() reports
+the policy in use.
+
+Correctness risks: (1) the backward overwrites the saved g16 / u16 with dg / du (they are private
+to this function); a second backward through the same graph (retain_graph=True) would read
+gradients as activations, so it raises instead. (2) Only for fp32 inputs (the workload): other
+input dtypes keep the per-layer path, whose stock semantics differ (fp16 intermediates).
+(3) The caller must check that the three projections are plain bnb Linear4bit layers on our path
+with no hooks and no bias (solution/patches/qwen2_mlp.py does).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from solution.kernels.nf4_linear import LinearPlan
+from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of_fp32
+
+MEMORY_POLICY = "speed"  # set by apply() (solution.patches.qwen2_mlp.install) from the environment
+
+
+def _gate_up(x2: torch.Tensor, gate: LinearPlan, up: LinearPlan):
+    """(g16, u16, x16) for 2-D fp32 x: x cast once, in the gate weight's dequantization launch."""
+    wg, x16 = gate.dequant_and_cast(x2)
+    g16 = F.linear(x16, wg)
+    wu, _ = up.dequant_and_cast(x16)  # x16 is fp16 already: a dequantization only
+    u16 = F.linear(x16, wu)
+    return g16, u16, x16
+
+
+class NF4MLPFunction(torch.autograd.Function):
+    """x [..., H] fp32 -> y [..., H] fp16 = down(swiglu(gate(x), up(x))), the values stock computes
+    (see the module doc); gradient for x only (the three weights are frozen)."""
+
+    @staticmethod
+    def forward(ctx, x, gate, up, down, recompute):
+        x2 = x.reshape(-1, x.shape[-1])
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        g16, u16, x16 = _gate_up(x2, gate, up)
+        h16 = swiglu_fp16_of_fp32(g16, u16)
+        wd, _ = down.dequant_and_cast(h16)
+        y = F.linear(h16, wd)
+        ctx.plans = (gate, up, down)
+        ctx.recompute = recompute
+        ctx.x_shape = x.shape
+        ctx.consumed = False
+        if recompute:
+            ctx.save_for_backward(x16)
+        else:
+            ctx.save_for_backward(g16, u16)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        if ctx.consumed:
+            raise RuntimeError("NF4 MLP: a second backward through the same graph is not supported "
+                               "(the first one reused the saved activations' memory)")
+        gate, up, down = ctx.plans
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if not dy2.is_contiguous():
+            dy2 = dy2.contiguous()
+        wd, dy16 = down.dequant_and_cast(dy2, down.round_bwd)  # fp16 dy: a dequantization only
+        dh16 = torch.matmul(dy16, wd)
+        if ctx.recompute:
+            (x16,) = ctx.saved_tensors
+            g16, u16, _ = _gate_up(x16, gate, up)
+        else:
+            g16, u16 = ctx.saved_tensors
+        ctx.consumed = True
+        swiglu_backward_fp16_of_fp32(dh16, g16, u16, g16, u16)  # dg -> g16, du -> u16, in place
+        del dh16
+        wg, _ = gate.dequant_and_cast(g16, gate.round_bwd)
+        dx = torch.matmul(g16, wg).to(torch.float32)
+        wu, _ = up.dequant_and_cast(u16, up.round_bwd)
+        dx += torch.matmul(u16, wu)
+        return dx.view(ctx.x_shape), None, None, None, None
+
+
+def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
+            recompute: bool | None = None) -> torch.Tensor:
+    """The MLP block on our path (the caller checked the conditions in the module doc); returns
+    fp16. ``recompute``: None -> the memory policy in use (MEMORY_POLICY == "memory")."""
+    if recompute is None:
+        recompute = MEMORY_POLICY == "memory"
+    if torch.is_grad_enabled() and x.requires_grad:
+        return NF4MLPFunction.apply(x, gate, up, down, recompute)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    g16, u16, _ = _gate_up(x2, gate, up)
+    h16 = swiglu_fp16_of_fp32(g16, u16)
+    del g16, u16
+    wd, _ = down.dequant_and_cast(h16)
+    return F.linear(h16, wd).view(*x.shape[:-1], -1)
