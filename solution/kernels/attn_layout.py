@@ -34,9 +34,10 @@
    index (true for every contiguous layout); otherwise the launcher makes a contiguous copy.
    Tests: tests/test_attn_layout.py (interpreter and GPU, against the torch ops above).
 
-5. How it was measured. Not yet on a GPU (built after this session's GPU time was spent): the
-   patch keeps the torch ops by default; ``SOLUTION_ATTN_LAYOUT_KERNELS=1`` routes
-   ``sdpa_unpadded`` through these kernels, to be measured against the torch ops next.
+5. How it was measured. H200 taking the T4's paths, 2026-11-30 (docs/kernels/attn_layout.md):
+   GPU work of sdpa_unpadded forward + backward 0.273 -> 0.139 ms at 4 x 512 tokens; end to end,
+   GPU kernel time 2.21 -> 2.04 s over steps 3-64, peak allocated 7.46 -> 7.10 GiB. On by default
+   (``SOLUTION_ATTN_LAYOUT_KERNELS=0`` keeps the torch ops).
 """
 from __future__ import annotations
 

@@ -23,6 +23,11 @@ Numerics (the point is to be bitwise identical to stock in fp16):
   the GPU test; otherwise within one fp16 rounding). fp32 inputs: same formulas, fp32 roundings.
   In Triton's CPU interpreter libdevice is unavailable: ``tl.exp`` (numpy) replaces it.
 
+FP32_STOCK (``swiglu_fp16_of_fp32`` / ``swiglu_backward_fp16_of_fp32``, used by the fused NF4 MLP in
+nf4_mlp.py): g, u, dh stored in fp16 but holding the values of stock's fp32 tensors (fp16 GEMM outputs
+that bnb casts back to fp32); the math is the fp32 path above with no intermediate rounding, and h,
+dg, du are rounded once to fp16: the casts the next fp16 GEMMs make.
+
 Layout: g, u, dh are 2-D [rows, cols] with any row stride and unit column stride (leading dims are
 flattened; anything else is copied to contiguous first). So g and u may be the two halves of one
 [tokens, 2 * 8960] tensor (a fused gate/up matmul): ``swiglu(gu[:, :I], gu[:, I:])`` or
