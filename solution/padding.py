@@ -41,17 +41,31 @@ class Unpadded:
     positions: int64 [N] on the device, each token's position in its row (RoPE's position id).
     src: int64 [batch * seqlen] on the device, the packed index of each padded position's token,
     -1 at pad positions (the inverse of idx).
-    lengths: real tokens per row (host ints)."""
+    lengths: real tokens per row (host ints).
+    arange: int64 [N] on the device, 0..N-1 (the packed rows' own order; see ``packed_layout``).
+    cu_seqlens: int32 [batch + 1] on the device, where each row starts among the packed tokens and
+    N at the end (the row offsets of variable-length attention)."""
     idx: torch.Tensor
     positions: torch.Tensor
     src: torch.Tensor
     batch: int
     seqlen: int
     lengths: tuple[int, ...]
+    arange: torch.Tensor | None = None
+    cu_seqlens: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(sum(self.lengths))
+
+
+def packed_layout(info: Unpadded) -> Unpadded:
+    """The packed rows seen as ONE row of N tokens with no padding: batch 1, seqlen N, every
+    position real, in order. With it the attention layout kernels (solution/kernels/attn_layout.py)
+    repeat KV heads and cast, without padding (variable-length attention)."""
+    n = info.n_tokens
+    return Unpadded(idx=info.arange, positions=info.arange, src=info.arange, batch=1, seqlen=n, lengths=(n,),
+                    arange=info.arange)
 
 
 _ACTIVE: contextvars.ContextVar[Unpadded | None] = contextvars.ContextVar("solution_unpadded", default=None)
@@ -91,9 +105,12 @@ def make_unpadded(lengths: list[int], seqlen: int, device: torch.device) -> Unpa
     src = torch.full((len(lengths) * seqlen,), -1, dtype=torch.int64)
     src[flat] = torch.arange(flat.numel())
     n = flat.numel()
-    packed = torch.cat([flat, pos, src]).to(device)  # one host-to-device copy
-    return Unpadded(idx=packed[:n], positions=packed[n:2 * n], src=packed[2 * n:], batch=len(lengths),
-                    seqlen=seqlen, lengths=tuple(lengths))
+    starts = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
+    packed = torch.cat([flat, pos, src, torch.arange(n), starts]).to(device)  # one host-to-device copy
+    b = len(lengths)
+    return Unpadded(idx=packed[:n], positions=packed[n:2 * n], src=packed[2 * n:2 * n + b * seqlen], batch=b,
+                    seqlen=seqlen, lengths=tuple(lengths), arange=packed[2 * n + b * seqlen:3 * n + b * seqlen],
+                    cu_seqlens=packed[3 * n + b * seqlen:].to(torch.int32))
 
 
 def pad_rows(rows: torch.Tensor, info: Unpadded) -> torch.Tensor:

@@ -148,14 +148,16 @@ def _run(model, ids, mask, labels, fused):
     return out, grads
 
 
-@pytest.mark.parametrize("layout_kernels", [False, True])
+@pytest.mark.parametrize("attention", ["torch", "layout_kernels", "varlen"])
 @pytest.mark.parametrize("lengths,seqlen", [([9, 4, 13], 13), ([1, 6], 8)])
-def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen, layout_kernels):
+def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen, attention):
     from trl.trainer.sft_trainer import entropy_from_logits
 
     from solution.kernels import _launches
 
+    layout_kernels = attention != "torch"
     monkeypatch.setenv("SOLUTION_ATTN_LAYOUT_KERNELS", "1" if layout_kernels else "0")
+    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1" if attention == "varlen" else "0")
     _launches.reset()
     model = _lora_model(device)
     ref = copy.deepcopy(model)
@@ -164,6 +166,8 @@ def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths,
     out, grads = _run(model, ids, mask, labels, fused=True)
     assert out.logits is None and len(calls) == 1
     assert (_launches.LAUNCHES["pad_rows_kernel"] > 0) == layout_kernels
+    varlen_ran = _launches.LAUNCHES["efficient_attention_varlen"] + _launches.LAUNCHES["attention_rows_reference"]
+    assert (varlen_ran > 0) == (attention == "varlen")
     unpad_patched.restore()  # the reference: stock transformers / peft / trl code
     ref_out, ref_grads = _run(ref, ids, mask, labels, fused=False)
     assert len(calls) == 1
@@ -274,7 +278,8 @@ def test_sft_trainer_logs_match_stock_with_packed_batches(device, tmp_path, monk
 
 
 @pytest.mark.gpu
-def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
+@pytest.mark.parametrize("varlen", [False, True])
+def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, varlen):
     """The workload's stack on a tiny model: NF4 double-quant weights (bitsandbytes), peft LoRA
     r=16 on q/v with dropout 0.05, fp16 autocast, every patch through solution.apply(), a
     right-padded batch: loss and LoRA gradients against stock on the same seed (the dropout masks
@@ -292,6 +297,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
     from workload.model_standin import write_standin
 
+    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1" if varlen else "0")
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 
@@ -323,6 +329,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     _launches.reset()
     loss_o, grads_o = run(True)
     assert _launches.LAUNCHES["nf4_dequant_cast"] > 0
+    assert (_launches.LAUNCHES["efficient_attention_varlen"] > 0) == varlen
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():

@@ -33,15 +33,16 @@ def profile_cells(p: dict) -> str:
     return f"{p['host_ms']:.3f} | {_f(p['gpu_ops'], '.1f')} | {_f(p['gpu_ms'], '.4f')} | {p['our_launches']}"
 
 
-def print_stock_vs_ours(results: list[dict], id_cols: list[tuple[str, str]]) -> None:
-    """Markdown table of (stock, ours) row pairs: the identity columns, then fwd / fwd+bwd ms,
-    memory saved for backward and peak, and fwd+bwd speed-up against the pair's stock row."""
+def print_stock_vs_ours(results: list[dict], id_cols: list[tuple[str, str]], group: int = 2) -> None:
+    """Markdown table of (stock, ours[, more variants]) row groups of ``group`` rows: the identity
+    columns, then fwd / fwd+bwd ms, memory saved for backward and peak, and fwd+bwd speed-up
+    against the group's first (stock) row."""
     head = [h for h, _ in id_cols] + ["fwd ms", "fwd+bwd ms", "saved for bwd MiB", "peak fwd+bwd MiB",
                                        "speedup fwd+bwd"]
     print("| " + " | ".join(head) + " |")
     print("| " + " | ".join("---" for _ in id_cols) + " | ---: | ---: | ---: | ---: | ---: |")
     for i, r in enumerate(results):
-        base = results[i - i % 2]["fwd_bwd_ms"]
+        base = results[i - i % group]["fwd_bwd_ms"]
         cells = [str(r[k]) for _, k in id_cols]
         cells += [f"{r['fwd_ms']:.4f}", f"{r['fwd_bwd_ms']:.4f}", f"{r['saved_for_bwd_MiB']:.2f}",
                   f"{r['peak_fwd_bwd_MiB']:.2f}", f"{base / r['fwd_bwd_ms']:.2f}x"]

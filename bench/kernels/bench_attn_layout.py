@@ -1,4 +1,5 @@
-"""GPU benchmark: attention on packed rows, torch's layout ops vs our pad/unpad kernels.
+"""GPU benchmark: attention on packed rows, torch's layout ops vs our pad/unpad kernels vs
+variable-length attention with no padding.
 
     python bench/kernels/bench_attn_layout.py --out attn_layout.json
 
@@ -8,8 +9,10 @@ autocast, forward and forward + backward, for a batch of 4 rows with lengths lik
 (one row at the maximum 512, the others shorter) and for 4 full rows. "stock" here is our own
 torch-op path (zeros + index_copy, repeat_kv, autocast's casts, index_select); "ours" the same
 attention with the layout moves in solution/kernels/attn_layout.py
-($SOLUTION_ATTN_LAYOUT_KERNELS=1). Also: whether the outputs and gradients agree, host time and
-GPU work per call.
+($SOLUTION_ATTN_LAYOUT_KERNELS=1, the default); "varlen" the packed rows through PyTorch's
+variable-length memory-efficient attention, no padded positions (solution/kernels/attn_varlen.py,
+$SOLUTION_ATTN_VARLEN=1). Also: whether the outputs and gradients agree, host time and GPU work
+per call.
 """
 from __future__ import annotations
 
@@ -33,8 +36,12 @@ class _Attn(torch.nn.Module):
     num_key_value_groups = HQ // HKV
 
 
-def run_case(lengths, seqlen, kernels: bool):
-    os.environ[qwen2_unpad.LAYOUT_KERNELS_ENV] = "1" if kernels else "0"
+IMPLS = ("stock", "ours", "varlen")
+
+
+def run_case(lengths, seqlen, impl: str):
+    os.environ[qwen2_unpad.LAYOUT_KERNELS_ENV] = "0" if impl == "stock" else "1"
+    os.environ[qwen2_unpad.VARLEN_ENV] = "1" if impl == "varlen" else "0"
     info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
     n = sum(lengths)
     torch.manual_seed(0)
@@ -65,7 +72,7 @@ def run_case(lengths, seqlen, kernels: bool):
     fwd_bwd()
     torch.cuda.synchronize()
     peak = (torch.cuda.max_memory_allocated() - before) / 2**20
-    res = {"impl": "ours" if kernels else "stock", "tokens": n, "seqlen": seqlen,
+    res = {"impl": impl, "tokens": n, "seqlen": seqlen,
            "fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd, grad_to_none=[q, k, v]),
            "saved_for_bwd_MiB": float("nan"), "peak_fwd_bwd_MiB": peak,
            "fwd_bwd_profile": profile_call(fwd_bwd, reset=(q, k, v))}
@@ -78,13 +85,15 @@ def main() -> int:
         return 1
     results = []
     for lengths, seqlen in (([512, 300, 180, 60], 512), ([512] * 4, 512)):
-        (stock, out_s, g_s), (ours, out_o, g_o) = (run_case(lengths, seqlen, False), run_case(lengths, seqlen, True))
-        ours["max_abs_diff_out"] = float((out_s - out_o).abs().max())
-        ours["max_rel_diff_grads"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(g_o, g_s))
-        results += [stock, ours]
+        (stock, out_s, g_s), *others = [run_case(lengths, seqlen, impl) for impl in IMPLS]
+        for res, out_o, g_o in others:
+            res["max_abs_diff_out"] = float((out_s - out_o).abs().max())
+            res["max_rel_diff_grads"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(g_o, g_s))
+        results += [stock] + [res for res, _, _ in others]
     os.environ.pop(qwen2_unpad.LAYOUT_KERNELS_ENV, None)
+    os.environ.pop(qwen2_unpad.VARLEN_ENV, None)
     print(f"GPU: {torch.cuda.get_device_name()}\n")
-    print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("seqlen", "seqlen")])
+    print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("seqlen", "seqlen")], group=len(IMPLS))
     print("\n| impl | tokens | host ms | GPU ops | GPU ms | our launches | out max abs diff | grads max rel diff |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:

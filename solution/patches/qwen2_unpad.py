@@ -39,7 +39,7 @@ import weakref
 
 import torch
 
-from solution.kernels import attn_layout
+from solution.kernels import attn_layout, attn_varlen
 from solution.patches._sources import cache_given, drop_cache_args, unexpected_source
 
 NAME = "qwen2_unpad"
@@ -196,6 +196,8 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
     if layout_kernels_enabled():
         dtype = _sdpa_input_dtype(query, key, value)
         if dtype is not None:
+            if varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None:
+                return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
             return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
     b, s = info.batch, info.seqlen
 
@@ -215,6 +217,31 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
 
 
 LAYOUT_KERNELS_ENV = "SOLUTION_ATTN_LAYOUT_KERNELS"
+VARLEN_ENV = "SOLUTION_ATTN_VARLEN"
+
+
+def varlen_enabled() -> bool:
+    """Variable-length attention on the packed rows (solution/kernels/attn_varlen.py) instead of
+    the padded layout: built, not yet measured on a GPU, so off by default; $SOLUTION_ATTN_VARLEN=1.
+    Needs the layout kernels (it repeats KV heads with them)."""
+    return os.environ.get(VARLEN_ENV, "0") == "1"
+
+
+def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
+    """sdpa_unpadded without padding: q / k / v laid out as [1, N, heads, D] (KV heads repeated,
+    cast to SDPA's dtype) by the layout kernels on the packed layout, then variable-length causal
+    attention, row by row in one launch. Returns [1, N, Hq, D] like stock."""
+    from solution.padding import packed_layout
+
+    packed = packed_layout(info)
+    groups = getattr(module, "num_key_value_groups", 1)
+    # pad_heads returns the [1, H, N, D] view of [1, N, H, D] memory: transpose back for the kernel
+    q = attn_layout.pad_heads(query[0].transpose(0, 1), packed, 1, dtype).transpose(1, 2)
+    k = attn_layout.pad_heads(key[0].transpose(0, 1), packed, groups, dtype).transpose(1, 2)
+    v = attn_layout.pad_heads(value[0].transpose(0, 1), packed, groups, dtype).transpose(1, 2)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5  # SDPA's default
+    return attn_varlen.varlen_causal_attention(q, k, v, info, scaling), None
 
 
 def layout_kernels_enabled() -> bool:

@@ -1,0 +1,97 @@
+"""Causal attention over packed rows of different lengths, with no padded positions at all.
+
+1. What it replaces. With no work on padding (solution/padding.py) attention is the one op that
+   still goes back to the padded layout: ``sdpa_unpadded`` (solution/patches/qwen2_unpad.py) pads
+   q / k / v to [batch, heads, longest row, 128] (our attn_layout kernels) and calls PyTorch's
+   memory-efficient SDPA with ``is_causal=True``, as stock does on the padded batch.
+
+2. Why that is slow. The attention kernel does its causal work on every padded position too: a
+   row of length L in a batch padded to S costs ~S^2 / 2 instead of ~L^2 / 2 (and so does the
+   backward). On this workload's data that is ~52% of the attention work: the mean of
+   4 x max(L)^2 against the sum of L^2, over random batches of 4 of the 256 examples' token
+   lengths. Computed, not measured.
+
+3. What it does instead. The same PyTorch memory-efficient attention kernels in their
+   variable-length mode (``aten::_efficient_attention_forward`` / ``_backward`` with
+   ``cu_seqlens``): the packed rows [1, N, heads, 128] and the row offsets, causal from the top
+   left within each row (SDPA's ``is_causal``), one launch for all rows. Grouped-query attention
+   is not supported by that mode: the KV heads are repeated 2 -> 12 and cast to fp16 by our
+   ``pad_rows_kernel`` on the packed layout (``padding.packed_layout``: batch 1, no pad
+   positions), in the same single pass per tensor as on the padded path.
+   This is PyTorch's own kernel (not a kernel library); no Triton attention is used, because
+   Triton >= 3.3 runs ``tl.dot`` on a T4 without tensor cores (field notes).
+
+4. Correctness risks. Per real query the set of keys is the padded path's (causal within the row);
+   what can differ is the order of the fp32 sums inside the kernel (other tile counts for other
+   lengths), so results agree to fp16 rounding, not bit for bit: tested against the padded path
+   and against stock (tests/test_unpad.py, GPU). Attention dropout (Qwen2's is 0.0) and anything
+   but fp16 / fp32 keep the padded path. Without CUDA (the CPU interpreter) there is no
+   variable-length kernel: ``rows_reference`` runs SDPA row by row instead, so that the wiring
+   (layouts, row offsets, gradients through the layout kernels) is tested on the CPU too.
+   The backward lets the kernel choose how to split the key dimension (as stock SDPA does), which
+   may sum with atomics: not bitwise reproducible run to run (neither is the padded path's).
+
+5. How it was measured. Not yet (built after this session's GPU time was spent): off by default,
+   ``SOLUTION_ATTN_VARLEN=1`` turns it on. To measure: ``python -m bench.variants default
+   varlen=SOLUTION_ATTN_VARLEN=1`` on a GPU (GPU kernel time of the attention kernels, steps 3-64),
+   and ``tests/test_unpad.py`` on the GPU first.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from solution.kernels._launches import record
+
+CAUSAL_FROM_TOP_LEFT = 1  # aten's custom_mask_type for SDPA's is_causal
+
+
+def supported(q: torch.Tensor) -> bool:
+    """The variable-length kernel: CUDA, fp16 (the T4's attention dtype) or fp32, head dim <= 128
+    and a multiple of 8 (its aligned kernels)."""
+    d = q.shape[-1]
+    return q.dtype in (torch.float16, torch.float32) and d <= 128 and d % 8 == 0
+
+
+class VarlenCausalAttention(torch.autograd.Function):
+    """q, k, v [1, N, H, D] (same heads: KV already repeated), contiguous -> out [1, N, H, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens, max_len, scale):
+        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+            q, k, v, None, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, CAUSAL_FROM_TOP_LEFT, True,
+            scale=scale)
+        record("efficient_attention_varlen")
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        q, k, v, out, lse, cu_seqlens, seed, offset = ctx.saved_tensors
+        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+            dout.contiguous(), q, k, v, None, out, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len, lse, 0.0,
+            seed, offset, CAUSAL_FROM_TOP_LEFT, False, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def rows_reference(q, k, v, lengths, scale):
+    """The same result row by row with F.scaled_dot_product_attention (any device; differentiable).
+    q, k, v [1, N, H, D] -> [1, N, H, D]."""
+    outs = []
+    for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1)):
+        o = F.scaled_dot_product_attention(qi.transpose(1, 2), ki.transpose(1, 2), vi.transpose(1, 2),
+                                           is_causal=True, scale=scale)
+        outs.append(o.transpose(1, 2))
+    return torch.cat(outs, dim=1)
+
+
+def varlen_causal_attention(q, k, v, info, scale) -> torch.Tensor:
+    """Causal attention of each packed row on its own. q, k, v [1, N, H, D] contiguous, same dtype;
+    ``info`` the batch's ``Unpadded`` (row lengths, offsets). Returns [1, N, H, D]."""
+    if q.device.type == "cuda":
+        return VarlenCausalAttention.apply(q, k, v, info.cu_seqlens, max(info.lengths), scale)
+    record("attention_rows_reference")
+    return rows_reference(q, k, v, list(info.lengths), scale)

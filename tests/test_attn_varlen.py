@@ -1,0 +1,103 @@
+"""Variable-length causal attention on packed rows (solution/kernels/attn_varlen.py) and its use in
+sdpa_unpadded (SOLUTION_ATTN_VARLEN=1).
+
+The reference is the padded path (the layout kernels + SDPA with is_causal on [batch, heads,
+longest row, D]), which tests/test_unpad.py checks against stock. Per real query the keys are
+the same; the kernels may sum in another order (other tile counts), so fp16 results agree to a
+few fp16 ulps, fp32 ones to 1e-5.
+"""
+import pytest
+import torch
+
+from solution import padding
+from solution.kernels import _launches, attn_varlen
+
+LENGTHS = [7, 64, 130, 1]
+
+
+def test_row_offsets_and_packed_layout():
+    info = padding.make_unpadded([3, 1, 2], 4, torch.device("cpu"))
+    assert info.cu_seqlens.dtype == torch.int32 and info.cu_seqlens.tolist() == [0, 3, 4, 6]
+    assert info.arange.tolist() == list(range(6))
+    packed = padding.packed_layout(info)
+    assert (packed.batch, packed.seqlen, packed.lengths) == (1, 6, (6,))
+    assert packed.src.tolist() == packed.idx.tolist() == list(range(6))
+
+
+def _qkv(n, heads, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, heads, d, generator=g).to(device=device, dtype=dtype).requires_grad_() for _ in range(3)]
+
+
+def _masked_reference(q, k, v, lengths, scale):
+    """fp64 attention over the whole packed row with a block-diagonal causal mask."""
+    n = q.shape[1]
+    row = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    pos = torch.arange(n)
+    allowed = (row[:, None] == row[None, :]) & (pos[None, :] <= pos[:, None])
+    q64, k64, v64 = (t.detach().double().cpu().transpose(1, 2) for t in (q, k, v))
+    s = (q64 @ k64.transpose(-1, -2)) * scale
+    s = s.masked_fill(~allowed, float("-inf"))
+    return (torch.softmax(s, -1) @ v64).transpose(1, 2)
+
+
+def test_rows_reference_is_block_causal_attention():
+    n, scale = sum(LENGTHS), 16 ** -0.5
+    q, k, v = _qkv(n, 3, 16, torch.float32, "cpu")
+    info = padding.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cpu"))
+    out = attn_varlen.varlen_causal_attention(q, k, v, info, scale)
+    torch.testing.assert_close(out.double(), _masked_reference(q, k, v, LENGTHS, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_varlen_kernel_matches_rows_reference(dtype):
+    n, heads, d = sum(LENGTHS), 12, 128
+    scale = d ** -0.5
+    info = padding.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cuda"))
+    q, k, v = _qkv(n, heads, d, dtype, "cuda")
+    before = _launches.LAUNCHES["efficient_attention_varlen"]
+    out = attn_varlen.varlen_causal_attention(q, k, v, info, scale)
+    assert _launches.LAUNCHES["efficient_attention_varlen"] == before + 1
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref = attn_varlen.rows_reference(q, k, v, LENGTHS, scale)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, ref, **tol)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b, **tol)
+    torch.testing.assert_close(out.double().cpu(), _masked_reference(q, k, v, LENGTHS, scale),
+                               rtol=5e-3 if dtype == torch.float16 else 1e-4, atol=5e-3 if dtype == torch.float16 else 1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_sdpa_unpadded_varlen_matches_padded_path(monkeypatch):
+    """The model's attention shape under fp16 autocast: 12 query heads, 2 KV heads, head_dim 128,
+    fp32 projections in (as in the workload), through sdpa_unpadded both ways."""
+    from solution.patches import qwen2_unpad
+
+    class Attn:  # what sdpa_unpadded reads from the attention module
+        num_key_value_groups = 6
+
+    info = padding.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cuda"))
+    n = sum(LENGTHS)
+    g = torch.Generator().manual_seed(3)
+    q0 = torch.randn(1, 12, n, 128, generator=g).cuda()
+    k0 = torch.randn(1, 2, n, 128, generator=g).cuda()
+    v0 = torch.randn(1, 2, n, 128, generator=g).cuda()
+    dout = torch.randn(1, n, 12, 128, generator=g).cuda().half()
+    results = {}
+    for varlen in ("0", "1"):
+        monkeypatch.setenv("SOLUTION_ATTN_VARLEN", varlen)
+        q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
+        with torch.autocast("cuda", dtype=torch.float16):
+            out, _ = qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=128 ** -0.5)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        results[varlen] = (out, grads)
+    (out_p, grads_p), (out_v, grads_v) = results["0"], results["1"]
+    assert out_v.shape == out_p.shape == (1, n, 12, 128) and out_v.dtype == out_p.dtype == torch.float16
+    torch.testing.assert_close(out_v, out_p, rtol=2e-3, atol=2e-3)
+    for a, b in zip(grads_v, grads_p):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
