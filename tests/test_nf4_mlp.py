@@ -127,6 +127,11 @@ def test_fused_path_only_when_every_condition_holds(mlp_patches, device):
     handle = mlp.up_proj.register_forward_hook(lambda *a: None)
     assert fused_plans(mlp, xg) is None                         # a hook would be skipped
     handle.remove()
+    assert fused_plans(mlp, xg) is not None
+    mlp.down_proj.forward = mlp.down_proj.forward  # an instance-level forward, as accelerate's hooks set
+    assert fused_plans(mlp, xg) is None
+    del mlp.down_proj.forward
+    assert fused_plans(mlp, xg) is not None
     assert fused_plans(nf4_mlp_module(device, bias=True), xg) is None
     mlp_patches.revert()
     assert fused_plans(mlp, xg) is None                         # bnb patch not installed

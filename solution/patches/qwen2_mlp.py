@@ -43,7 +43,10 @@ def _silu_types() -> tuple:
 
 
 def _no_hooks(module) -> bool:
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks)
+    """No torch module hooks, and no per-instance forward (accelerate's hooks replace
+    ``module.forward`` on the instance and set ``_hf_hook``): a fused call would skip either."""
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or "forward" in module.__dict__ or hasattr(module, "_hf_hook"))
 
 
 def fused_plans(mlp, x: torch.Tensor):
