@@ -4,9 +4,17 @@
 # bundled with it are kept). In a notebook cell:
 #   !git clone <this repo> soup-kernels && cd soup-kernels && bash scripts/t4_run.sh
 # Prints the same report as scripts/compare.sh and writes runs/<timestamp>/report.{md,json,png}.
+# With T4_VARIANTS=1 it then also profiles the solution's settings side by side (the default, the
+# memory policy "memory", variable-length attention): runs/variants-t4/variants.md, ~3 more runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
 python3 -m pip install -q --no-build-isolation -e ".[workload,test]"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU tests failed (see above); comparison continues"
-python3 -m bench.compare "$@"
+rc=0
+python3 -m bench.compare "$@" || rc=$?  # non-zero when a rule check fails: the report says which
+if [ "${T4_VARIANTS:-0}" = "1" ]; then
+  python3 -m bench.variants --out runs/variants-t4 default memory=SOLUTION_MEMORY_POLICY=memory \
+    varlen=SOLUTION_ATTN_VARLEN=1
+fi
+exit $rc
