@@ -51,6 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from solution.kernels import fp32_add
 from solution.kernels.nf4_linear import LinearPlan
 from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of_fp32
 
@@ -110,9 +111,13 @@ class NF4MLPFunction(torch.autograd.Function):
         swiglu_backward_fp16_of_fp32(dh16, g16, u16, g16, u16)  # dg -> g16, du -> u16, in place
         del dh16
         wg, _ = gate.dequant_and_cast(g16, gate.round_bwd)
-        dx = torch.matmul(g16, wg).to(torch.float32)
+        dxg = torch.matmul(g16, wg)
         wu, _ = up.dequant_and_cast(u16, up.round_bwd)
-        dx += torch.matmul(u16, wu)
+        if fp32_add.enabled():  # one Triton pass for fp32(dxg) + fp32(dxu) (fp32_add.py)
+            dx = fp32_add.add_as_fp32(dxg, torch.matmul(u16, wu))
+        else:
+            dx = dxg.to(torch.float32)
+            dx += torch.matmul(u16, wu)
         return dx.view(ctx.x_shape), None, None, None, None
 
 

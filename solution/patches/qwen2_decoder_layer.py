@@ -79,6 +79,7 @@ def _has_hooks(module) -> bool:
 def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool):
     """Our Qwen2DecoderLayer.forward. ``stock_forward``: the one replaced (mirrored below);
     ``stock_norm_forward``: Qwen2RMSNorm's stock forward (its formula checked by check())."""
+    from solution.kernels import fp32_add
     from solution.kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_supported
 
     def fusable(norm, residual, attn_out) -> bool:
@@ -122,6 +123,9 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool)
             residual = hidden_states
             hidden_states = norm(hidden_states)
         hidden_states = self.mlp(hidden_states)
+        if hidden_states.dtype != residual.dtype and fp32_add.enabled():
+            # the fused NF4 MLP's fp16 output: one Triton pass instead of torch's mixed-dtype add
+            return fp32_add.residual_add(residual, hidden_states)
         hidden_states = residual + hidden_states
         return hidden_states
 
