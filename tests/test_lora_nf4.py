@@ -299,3 +299,76 @@ def test_model_shapes_gpu(out_f, dropout, lora_dtype, autocast_ctx):
     with Patched():
         ours_ckpt = run(layer, x, autocast_ctx, checkpoint=True)
     check_against_stock(ours_ckpt, ref, lora_dtype, "cuda")
+
+
+def test_deferred_dropout_value_is_the_same_bits(device, monkeypatch):
+    """Packed rows (mask drawn over the padded shape): the forward's cast launch makes
+    fp16(dropout(x)) from x and the mask (``_Deferred``, cast mode 3) instead of torch's
+    ``x * mask * scale`` in fp32 then a cast: output and every gradient bit for bit the same."""
+    from solution import padding
+    from solution.kernels.nf4_linear import linear_plan
+
+    monkeypatch.setattr(lora_nf4, "_dropout_is_native", lambda x: True)
+    layer = make_lora_layer(128, 48, 0.3, torch.float32, device)
+    plan = linear_plan(layer.base_layer)
+    lengths = [5, 2, 7] if device == "cpu" else [1200, 300, 600]
+    info = padding.make_unpadded(lengths, max(lengths), torch.device(device))
+    x = fresh_x((1, sum(lengths), 128), device)
+    g = fresh_x((1, sum(lengths), 48), device, seed=9)
+    wa, wb = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    with torch.no_grad():
+        wb.normal_()  # a non-zero B, so the LoRA path shows in the output
+    results = {}
+    for defer in (False, True):
+        torch.manual_seed(321)
+        xr = x.clone().requires_grad_()
+        with padding.running_unpadded(info):
+            xd, mask, mode, scale = lora_nf4.lora_dropout(layer.lora_dropout["default"], xr, defer=defer)
+        assert isinstance(xd, lora_nf4._Deferred) == defer and mode == lora_nf4.DROPOUT_MASK
+        out = lora_nf4.lora_nf4(xr, wa, wb, None, plan, xd, mask, mode, scale, scaling=2.0)
+        grads = torch.autograd.grad(out, (xr, wa, wb), g)
+        results[defer] = (out, *grads)
+    for a, b in zip(results[False], results[True]):
+        assert torch.equal(a, b)
+
+
+def test_cast_mode_3_is_dropouts_value(device):
+    """_cast_block CAST_B == 3: fp16((x * keep) * scale) in fp32, as torch computes it (negative
+    zeros included), next to the plain cast of x, in the dequantization launch."""
+    from solution.kernels.nf4_linear import linear_plan
+
+    layer = make_lora_layer(128, 48, 0.0, torch.float32, device)
+    plan = linear_plan(layer.base_layer)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(37, 128, generator=gen).to(device)
+    keep = (torch.rand(37, 128, generator=gen) > 0.3).to(device)
+    scale = lora_nf4._native_dropout_scale(0.3)
+    x16, xd16 = torch.empty_like(x, dtype=torch.float16), torch.empty_like(x, dtype=torch.float16)
+    w16 = plan.weight16()
+    plan.dq.launch(w16, a=x, a16=x16, b=keep, b16=xd16, cast_b=3, scaling=scale)
+    ref = (x * keep * scale).half()
+    assert torch.equal(x16, x.half())
+    assert torch.equal(xd16.view(torch.int16), ref.view(torch.int16))  # bits: -0.0 too
+
+
+def test_patched_forward_defers_dropout_only_when_asked(device, monkeypatch, autocast_ctx):
+    """SOLUTION_DEFER_DROPOUT=1 is read when the patch is installed; off by default."""
+    seen = []
+    real = lora_nf4.lora_dropout
+    monkeypatch.setattr(lora_nf4, "lora_dropout", lambda d, x, defer=False: seen.append(defer) or real(d, x, defer))
+    for flag in (None, "1"):
+        if flag is None:
+            monkeypatch.delenv("SOLUTION_DEFER_DROPOUT", raising=False)
+        else:
+            monkeypatch.setenv("SOLUTION_DEFER_DROPOUT", flag)
+        layer = make_lora_layer(128, 48, 0.1, torch.float32, device)
+        x = fresh_x((*tokens((2, 5), device), 128), device)
+        swaps = Swaps()
+        bnb_linear4bit.install(swaps)
+        peft_lora_bnb.install(swaps)
+        try:
+            with autocast_ctx():
+                layer(x)
+        finally:
+            swaps.restore()
+    assert seen == [False, True]

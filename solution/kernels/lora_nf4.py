@@ -28,10 +28,18 @@ What we do instead (same numbers):
             the roundings autograd's separate casts / dropout backward / sum would make.
 That is 8 kernels forward (2 Triton, dropout, 3 GEMMs, 2 tiny casts of A and B) and 9 backward
 (2 Triton, 5 GEMMs, 2 tiny casts of the A/B gradients), in one autograd node.
+On the packed path (no work on padding) the dropout mask is drawn over stock's padded shape and
+its value was computed by torch as ``x * mask * scale`` in fp32 (two elementwise kernels and an
+fp32 tensor), then cast. With ``SOLUTION_DEFER_DROPOUT=1`` the cast launch computes
+fp16((x * mask) * scale) itself from x and the bool mask (``_cast_block`` mode 3): the same bits
+(tests), not yet measured on a GPU, so off by default.
 Gradients of A and B come back in the parameters' own dtype (bf16 / fp32 / fp16), as the
 autocast cast's backward gives them.
 """
 from __future__ import annotations
+
+import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -121,10 +129,30 @@ def _dropout_is_native(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor):
+DEFER_ENV = "SOLUTION_DEFER_DROPOUT"
+
+
+def defer_dropout_enabled() -> bool:
+    """Make fp16(dropout(x)) inside the cast launch on the packed path (``_Deferred``): bit-equal in
+    the CPU tests, not yet measured on a GPU, so off by default; $SOLUTION_DEFER_DROPOUT=1."""
+    return os.environ.get(DEFER_ENV, "0") == "1"
+
+
+class _Deferred:
+    """Stands for dropout's value when it is not materialized: the forward's cast launch computes
+    fp16(dropout(x)) from x and the mask directly (``_cast_block`` CAST_B 3)."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+
+def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False):
     """``dropout(x)`` for a plain ``nn.Dropout`` / ``nn.Identity``, computed with the very ops (and
     random numbers) torch's ``F.dropout`` uses, but keeping the mask for our fused backward.
     Returns (xd, mask, mode, scale): xd None when dropout is the identity (eval mode, p == 0).
+    ``defer``: on the packed path (mask drawn over the padded shape) with a CUDA fp32 contiguous x,
+    xd is a ``_Deferred`` instead of an fp32 tensor: ``lora_nf4`` then makes fp16(dropout(x)) in its
+    cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer).
 
     ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
     (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite
@@ -144,7 +172,10 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor):
                 _, mask = torch.native_dropout(torch.ones(padded_shape, dtype=x.dtype, device=x.device), p, True)
                 mask = padding.unpad_rows(mask, padding.active()).view(x.shape)
                 # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
-                xd = x * mask * _native_dropout_scale(p)
+                if defer and _fusable(x):
+                    xd = _Deferred(_native_dropout_scale(p))
+                else:
+                    xd = x * mask * _native_dropout_scale(p)
             return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
         if padded_shape is None:
             noise = torch.empty_like(x).bernoulli_(1 - p)
@@ -155,6 +186,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor):
         return x * noise, noise, DROPOUT_NOISE, 1.0
 
 
+@functools.lru_cache(maxsize=64)
 def _native_dropout_scale(p: float) -> float:
     """The scale native_dropout's CUDA kernel multiplies by: 1 / (1 - p) computed in fp32."""
     one = torch.tensor(1.0, dtype=torch.float32)
@@ -165,10 +197,16 @@ def _fusable(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS
 
 
-def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd: torch.Tensor | None):
+def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None):
     """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32 and
-    contiguous ones; others are cast by torch, with its layout rules)."""
+    contiguous ones; others are cast by torch, with its layout rules). xd a ``_Deferred``: the
+    launch computes fp16((x * drop_mask) * scale) itself."""
     w16 = plan.weight16()
+    if isinstance(xd, _Deferred):  # lora_dropout checked that x is fusable
+        x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        xd16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        plan.dq.launch(w16, a=x, a16=x16, b=drop_mask, b16=xd16, cast_b=3, scaling=xd.scale)
+        return w16, x16, xd16
     jobs = []
     if _fusable(x):
         x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
@@ -203,7 +241,7 @@ class LoraNF4Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode, drop_scale, scaling):
-        w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd)
+        w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd, drop_mask)
         base16 = F.linear(x16, w16, bias16)
         a16 = lora_a if lora_a.dtype == torch.float16 else lora_a.to(torch.float16)
         b16 = lora_b if lora_b.dtype == torch.float16 else lora_b.to(torch.float16)

@@ -167,10 +167,13 @@ def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
     """Elements [pid * BLOCK, (pid + 1) * BLOCK) of one or two same-sized contiguous tensors:
     a16 = fp16(a) when CAST_A (round to nearest even, exactly torch's ``a.to(torch.float16)``);
     CAST_B == 1: b16 = fp16(b); CAST_B == 2: b16 = fp16(fp32(fp16(a)) * scaling), the scaled
-    fp16 copy of a (with a already fp16 when CAST_A is off)."""
+    fp16 copy of a (with a already fp16 when CAST_A is off); CAST_B == 3: b is a bool dropout mask
+    and b16 = fp16((fp32(a) * mask) * scaling), dropout's value (native_dropout's
+    ``src * keep * scale`` in fp32) cast to fp16, without an fp32 copy of it."""
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    a16 = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float16)
+    a_raw = tl.load(a_ptr + offs, mask=mask, other=0.0)
+    a16 = a_raw.to(tl.float16)
     if CAST_A:
         tl.store(a16_ptr + offs, a16, mask=mask)
     if CAST_B == 1:
@@ -178,6 +181,9 @@ def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
         tl.store(b16_ptr + offs, b16, mask=mask)
     if CAST_B == 2:
         tl.store(b16_ptr + offs, (a16.to(tl.float32) * scaling).to(tl.float16), mask=mask)
+    if CAST_B == 3:
+        keep = tl.load(b_ptr + offs, mask=mask, other=0).to(tl.float32)
+        tl.store(b16_ptr + offs, ((a_raw.to(tl.float32) * keep) * scaling).to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -460,19 +466,21 @@ def sm75_specs():
     # (source dtype, CAST_A, CAST_B, bf16 rounding variants used)
     cast_variants = [("fp32", True, 0, (False, True)),   # NF4 linear: x / grad fp32 -> fp16
                      ("fp32", True, 1, (False,)),        # LoRA forward: x and dropout(x) -> fp16
+                     ("fp32", True, 3, (False,)),        # LoRA forward: x, and dropout(x) from the mask
                      ("fp32", True, 2, (False, True)),   # LoRA backward: g16 and fp16(g16 * s)
                      ("fp16", False, 2, (False, True))]  # LoRA backward, fp16 gradient
     for src, cast_a, cast_b, roundings in cast_variants:
         for round_bf16 in roundings:
             sig = dict(common)
+            b_ty = "*i1" if cast_b == 3 else f"*{src}"
             sig.update({"absmax_ptr": "*u8", "n_deq_programs": "i32", "a_ptr": f"*{src}", "a16_ptr": "*fp16",
-                        "b_ptr": f"*{src}", "b16_ptr": "*fp16", "n_cast": "i32", "scaling": "fp32",
+                        "b_ptr": b_ty, "b16_ptr": "*fp16", "n_cast": "i32", "scaling": "fp32",
                         "CAST_A": "constexpr", "CAST_B": "constexpr", "CAST_BLOCK": "constexpr"})
             if round_bf16 is False:
                 yield {
                     "name": f"fp16_cast({src},A={int(cast_a)},B={cast_b}) (SEPARATE_CAST)",
                     "fn": fp16_cast_kernel,
-                    "signature": {"a_ptr": f"*{src}", "a16_ptr": "*fp16", "b_ptr": f"*{src}", "b16_ptr": "*fp16",
+                    "signature": {"a_ptr": f"*{src}", "a16_ptr": "*fp16", "b_ptr": b_ty, "b16_ptr": "*fp16",
                                   "n_cast": "i32", "scaling": "fp32", "CAST_A": "constexpr", "CAST_B": "constexpr",
                                   "CAST_BLOCK": "constexpr"},
                     "constexprs": {"CAST_A": cast_a, "CAST_B": cast_b, "CAST_BLOCK": SEPARATE_CAST_BLOCK},

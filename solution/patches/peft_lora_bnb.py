@@ -115,8 +115,10 @@ def unsupported_reason(layer, x: torch.Tensor, args, kwargs) -> tuple[str | None
 
 
 def make_forward(original_forward):
-    from solution.kernels.lora_nf4 import lora_dropout, lora_nf4
+    from solution.kernels.lora_nf4 import defer_dropout_enabled, lora_dropout, lora_nf4
     from solution.kernels.nf4_linear import linear4bit_bias
+
+    defer_dropout = defer_dropout_enabled()  # read at install (apply())
 
     def forward(self, x, *args, **kwargs):
         reason, spec = resolve(self, x, args, kwargs)
@@ -126,7 +128,7 @@ def make_forward(original_forward):
         # bnb's Linear4bit prologue (its in-place fp16 cast of the bias), then torch's dropout op
         # on x, in peft's order (the base layer consumes no random numbers)
         bias16 = linear4bit_bias(base)
-        xd, mask, mode, drop_scale = lora_dropout(dropout, x)
+        xd, mask, mode, drop_scale = lora_dropout(dropout, x, defer=defer_dropout)
         return lora_nf4(x, wa, wb, bias16, plan, xd, mask, mode, drop_scale, scaling)
 
     forward.__wrapped__ = original_forward
