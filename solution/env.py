@@ -59,7 +59,7 @@ def bf16_native() -> bool:
 
 
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
-MEMORY_POLICIES = ("speed", "memory")
+MEMORY_POLICIES = ("speed", "balanced", "memory")
 
 
 def memory_policy() -> str:

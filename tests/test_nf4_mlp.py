@@ -60,7 +60,7 @@ def _tol():
     return (0.0, 0.0) if HAS_CUDA else (2e-3, 1e-5)
 
 
-@pytest.mark.parametrize("policy", ["speed", "memory"])
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
 def test_fused_mlp_matches_stock_bnb(policy, mlp_patches, device, monkeypatch):
     mlp = nf4_mlp_module(device)
     x, dy = inputs(device)
@@ -84,7 +84,7 @@ def test_memory_policy_saves_input_only_and_gives_the_same_bits(device):
     x, dy = inputs(device)
     plans = [linear_plan(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     results, saved = {}, {}
-    for recompute in (False, True):
+    for policy in ("speed", "balanced", "memory"):
         sizes = []
 
         def pack(t):
@@ -93,14 +93,16 @@ def test_memory_policy_saves_input_only_and_gives_the_same_bits(device):
 
         xr = x.detach().clone().requires_grad_()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = nf4_mlp.nf4_mlp(xr, *plans, recompute=recompute)
+            y = nf4_mlp.nf4_mlp(xr, *plans, policy=policy)
         (dx,) = torch.autograd.grad(y, xr, dy.half())
-        results[recompute], saved[recompute] = (y, dx), sizes
+        results[policy], saved[policy] = (y, dx), sizes
     rows = x.numel() // H
-    assert saved[False] == [((rows, I), torch.float16)] * 2  # g16, u16
-    assert saved[True] == [((rows, H), torch.float16)]        # x16 only
-    assert torch.equal(results[False][0], results[True][0])
-    assert torch.equal(results[False][1], results[True][1])
+    assert saved["speed"] == [((rows, I), torch.float16)] * 2                                # g16, u16
+    assert saved["balanced"] == [((rows, H), torch.float16), ((rows, I), torch.float16)]    # x16, g16
+    assert saved["memory"] == [((rows, H), torch.float16)]                                  # x16 only
+    for policy in ("balanced", "memory"):
+        assert torch.equal(results["speed"][0], results[policy][0])
+        assert torch.equal(results["speed"][1], results[policy][1])
 
 
 def test_second_backward_through_the_graph_raises(device):
@@ -108,7 +110,7 @@ def test_second_backward_through_the_graph_raises(device):
     x, dy = inputs(device)
     plans = [linear_plan(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     xr = x.detach().clone().requires_grad_()
-    y = nf4_mlp.nf4_mlp(xr, *plans, recompute=False)
+    y = nf4_mlp.nf4_mlp(xr, *plans, policy="speed")
     torch.autograd.grad(y, xr, dy.half(), retain_graph=True)
     with pytest.raises(RuntimeError, match="second backward"):
         torch.autograd.grad(y, xr, dy.half())
@@ -155,9 +157,11 @@ def test_memory_policy_setting(monkeypatch):
     assert memory_policy() == "speed"
     monkeypatch.setenv("SOLUTION_MEMORY_POLICY", " Memory ")
     assert memory_policy() == "memory"
+    monkeypatch.setenv("SOLUTION_MEMORY_POLICY", "balanced")
+    assert memory_policy() == "balanced"
     monkeypatch.setenv("SOLUTION_MEMORY_POLICY", "fastest")
     solution.revert()
-    with pytest.raises(ValueError, match="SOLUTION_MEMORY_POLICY.*speed, memory"):
+    with pytest.raises(ValueError, match="SOLUTION_MEMORY_POLICY.*speed, balanced, memory"):
         solution.apply(verbose=False)
     assert solution.installed() == {}  # nothing was installed
 

@@ -32,9 +32,11 @@ stock bit for bit where the GPU gives the same GEMM kernels, and within fp16 noi
 
 The memory policy (SOLUTION_MEMORY_POLICY, read by apply(); the choice of issue 5.2):
   "speed" (default): save g16 and u16 (2 x T x 8960 x 2 bytes per layer).
+  "balanced": save x16 and g16 (T x (1536 + 8960) x 2 bytes, 1.7x less) and recompute u16 in
+      backward: one more NF4 dequantization and GEMM per layer.
   "memory": save only x16 (T x 1536 x 2 bytes per layer, 11.7x less) and recompute g16 and u16 in
-      backward: two more NF4 dequantizations and GEMMs per layer (the same values: the recompute
-      runs the forward's kernels on the same inputs).
+      backward: two more NF4 dequantizations and GEMMs per layer.
+  The recomputed values are the forward's bit for bit: the same kernels on the same inputs.
 Any other value makes apply() raise a clear error before it installs anything; apply() reports
 the policy in use.
 
@@ -51,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from solution.env import MEMORY_POLICIES
 from solution.kernels import fp32_add
 from solution.kernels.nf4_linear import LinearPlan
 from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of_fp32
@@ -72,7 +75,7 @@ class NF4MLPFunction(torch.autograd.Function):
     (see the module doc); gradient for x only (the three weights are frozen)."""
 
     @staticmethod
-    def forward(ctx, x, gate, up, down, recompute):
+    def forward(ctx, x, gate, up, down, policy):
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
@@ -81,11 +84,13 @@ class NF4MLPFunction(torch.autograd.Function):
         wd, _ = down.dequant_and_cast(h16)
         y = F.linear(h16, wd)
         ctx.plans = (gate, up, down)
-        ctx.recompute = recompute
+        ctx.policy = policy
         ctx.x_shape = x.shape
         ctx.consumed = False
-        if recompute:
+        if policy == "memory":
             ctx.save_for_backward(x16)
+        elif policy == "balanced":
+            ctx.save_for_backward(x16, g16)
         else:
             ctx.save_for_backward(g16, u16)
         return y.view(*x.shape[:-1], y.shape[-1])
@@ -102,9 +107,13 @@ class NF4MLPFunction(torch.autograd.Function):
             dy2 = dy2.contiguous()
         wd, dy16 = down.dequant_and_cast(dy2, down.round_bwd)  # fp16 dy: a dequantization only
         dh16 = torch.matmul(dy16, wd)
-        if ctx.recompute:
+        if ctx.policy == "memory":
             (x16,) = ctx.saved_tensors
             g16, u16, _ = _gate_up(x16, gate, up)
+        elif ctx.policy == "balanced":
+            x16, g16 = ctx.saved_tensors
+            wu, _ = up.dequant_and_cast(x16)  # the forward's up projection again: the same bits
+            u16 = F.linear(x16, wu)
         else:
             g16, u16 = ctx.saved_tensors
         ctx.consumed = True
@@ -122,13 +131,15 @@ class NF4MLPFunction(torch.autograd.Function):
 
 
 def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
-            recompute: bool | None = None) -> torch.Tensor:
+            policy: str | None = None) -> torch.Tensor:
     """The MLP block on our path (the caller checked the conditions in the module doc); returns
-    fp16. ``recompute``: None -> the memory policy in use (MEMORY_POLICY == "memory")."""
-    if recompute is None:
-        recompute = MEMORY_POLICY == "memory"
+    fp16. ``policy``: "speed", "balanced" or "memory"; None -> the memory policy in use."""
+    if policy is None:
+        policy = MEMORY_POLICY
+    if policy not in MEMORY_POLICIES:
+        raise ValueError(f"nf4_mlp: unknown memory policy {policy!r}")
     if torch.is_grad_enabled() and x.requires_grad:
-        return NF4MLPFunction.apply(x, gate, up, down, recompute)
+        return NF4MLPFunction.apply(x, gate, up, down, policy)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     g16, u16, _ = _gate_up(x2, gate, up)
     h16 = swiglu_fp16_of_fp32(g16, u16)
