@@ -8,6 +8,8 @@ transformers Trainer built in this process (the same for baseline and solution: 
 clocks, logs and memory counters); renders the workload into a Soup YAML and runs
 `soup train --config <yaml> --yes` in-process through Soup's own CLI; then reads back Soup's
 SQLite tracker and output files, and writes result.json into the workdir.
+With BENCH_DETERMINISTIC=1 in the environment (diagnosis only), PyTorch's deterministic algorithms
+are on (warn_only), to check whether two runs of the same code give the same bits.
 With --memory-peak FILE, the allocator history is recorded and what is alive at the peak is
 written to FILE (bench/memory_peak.py).
 With --profile, torch.profiler records GPU kernels from step 3 to the end (a separate pass:
@@ -210,6 +212,12 @@ def main(argv=None) -> int:
     cfg_path.write_text(workload.soup_yaml(args.model, args.data, str(out_dir)), encoding="utf-8")
 
     emulation = emulate_t4_paths() if not args.native_precision else None
+    if os.environ.get("BENCH_DETERMINISTIC") == "1":
+        # Diagnosis only (never in the comparison's default runs): PyTorch's deterministic
+        # algorithms, e.g. no atomics in memory-efficient attention's backward, to tell run-to-run
+        # noise from real differences. warn_only: ops without a deterministic version still run.
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     installed = {}
     t_start = time.perf_counter()
     if args.variant == "solution":
