@@ -38,17 +38,18 @@ def take_snapshot() -> dict:
 _SKIP = ("/torch/", "/contextlib.py", "/functools.py", "<frozen", "/triton/")
 
 
+def _frame(fr: dict) -> str:
+    """'file:line function' with the site-packages / checkout prefix cut off."""
+    short = fr.get("filename", "?").split("site-packages/")[-1].split("/work/main/")[-1]
+    return f"{short}:{fr.get('line')} {fr.get('name')}"
+
+
 def _site(frames: list[dict]) -> str:
     """The innermost frame that is not torch / Triton plumbing: the line that asked for memory."""
     for fr in frames:
-        fn = fr.get("filename", "")
-        if not any(s in fn for s in _SKIP):
-            short = fn.split("site-packages/")[-1].split("/work/main/")[-1]
-            return f"{short}:{fr.get('line')} {fr.get('name')}"
-    if frames:
-        fr = frames[0]
-        return f"{fr.get('filename', '?').split('site-packages/')[-1]}:{fr.get('line')} {fr.get('name')}"
-    return "(no Python frame: C++ autograd / allocator)"
+        if not any(s in fr.get("filename", "") for s in _SKIP):
+            return _frame(fr)
+    return _frame(frames[0]) if frames else "(no Python frame: C++ autograd / allocator)"
 
 
 def peak_breakdown(snap: dict, device: int = 0) -> dict:
@@ -97,8 +98,7 @@ def format_breakdown(br: dict, top: int = 40) -> str:
     if rest:
         lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
     lines += ["", "the allocation that set the peak, innermost frame first:"]
-    lines += [f"  {fr.get('filename', '?').split('site-packages/')[-1]}:{fr.get('line')} {fr.get('name')}"
-              for fr in br["peak_frames"]]
+    lines += [f"  {_frame(fr)}" for fr in br["peak_frames"]]
     return "\n".join(lines)
 
 

@@ -41,6 +41,19 @@ for d in ("triton", "transformers", "peft", "accelerate", "trl", "bitsandbytes",
 PY
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 rc=0
+# run_each LABEL OPTION EXT TIMEOUT HEAD VARIANT...: one bench.run_one per variant on the full-size
+# stand-in, with OPTION writing $OUT/LABEL-VARIANT.EXT; prints its first HEAD lines.
+run_each() {
+  local label=$1 opt=$2 ext=$3 limit=$4 lines=$5 v
+  shift 5
+  local M=.cache/models/qwen2.5-1.5b-instruct-standin-full
+  python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
+  for v in "$@"; do
+    timeout "$limit" python3 -m bench.run_one --variant "$v" --model $M --data workload/data/kazakh_instructions.jsonl \
+      --workdir "$OUT/$label-$v" "$opt" "$OUT/$label-$v.$ext" > "$OUT/$label-$v.log" 2>&1 || rc=1
+    head -"$lines" "$OUT/$label-$v.$ext"
+  done
+}
 for step in $steps; do
   case $step in
     tests)
@@ -54,22 +67,10 @@ for step in $steps; do
       done ;;
     cprofile)
       # Where the host (Python) time of a step goes, stock and ours (separate runs, cProfile on).
-      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
-      python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
-      for v in ${CPROFILE_VARIANTS:-baseline solution}; do
-        timeout ${CPROFILE_TIMEOUT:-150} python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
-          --workdir "$OUT/cprofile-$v" --cprofile "$OUT/cprofile-$v.txt" > "$OUT/cprofile-$v.log" 2>&1 || rc=1
-        head -45 "$OUT/cprofile-$v.txt"
-      done ;;
+      run_each cprofile --cprofile txt ${CPROFILE_TIMEOUT:-150} 45 ${CPROFILE_VARIANTS:-baseline solution} ;;
     memory)
       # What is alive at the peak of allocated memory, by allocating line (bench/memory_peak.py).
-      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
-      python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
-      for v in ${MEMORY_VARIANTS:-solution}; do
-        timeout ${MEMORY_TIMEOUT:-180} python3 -m bench.run_one --variant $v --model $M --data workload/data/kazakh_instructions.jsonl \
-          --workdir "$OUT/memory-$v" --memory-peak "$OUT/memory-$v.md" > "$OUT/memory-$v.log" 2>&1 || rc=1
-        head -32 "$OUT/memory-$v.md"
-      done ;;
+      run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;
     variants)
       timeout ${VARIANTS_TIMEOUT:-540} python3 -m bench.variants --out "$OUT/variants" ${VARIANT_ARGS:-} ${VARIANTS:-default} 2>&1 | tail -30 || rc=1 ;;
     compare)

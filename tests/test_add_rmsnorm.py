@@ -360,7 +360,7 @@ def _layer_run(layer, hidden, pos_emb, autocast):
         out = layer(hidden, attention_mask=None, position_embeddings=pos_emb)
     g = torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape).to(out.dtype)
     out.backward(g)
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.requires_grad}
     return out.detach(), hidden.grad.clone(), grads
 
 

@@ -66,7 +66,7 @@ def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
     autocast, with the bnb / MLP / decoder-layer patches: the add kernel changes no bit of the
     output, the input gradient or any parameter gradient."""
     import solution
-    from tests.test_add_rmsnorm import _apply_only, _layer_and_inputs
+    from tests.test_add_rmsnorm import _apply_only, _layer_and_inputs, _layer_run
     from tests.test_nf4_linear import bnb_dequant_rows, make_linear4bit
 
     n = max(11, bnb_dequant_rows(device))
@@ -81,7 +81,7 @@ def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
         for flag in ("0", "1"):
             monkeypatch.setenv("SOLUTION_ADD_KERNEL", flag)
             _launches.reset()
-            runs[flag] = _run_layer(layer, hidden, pos_emb)
+            runs[flag] = _layer_run(layer, hidden, pos_emb, autocast=True)
             assert (_launches.LAUNCHES["fp32_add_kernel"] == 2) == (flag == "1")  # residual + MLP backward
             assert _launches.LAUNCHES["swiglu_bwd"] == 1
     finally:
@@ -90,12 +90,3 @@ def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
     assert out1.dtype == torch.float32 and torch.equal(out0, out1) and torch.equal(dx0, dx1)
     assert g0.keys() == g1.keys() and all(torch.equal(g0[k], g1[k]) for k in g0)
 
-
-def _run_layer(layer, hidden, pos_emb):
-    layer.zero_grad(set_to_none=True)
-    hidden.grad = None
-    with torch.autocast(hidden.device.type, dtype=torch.float16):
-        out = layer(hidden, attention_mask=None, position_embeddings=pos_emb)
-    out.backward(torch.linspace(-1, 1, out.numel(), device=out.device).view(out.shape))
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-    return out.detach(), hidden.grad.clone(), grads

@@ -23,6 +23,7 @@ Tolerances (relative L2 error, tests.conftest.rel_err, unless said otherwise):
   * argmax: identical (same logits values, same first-max tie rule).
   * per-token loss: fp32 math on the same logits as stock's cross_entropy: 1e-5 (fp32 and fp16).
 """
+import contextlib
 import copy
 import math
 
@@ -438,23 +439,30 @@ def _make_trainer(device, precision, out_dir, lora, trainer_cls=None):
                                        processing_class=_tiny_tokenizer(vocab))
 
 
-def _train_logs(device, use_patch, precision, out_dir, lora):
+@contextlib.contextmanager
+def _lm_head_patch(use_patch: bool):
+    """The LM-head patch installed (or not) for the block, our launch counter reset at its start."""
     from solution.patches import qwen2_lm_head_loss as patch
     from solution.patches._base import Swaps
 
-    trainer = _make_trainer(device, precision, out_dir, lora)
     swaps = Swaps()
     if use_patch:
         patch.install(swaps)
     _launches.reset()
     try:
+        yield
+    finally:
+        swaps.restore()
+
+
+def _train_logs(device, use_patch, precision, out_dir, lora):
+    trainer = _make_trainer(device, precision, out_dir, lora)
+    with _lm_head_patch(use_patch):
         trainer.train()
         launches = _launches.LAUNCHES["_lm_head_ce_rows_kernel"]
         # evaluation goes through trl's stock compute_loss (logits needed for eval metrics)
         trainer.evaluate(eval_dataset=_tiny_dataset(1000, n=4))
         assert _launches.LAUNCHES["_lm_head_ce_rows_kernel"] == launches
-    finally:
-        swaps.restore()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     eval_log = [h for h in trainer.state.log_history if "eval_loss" in h][-1]  # trl merges its eval metrics here
     return logs, launches, {k: v for k, v in eval_log.items() if "runtime" not in k and "per_second" not in k}
@@ -508,25 +516,16 @@ def _rewind_run(device, use_patch, precision, out_dir):
     from soup_cli.utils.stream_loss_chunk import STEP_ATTR
     from trl import SFTTrainer
 
-    from solution.patches import qwen2_lm_head_loss as patch
-    from solution.patches._base import Swaps
-
     # as Soup's SFT wrapper does: make_rewind_trainer_class(SFTTrainer), then attach_rewind_state
     trainer = _make_trainer(device, precision, out_dir, lora=True,
                             trainer_cls=rewind_hf.make_rewind_trainer_class(SFTTrainer))
     sink = _ListSink()
     state = rewind_hf.attach_rewind_state(trainer, sink)
-    swaps = Swaps()
-    if use_patch:
-        patch.install(swaps)
-    _launches.reset()
-    try:
+    with _lm_head_patch(use_patch):
         trainer.train()
         step_after_train = getattr(trainer, STEP_ATTR, None)
         trainer.evaluate(eval_dataset=_tiny_dataset(1000, n=4))
         step_after_eval = getattr(trainer, STEP_ATTR, None)
-    finally:
-        swaps.restore()
     assert not state.failed and state.dropped == 0  # no "Rewind recorder disabled", nothing dropped
     return sink.records, step_after_train, step_after_eval, _launches.LAUNCHES["_lm_head_ce_rows_kernel"]
 

@@ -48,8 +48,9 @@ CAUSAL_FROM_TOP_LEFT = 1  # aten's custom_mask_type for SDPA's is_causal
 
 
 def supported(q: torch.Tensor) -> bool:
-    """The variable-length kernel: CUDA, fp16 (the T4's attention dtype) or fp32, head dim <= 128
-    and a multiple of 8 (its aligned kernels)."""
+    """Inputs the variable-length kernel takes: fp16 (the T4's attention dtype) or fp32, head dim
+    <= 128 and a multiple of 8 (its aligned kernels). The device decides in
+    ``varlen_causal_attention`` (CUDA: the kernel; otherwise the row-by-row reference)."""
     d = q.shape[-1]
     return q.dtype in (torch.float16, torch.float32) and d <= 128 and d % 8 == 0
 

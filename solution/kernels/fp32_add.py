@@ -21,7 +21,8 @@ residual add of the MLP's fp16 output.
 4. Correctness risks. None in the values: one fp32 addition of the same two fp32 values that
    torch adds (fp16 -> fp32 is exact; the sum is commutative), round to nearest, no FMA involved.
    Inputs must have the same shape and be contiguous (the callers' tensors are). Tested bit for
-   bit against torch on the CPU interpreter and the GPU.
+   bit against torch (tests/test_fp32_add.py): run on the CPU interpreter; the same tests on the
+   GPU have not run yet.
 
 5. How it was measured. Not yet (built after this session's GPU time was spent): off by default,
    ``SOLUTION_ADD_KERNEL=1`` turns it on. Prediction: -0.03 to -0.05 s of GPU time over steps
@@ -36,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from solution.env import interpreter_enabled
 from solution.kernels._launches import record
 
 ENV = "SOLUTION_ADD_KERNEL"
@@ -61,8 +63,6 @@ def fp32_add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 def supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, fp16 / fp32, contiguous, on a device our kernels run on."""
-    from solution.env import interpreter_enabled
-
     ok = (torch.float16, torch.float32)
     on_kernel_device = (a.device.type == "cuda" and not interpreter_enabled()) or (
         a.device.type == "cpu" and interpreter_enabled())

@@ -61,13 +61,29 @@ from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of
 MEMORY_POLICY = "speed"  # set by apply() (solution.patches.qwen2_mlp.install) from the environment
 
 
+def _block_forward(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan):
+    """(y16 [..., H], g16, u16, x16) for fp32 x [..., H]: the block's forward, kept activations."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if not x2.is_contiguous():
+        x2 = x2.contiguous()
+    g16, u16, x16 = _gate_up(x2, gate, up)
+    h16 = swiglu_fp16_of_fp32(g16, u16)
+    wd, _ = down.dequant_and_cast(h16)
+    y = F.linear(h16, wd)
+    return y.view(*x.shape[:-1], y.shape[-1]), g16, u16, x16
+
+
 def _gate_up(x2: torch.Tensor, gate: LinearPlan, up: LinearPlan):
     """(g16, u16, x16) for 2-D fp32 x: x cast once, in the gate weight's dequantization launch."""
     wg, x16 = gate.dequant_and_cast(x2)
     g16 = F.linear(x16, wg)
-    wu, _ = up.dequant_and_cast(x16)  # x16 is fp16 already: a dequantization only
-    u16 = F.linear(x16, wu)
-    return g16, u16, x16
+    return g16, _project16(x16, up), x16
+
+
+def _project16(x16: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
+    """x16 @ W^T for fp16 x16: a dequantization launch (no cast) and the GEMM."""
+    w16, _ = plan.dequant_and_cast(x16)
+    return F.linear(x16, w16)
 
 
 class NF4MLPFunction(torch.autograd.Function):
@@ -76,13 +92,7 @@ class NF4MLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, up, down, policy):
-        x2 = x.reshape(-1, x.shape[-1])
-        if not x2.is_contiguous():
-            x2 = x2.contiguous()
-        g16, u16, x16 = _gate_up(x2, gate, up)
-        h16 = swiglu_fp16_of_fp32(g16, u16)
-        wd, _ = down.dequant_and_cast(h16)
-        y = F.linear(h16, wd)
+        y, g16, u16, x16 = _block_forward(x, gate, up, down)
         ctx.plans = (gate, up, down)
         ctx.policy = policy
         ctx.x_shape = x.shape
@@ -93,7 +103,7 @@ class NF4MLPFunction(torch.autograd.Function):
             ctx.save_for_backward(x16, g16)
         else:
             ctx.save_for_backward(g16, u16)
-        return y.view(*x.shape[:-1], y.shape[-1])
+        return y
 
     @staticmethod
     @once_differentiable
@@ -112,8 +122,7 @@ class NF4MLPFunction(torch.autograd.Function):
             g16, u16, _ = _gate_up(x16, gate, up)
         elif ctx.policy == "balanced":
             x16, g16 = ctx.saved_tensors
-            wu, _ = up.dequant_and_cast(x16)  # the forward's up projection again: the same bits
-            u16 = F.linear(x16, wu)
+            u16 = _project16(x16, up)  # the forward's up projection again: the same bits
         else:
             g16, u16 = ctx.saved_tensors
         ctx.consumed = True
@@ -140,9 +149,4 @@ def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
         raise ValueError(f"nf4_mlp: unknown memory policy {policy!r}")
     if torch.is_grad_enabled() and x.requires_grad:
         return NF4MLPFunction.apply(x, gate, up, down, policy)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    g16, u16, _ = _gate_up(x2, gate, up)
-    h16 = swiglu_fp16_of_fp32(g16, u16)
-    del g16, u16
-    wd, _ = down.dequant_and_cast(h16)
-    return F.linear(h16, wd).view(*x.shape[:-1], -1)
+    return _block_forward(x, gate, up, down)[0]

@@ -31,8 +31,8 @@ from __future__ import annotations
 import functools
 
 import torch
-from torch.nn.modules import module as _nn_module
 
+from solution.patches._base import has_hooks
 from solution.patches._sources import unexpected_source
 
 NAME = "qwen2_decoder_layer"
@@ -68,14 +68,6 @@ def check() -> str | None:
     return None
 
 
-def _has_hooks(module) -> bool:
-    """Any forward / backward hook that calling ``module(...)`` would fire (its own or global)."""
-    own = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-    glob = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-            "_global_backward_pre_hooks")
-    return any(getattr(module, a, None) for a in own) or any(getattr(_nn_module, a, None) for a in glob)
-
-
 def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool):
     """Our Qwen2DecoderLayer.forward. ``stock_forward``: the one replaced (mirrored below);
     ``stock_norm_forward``: Qwen2RMSNorm's stock forward (its formula checked by check())."""
@@ -83,7 +75,7 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool)
     from solution.kernels.add_rmsnorm import add_rmsnorm, add_rmsnorm_supported
 
     def fusable(norm, residual, attn_out) -> bool:
-        if type(norm) is not norm_cls or "forward" in norm.__dict__ or _has_hooks(norm):
+        if type(norm) is not norm_cls or "forward" in norm.__dict__ or has_hooks(norm):
             return False
         cls_forward = norm_cls.forward
         if stock_norm_forward not in (cls_forward, getattr(cls_forward, "_solution_stock", None)):

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from solution.patches._base import has_hooks
+
 NAME = "qwen2_mlp"
 
 
@@ -42,11 +44,10 @@ def _silu_types() -> tuple:
     return (SiLUActivation, torch.nn.SiLU)
 
 
-def _no_hooks(module) -> bool:
-    """No torch module hooks, and no per-instance forward (accelerate's hooks replace
+def _callable_directly(module) -> bool:
+    """No module hooks (its own or global), and no per-instance forward (accelerate's hooks replace
     ``module.forward`` on the instance and set ``_hf_hook``): a fused call would skip either."""
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or "forward" in module.__dict__ or hasattr(module, "_hf_hook"))
+    return not (has_hooks(module) or "forward" in module.__dict__ or hasattr(module, "_hf_hook"))
 
 
 def fused_plans(mlp, x: torch.Tensor):
@@ -61,7 +62,7 @@ def fused_plans(mlp, x: torch.Tensor):
     from solution.kernels.nf4_linear import bnb_would_use_fused_gemm_m, call_reason, linear_plan
 
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    if not all(type(m) is Linear4bit and getattr(m, "bias", None) is None and _no_hooks(m) for m in mods):
+    if not all(type(m) is Linear4bit and getattr(m, "bias", None) is None and _callable_directly(m) for m in mods):
         return None
     if getattr(Linear4bit.forward, "__wrapped__", None) is None:  # bnb_linear4bit patch not installed
         return None
@@ -87,7 +88,7 @@ def make_forward(stock_forward):
         on_kernel_device = x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_enabled())
         if not on_kernel_device or not isinstance(self.act_fn, silu_types):
             return stock_forward(self, x)
-        if _no_hooks(self) and _global_hooks_free():
+        if _callable_directly(self):
             plans = fused_plans(self, x)
             if plans is not None:
                 return nf4_mlp(x, *plans)
@@ -100,12 +101,6 @@ def make_forward(stock_forward):
     forward.__doc__ = "Qwen2MLP.forward with a fused Triton SwiGLU (solution.patches.qwen2_mlp)."
     forward._solution_stock = stock_forward
     return forward
-
-
-def _global_hooks_free() -> bool:
-    m = torch.nn.modules.module
-    return not any(getattr(m, name, None) for name in (
-        "_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks"))
 
 
 def install(swaps) -> str:

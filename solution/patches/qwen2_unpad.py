@@ -233,12 +233,8 @@ def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
     attention, row by row in one launch. Returns [1, N, Hq, D] like stock."""
     from solution.padding import packed_layout
 
-    packed = packed_layout(info)
-    groups = getattr(module, "num_key_value_groups", 1)
-    # pad_heads returns the [1, H, N, D] view of [1, N, H, D] memory: transpose back for the kernel
-    q = attn_layout.pad_heads(query[0].transpose(0, 1), packed, 1, dtype).transpose(1, 2)
-    k = attn_layout.pad_heads(key[0].transpose(0, 1), packed, groups, dtype).transpose(1, 2)
-    v = attn_layout.pad_heads(value[0].transpose(0, 1), packed, groups, dtype).transpose(1, 2)
+    # the [1, H, N, D] views of [1, N, H, D] memory: transposed back for the kernel
+    q, k, v = (t.transpose(1, 2) for t in _layout_qkv(module, query, key, value, packed_layout(info), dtype))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5  # SDPA's default
     return attn_varlen.varlen_causal_attention(q, k, v, info, scaling), None
@@ -268,14 +264,19 @@ def _sdpa_input_dtype(query, key, value):
     return dtype
 
 
+def _layout_qkv(module, query, key, value, layout, dtype):
+    """q, k, v ([1, heads, N, D] packed) laid out by ``layout`` (the padded batch, or the packed
+    rows' own) as [batch, Hq, seqlen, D] views, KV heads repeated, cast to ``dtype``: one launch each."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    return tuple(attn_layout.pad_heads(t[0].transpose(0, 1), layout, rep, dtype)
+                 for t, rep in ((query, 1), (key, groups), (value, groups)))
+
+
 def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype):
     """sdpa_unpadded with the layout moves in our kernels: one launch pads q, one pads and repeats
     k, one v (cast in the same pass to ``dtype``, the cast autocast would make for SDPA), one
     gathers the output's real rows."""
-    groups = getattr(module, "num_key_value_groups", 1)
-    q = attn_layout.pad_heads(query[0].transpose(0, 1), info, 1, dtype)
-    k = attn_layout.pad_heads(key[0].transpose(0, 1), info, groups, dtype)
-    v = attn_layout.pad_heads(value[0].transpose(0, 1), info, groups, dtype)
+    q, k, v = _layout_qkv(module, query, key, value, info, dtype)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout,
                                                            scale=scaling, is_causal=True)
     return attn_layout.unpad_heads(out, info).unsqueeze(0), None
