@@ -54,7 +54,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from solution.kernels import rmsnorm as _rms
-from solution.kernels._launches import record
+from solution.kernels._launches import cdiv, launch
 from solution.kernels.rmsnorm import (_TRITON_TYPE, _as_rows, _launch_backward_dw, _rms_grad_rows, _rms_scale_rows,
                                       _row_config, _row_tile, _rows_per_program, rmsnorm_supported)
 
@@ -136,10 +136,9 @@ def _launch_forward(r2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, ep
     if n_rows > 0:
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
-        _add_rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
-            r2, x2, weight, h, y, rstd, n_rows, r2.stride(0), x2.stride(0), n_cols, eps,
+        launch(_add_rmsnorm_fwd_kernel, (cdiv(n_rows, rows),), "_add_rmsnorm_fwd_kernel",
+               r2, x2, weight, h, y, rstd, n_rows, r2.stride(0), x2.stride(0), n_cols, eps,
             BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
-        record("_add_rmsnorm_fwd_kernel")
     return h, y, rstd
 
 
@@ -151,11 +150,10 @@ def _launch_backward(h2, weight, gy2, gh2, rstd, dtypes):
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
         gh_arg = h2 if gh2 is None else gh2  # placeholder of h's dtype, never read when absent
-        _add_rmsnorm_bwd_kernel[(triton.cdiv(n_rows, rows),)](
-            h2, weight, gy2, gh_arg, rstd, outs[0], outs[-1], n_rows, gy2.stride(0),
+        launch(_add_rmsnorm_bwd_kernel, (cdiv(n_rows, rows),), "_add_rmsnorm_bwd_kernel",
+               h2, weight, gy2, gh_arg, rstd, outs[0], outs[-1], n_rows, gy2.stride(0),
             0 if gh2 is None else gh2.stride(0), n_cols, HAS_GRAD_H=gh2 is not None, TWO_OUTPUTS=len(outs) == 2,
             BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
-        record("_add_rmsnorm_bwd_kernel")
     return outs
 
 

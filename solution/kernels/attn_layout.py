@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from solution.kernels._launches import record
+from solution.kernels._launches import launch
 
 GPU_NUM_WARPS = 4
 
@@ -119,9 +119,9 @@ def _launch_pad(rows: torch.Tensor, info, rep: int, out_dtype: torch.dtype) -> t
     out = torch.empty((info.batch, info.seqlen, h_in * rep, d), dtype=out_dtype, device=rows.device)
     n_rows = info.batch * info.seqlen
     if n_rows:
-        pad_rows_kernel[(n_rows,)](rows, info.src, out, n_rows, st[0], st[1], out.stride(1), out.stride(2),
+        launch(pad_rows_kernel, (n_rows,), "pad_rows_kernel",
+               rows, info.src, out, n_rows, st[0], st[1], out.stride(1), out.stride(2),
                                    H_IN=h_in, REP=rep, D=d, HP2=_hp2(h_in * rep), num_warps=GPU_NUM_WARPS)
-        record("pad_rows_kernel")
     return out.transpose(1, 2)
 
 
@@ -132,9 +132,9 @@ def _launch_unpad(padded: torch.Tensor, info, rep: int, out_dtype: torch.dtype) 
     n = info.idx.numel()
     out = torch.empty((n, h_out, d), dtype=out_dtype, device=x.device)
     if n:
-        unpad_rows_kernel[(n,)](x, info.idx, out, n, row_stride, head_stride, out.stride(0), out.stride(1),
+        launch(unpad_rows_kernel, (n,), "unpad_rows_kernel",
+               x, info.idx, out, n, row_stride, head_stride, out.stride(0), out.stride(1),
                                 H_OUT=h_out, REP=rep, D=d, HP2=_hp2(h_out), num_warps=GPU_NUM_WARPS)
-        record("unpad_rows_kernel")
     return out
 
 

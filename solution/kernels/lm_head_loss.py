@@ -46,7 +46,7 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.kernels._launches import record
+from solution.kernels._launches import cdiv, launch, record
 
 IGNORE_INDEX = -100
 # The fp16 gradient buffer holds (softmax - onehot) * GRAD_SCALE; backward divides it out in fp32.
@@ -195,12 +195,12 @@ def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.T
         return
     d_rows, d_v, d_warps = default_launch_config()
     block_rows, block_v, num_warps = block_rows or d_rows, block_v or d_v, num_warps or d_warps
-    grid = (triton.cdiv(rows, block_rows),)
-    _lm_head_ce_rows_kernel[grid](logits, labels, loss, entropy, argmax, rows, logits.stride(0), GRAD_SCALE,
+    grid = (cdiv(rows, block_rows),)
+    launch(_lm_head_ce_rows_kernel, grid, "_lm_head_ce_rows_kernel",
+           logits, labels, loss, entropy, argmax, rows, logits.stride(0), GRAD_SCALE,
                                   VOCAB=vocab, IGNORE=IGNORE_INDEX, NEG_FILL=NEG_FILL[logits.dtype],
                                   WRITE_GRAD=write_grad, BLOCK_ROWS=block_rows, BLOCK_V=block_v,
                                   num_warps=num_warps)
-    record("_lm_head_ce_rows_kernel")
 
 
 def rows_reference_torch(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,

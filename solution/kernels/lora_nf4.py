@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from solution import padding
-from solution.kernels._launches import record
+from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
 GPU_BLOCK = 2048
@@ -99,16 +99,16 @@ def lora_grad_sum_kernel(a_ptr, b_ptr, m_ptr, out_ptr, n, drop_scale, DROP: tl.c
 
 def _grid_block(n: int, device: torch.device):
     block = GPU_BLOCK if device.type == "cuda" else INTERPRETER_BLOCK
-    return (-(-n // block),), block  # ceil(n / block); triton.cdiv is a slow constexpr_function on the host
+    return (cdiv(n, block),), block
 
 
 def lora_combine(base16: torch.Tensor, lora16: torch.Tensor, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(base16.shape, dtype=out_dtype, device=base16.device)
     n = out.numel()
     grid, block = _grid_block(n, out.device)
-    lora_combine_kernel[grid](base16, lora16, out, n, scaling, BLOCK=block,
+    launch(lora_combine_kernel, grid, "lora_combine",
+           base16, lora16, out, n, scaling, BLOCK=block,
                               num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
-    record("lora_combine")
     return out
 
 
@@ -117,9 +117,9 @@ def lora_grad_sum(a16: torch.Tensor, b16: torch.Tensor, drop_mask, drop_mode: in
     out = torch.empty(a16.shape, dtype=out_dtype, device=a16.device)
     n = out.numel()
     grid, block = _grid_block(n, out.device)
-    lora_grad_sum_kernel[grid](a16, b16, a16 if drop_mask is None else drop_mask, out, n, drop_scale,
+    launch(lora_grad_sum_kernel, grid, "lora_grad_sum",
+           a16, b16, a16 if drop_mask is None else drop_mask, out, n, drop_scale,
                                DROP=drop_mode, BLOCK=block, num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
-    record("lora_grad_sum")
     return out
 
 

@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.kernels._launches import record
+from solution.kernels._launches import cdiv, launch
 
 KERNEL_NAME = "nf4_dequant"
 
@@ -356,7 +356,7 @@ class DequantPlan:
         interp = dev.type != "cuda"
         nb = INTERPRETER_BLOCKS_PER_PROGRAM if interp else max(1, GPU_BLOCKS_PER_PROGRAM * 64 // bs)
         self.cast_block = INTERPRETER_CAST_BLOCK if interp else GPU_CAST_BLOCK
-        self.n_deq_programs = triton.cdiv(n_blocks, nb)
+        self.n_deq_programs = cdiv(n_blocks, nb)
         self.args = (packed, absmax, code2, absmax2, offset, _nf4_lut(dev))
         self.sizes = (n, (n + 1) // 2, n_blocks)
         self.consts = {"BLOCKSIZE": bs, "NESTED": bool(qs.nested), "NESTED_BS": nested_bs, "NB": nb,
@@ -385,9 +385,8 @@ class DequantPlan:
         same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``: the casts only.
         round_bf16: round the weight through bf16 first (bnb's backward for bf16 states)."""
         if a is None:
-            nf4_dequant_kernel[(self.n_deq_programs,)](
-                *self.args, out, *self.sizes, ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, **self.consts)
-            record(KERNEL_NAME)
+            launch(nf4_dequant_kernel, (self.n_deq_programs,), KERNEL_NAME,
+                   *self.args, out, *self.sizes, ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, **self.consts)
             return
         n_cast = a.numel()
         # unused pointers point at a valid tensor (the kernel never touches them)
@@ -397,18 +396,16 @@ class DequantPlan:
             if dequant:
                 self.launch(out, round_bf16)
             cast_block = SEPARATE_CAST_BLOCK if out.device.type == "cuda" else self.cast_block
-            fp16_cast_kernel[(-(-n_cast // cast_block),)](
-                *cast_args, CAST_A=a16 is not None, CAST_B=cast_b, CAST_BLOCK=cast_block,
-                num_warps=SEPARATE_CAST_WARPS, enable_fp_fusion=False)
-            record("fp16_cast_kernel")
+            launch(fp16_cast_kernel, (-(-n_cast // cast_block),), "fp16_cast_kernel",
+                   *cast_args, CAST_A=a16 is not None, CAST_B=cast_b, CAST_BLOCK=cast_block,
+                   num_warps=SEPARATE_CAST_WARPS, enable_fp_fusion=False)
             return
         n_deq = self.n_deq_programs if dequant else 0
         grid = (n_deq - (-n_cast // self.cast_block),)  # (not triton.cdiv: a slow constexpr_function on the host)
-        nf4_dequant_cast_kernel[grid](
-            *self.args, out, *self.sizes, n_deq, *cast_args,
-            ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, CAST_A=a16 is not None, CAST_B=cast_b,
-            CAST_BLOCK=self.cast_block, **self.consts)
-        record(KERNEL_NAME + "_cast" if dequant else "fp16_cast")
+        launch(nf4_dequant_cast_kernel, grid, KERNEL_NAME + "_cast" if dequant else "fp16_cast",
+               *self.args, out, *self.sizes, n_deq, *cast_args,
+               ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, CAST_A=a16 is not None, CAST_B=cast_b,
+               CAST_BLOCK=self.cast_block, **self.consts)
 
 
 def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,

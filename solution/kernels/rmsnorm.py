@@ -38,7 +38,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from solution.env import interpreter_enabled
-from solution.kernels._launches import record
+from solution.kernels._launches import cdiv, launch
 
 # Rows longer than this are left to the stock code (one row must fit in one program's registers).
 MAX_HIDDEN = 8192
@@ -220,10 +220,9 @@ def _launch_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     if n_rows > 0:
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
-        _rmsnorm_fwd_kernel[(triton.cdiv(n_rows, rows),)](
-            x2, weight, out, rstd, n_rows, x2.stride(0), out.stride(0), n_cols, eps,
+        launch(_rmsnorm_fwd_kernel, (cdiv(n_rows, rows),), "_rmsnorm_fwd_kernel",
+               x2, weight, out, rstd, n_rows, x2.stride(0), out.stride(0), n_cols, eps,
             BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
-        record("_rmsnorm_fwd_kernel")
     return out, rstd
 
 
@@ -233,10 +232,9 @@ def _launch_backward_dx(x2, weight, g2, rstd):
     if n_rows > 0:
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
-        _rmsnorm_bwd_dx_kernel[(triton.cdiv(n_rows, rows),)](
-            x2, weight, g2, rstd, dx, n_rows, x2.stride(0), g2.stride(0), dx.stride(0), n_cols,
+        launch(_rmsnorm_bwd_dx_kernel, (cdiv(n_rows, rows),), "_rmsnorm_bwd_dx_kernel",
+               x2, weight, g2, rstd, dx, n_rows, x2.stride(0), g2.stride(0), dx.stride(0), n_cols,
             BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
-        record("_rmsnorm_bwd_dx_kernel")
     return dx
 
 
@@ -245,13 +243,13 @@ def _launch_backward_dw(x2, g2, rstd, weight_dtype):
     if n_rows == 0:
         return torch.zeros(n_cols, dtype=weight_dtype, device=x2.device)
     block_m, block_n = _dw_config(n_rows, n_cols)
-    row_tiles = triton.cdiv(n_rows, block_m)
+    row_tiles = cdiv(n_rows, block_m)
     # [row tiles, N] fp32 partial sums: 2048 rows x 1536 -> 64 x 1536 x 4 B = 384 KB.
     partial = torch.empty((row_tiles, n_cols), dtype=torch.float32, device=x2.device)
-    grid = (triton.cdiv(n_cols, block_n), row_tiles)
-    _rmsnorm_bwd_dw_kernel[grid](x2, g2, rstd, partial, x2.stride(0), g2.stride(0), n_rows, n_cols,
+    grid = (cdiv(n_cols, block_n), row_tiles)
+    launch(_rmsnorm_bwd_dw_kernel, grid, "_rmsnorm_bwd_dw_kernel",
+           x2, g2, rstd, partial, x2.stride(0), g2.stride(0), n_rows, n_cols,
                                  BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_DW_WARPS)
-    record("_rmsnorm_bwd_dw_kernel")
     return partial.sum(0).to(weight_dtype)
 
 

@@ -49,7 +49,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from solution.env import interpreter_enabled
-from solution.kernels._launches import record
+from solution.kernels._launches import cdiv, launch
 
 _SUPPORTED_DTYPES = (torch.float16, torch.float32)
 MAX_HEAD_DIM = 512  # head_dim above this is left to stock (one half-row lives in registers)
@@ -134,7 +134,7 @@ def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
 def _head_tiles(n_heads: int, block_d: int) -> tuple[int, int]:
     """(BLOCK_H, number of tiles) covering n_heads with per-token tiles of at most MAX_TILE elements."""
     block_h = min(triton.next_power_of_2(max(n_heads, 1)), max(1, MAX_TILE // block_d))
-    return block_h, max(1, triton.cdiv(n_heads, block_h))
+    return block_h, max(1, cdiv(n_heads, block_h))
 
 
 # How many elements one program's [BLOCK_T, BLOCK_H, BLOCK_D] tile may hold. 0 means one token per
@@ -188,8 +188,8 @@ def _launch(q, k, q_out, k_out, cos, sin, backward: bool) -> None:
     config = _launch_config(n_tokens, n_q, n_k, head_dim)
     cos_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     sin_sb = sin.stride(0) if sin.shape[0] > 1 else 0
-    _rope_qk_kernel[(triton.cdiv(n_tokens, config["BLOCK_T"]),)](
-        q_in, k_in, q_o, k_o, cos, sin, n_tokens, seq_len, n_q, n_k, half,
+    launch(_rope_qk_kernel, (cdiv(n_tokens, config["BLOCK_T"]),), "_rope_qk_kernel",
+           q_in, k_in, q_o, k_o, cos, sin, n_tokens, seq_len, n_q, n_k, half,
         q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
         q_o.stride(0), q_o.stride(1), q_o.stride(2), k_o.stride(0), k_o.stride(1), k_o.stride(2),
         cos_sb, cos.stride(1), sin_sb, sin.stride(1),
@@ -197,7 +197,6 @@ def _launch(q, k, q_out, k_out, cos, sin, backward: bool) -> None:
         # No fused multiply-add: products and sums rounded separately, exactly like stock's ops,
         # so fp32 results also equal stock bit for bit.
         enable_fp_fusion=False)
-    record("_rope_qk_kernel")
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from solution.env import interpreter_enabled
-from solution.kernels._launches import record
+from solution.kernels._launches import cdiv, launch
 
 # One launch configuration: tiles of 8 rows x 256 columns (2048 elements, 16 per thread with 4
 # warps, loaded as 16-byte vectors). 256 divides the MLP width 8960 exactly, so no lane is wasted.
@@ -173,7 +173,7 @@ def _blocks() -> tuple[int, int]:
 
 def _grid(n_rows: int, n_cols: int):
     block_r, block_c = _blocks()
-    return (triton.cdiv(n_rows, block_r), triton.cdiv(n_cols, block_c))
+    return (cdiv(n_rows, block_r), cdiv(n_cols, block_c))
 
 
 _MODES: dict = {}  # (device, dtype) -> (use_table, table or None)
@@ -213,9 +213,8 @@ def silu_mode_name(dtype: torch.dtype, device) -> str:
 
 def _launch_fwd(g2, u2, h2, use_table: bool, table, fp32_stock: bool = False) -> None:
     n_rows, n_cols = g2.shape
-    record("swiglu_fwd")
-    _swiglu_fwd_kernel[_grid(n_rows, n_cols)](
-        g2, u2, h2, table if use_table else g2, n_rows, n_cols,
+    launch(_swiglu_fwd_kernel, _grid(n_rows, n_cols), "swiglu_fwd",
+           g2, u2, h2, table if use_table else g2, n_rows, n_cols,
         g2.stride(0), u2.stride(0), h2.stride(0),
         SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
         BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
@@ -223,9 +222,8 @@ def _launch_fwd(g2, u2, h2, use_table: bool, table, fp32_stock: bool = False) ->
 
 def _launch_bwd(dh2, g2, u2, dg2, du2, use_table: bool, table, fp32_stock: bool = False) -> None:
     n_rows, n_cols = g2.shape
-    record("swiglu_bwd")
-    _swiglu_bwd_kernel[_grid(n_rows, n_cols)](
-        dh2, g2, u2, dg2, du2, table if use_table else g2, n_rows, n_cols,
+    launch(_swiglu_bwd_kernel, _grid(n_rows, n_cols), "swiglu_bwd",
+           dh2, g2, u2, dg2, du2, table if use_table else g2, n_rows, n_cols,
         dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
         SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
         BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
