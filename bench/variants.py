@@ -2,7 +2,7 @@
 settings, each a fresh profiled process on the same GPU, in one table.
 
     python -m bench.variants --out DIR [--baseline] [--timed] LABEL[=VAR=VALUE[,VAR=VALUE...]] ...
-    python -m bench.variants --out /tmp/v default varlen=SOLUTION_ATTN_VARLEN=1 memory=SOLUTION_MEMORY_POLICY=memory
+    python -m bench.variants --out /tmp/v default padded=SOLUTION_ATTN_VARLEN=0 memory=SOLUTION_MEMORY_POLICY=memory
 
 Each label is one solution run with those variables set (a bare label: none). Every run is
 profiled (GPU kernel time is what a kernel change moves; the H200's step time is host noise), so

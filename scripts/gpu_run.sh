@@ -6,7 +6,7 @@
 #   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile] [memory] [variants]
 #   (default: the first three)
 # Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile),
-#      VARIANTS (bench.variants labels, e.g. "default varlen=SOLUTION_ATTN_VARLEN=1"),
+#      VARIANTS (bench.variants labels, e.g. "default padded=SOLUTION_ATTN_VARLEN=0"),
 #      VARIANT_ARGS (e.g. --baseline), MEMORY_VARIANTS (default "solution"),
 #      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT,
 #      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.

@@ -5,7 +5,8 @@
 #   !git clone <this repo> soup-kernels && cd soup-kernels && bash scripts/t4_run.sh
 # Prints the same report as scripts/compare.sh and writes runs/<timestamp>/report.{md,json,png}.
 # With T4_VARIANTS=1 it then also profiles the solution's settings side by side (the default, the
-# memory policy "memory", variable-length attention): runs/variants-t4/variants.md, ~3 more runs.
+# memory policies "balanced" and "memory", the padded attention layout): runs/variants-t4/variants.md,
+# ~4 more runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
@@ -14,7 +15,7 @@ python3 -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU tests failed 
 rc=0
 python3 -m bench.compare "$@" || rc=$?  # non-zero when a rule check fails: the report says which
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
-  python3 -m bench.variants --out runs/variants-t4 default memory=SOLUTION_MEMORY_POLICY=memory \
-    varlen=SOLUTION_ATTN_VARLEN=1
+  python3 -m bench.variants --out runs/variants-t4 default balanced=SOLUTION_MEMORY_POLICY=balanced \
+    memory=SOLUTION_MEMORY_POLICY=memory padded=SOLUTION_ATTN_VARLEN=0
 fi
 exit $rc

@@ -1,5 +1,5 @@
 """Variable-length causal attention on packed rows (solution/kernels/attn_varlen.py) and its use in
-sdpa_unpadded (SOLUTION_ATTN_VARLEN=1).
+sdpa_unpadded (on by default; SOLUTION_ATTN_VARLEN=0 keeps the padded layout).
 
 The reference is the padded path (the layout kernels + SDPA with is_causal on [batch, heads,
 longest row, D]), which tests/test_unpad.py checks against stock. Per real query the keys are

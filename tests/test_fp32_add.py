@@ -1,5 +1,5 @@
 """fp32 sums of fp16 / fp32 tensors (solution/kernels/fp32_add.py) and where they are used
-(SOLUTION_ADD_KERNEL=1): the fused NF4 MLP's backward and the decoder layer's residual add.
+(on by default; SOLUTION_ADD_KERNEL=0 keeps torch's adds): the fused NF4 MLP's backward and the decoder layer's residual add.
 An fp32 addition of the same two values is exact to compare: bit for bit against torch."""
 import pytest
 import torch
@@ -42,7 +42,7 @@ def test_unsupported_inputs_use_torch(device):
 
 
 def test_fused_mlp_backward_and_decoder_layer_use_it(device, monkeypatch):
-    """With SOLUTION_ADD_KERNEL=1 the fused NF4 MLP's input gradient is the same bits."""
+    """With the add kernel (SOLUTION_ADD_KERNEL=1) the fused NF4 MLP's input gradient is the same bits."""
     from solution.kernels import nf4_mlp
     from solution.kernels.nf4_linear import linear_plan
     from tests.test_nf4_mlp import inputs, nf4_mlp_module

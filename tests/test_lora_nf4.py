@@ -352,11 +352,11 @@ def test_cast_mode_3_is_dropouts_value(device):
 
 
 def test_patched_forward_defers_dropout_only_when_asked(device, monkeypatch, autocast_ctx):
-    """SOLUTION_DEFER_DROPOUT=1 is read when the patch is installed; off by default."""
+    """SOLUTION_DEFER_DROPOUT is read when the patch is installed; on by default, 0 turns it off."""
     seen = []
     real = lora_nf4.lora_dropout
     monkeypatch.setattr(lora_nf4, "lora_dropout", lambda d, x, defer=False: seen.append(defer) or real(d, x, defer))
-    for flag in (None, "1"):
+    for flag in ("0", None):
         if flag is None:
             monkeypatch.delenv("SOLUTION_DEFER_DROPOUT", raising=False)
         else:

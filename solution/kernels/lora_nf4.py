@@ -30,9 +30,10 @@ That is 8 kernels forward (2 Triton, dropout, 3 GEMMs, 2 tiny casts of A and B) 
 (2 Triton, 5 GEMMs, 2 tiny casts of the A/B gradients), in one autograd node.
 On the packed path (no work on padding) the dropout mask is drawn over stock's padded shape and
 its value was computed by torch as ``x * mask * scale`` in fp32 (two elementwise kernels and an
-fp32 tensor), then cast. With ``SOLUTION_DEFER_DROPOUT=1`` the cast launch computes
-fp16((x * mask) * scale) itself from x and the bool mask (``_cast_block`` mode 3): the same bits
-(tests), not yet measured on a GPU, so off by default.
+fp32 tensor), then cast. By default (``SOLUTION_DEFER_DROPOUT=0`` turns it off) the cast launch
+computes fp16((x * mask) * scale) itself from x and the bool mask (``_cast_block`` mode 3): the same
+bits (tests); measured on the H200 (2026-11-30): GPU time 1.637 -> 1.617 s over steps 3-64
+(predicted -0.05 s), PyTorch copy/cast kernels 0.217 -> 0.183 s.
 Gradients of A and B come back in the parameters' own dtype (bf16 / fp32 / fp16), as the
 autocast cast's backward gives them.
 """
@@ -133,9 +134,10 @@ DEFER_ENV = "SOLUTION_DEFER_DROPOUT"
 
 
 def defer_dropout_enabled() -> bool:
-    """Make fp16(dropout(x)) inside the cast launch on the packed path (``_Deferred``): bit-equal in
-    the CPU tests, not yet measured on a GPU, so off by default; $SOLUTION_DEFER_DROPOUT=1."""
-    return os.environ.get(DEFER_ENV, "0") == "1"
+    """Make fp16(dropout(x)) inside the cast launch on the packed path (``_Deferred``). On by default
+    since the H200 measurement of 2026-11-30 (~04:0x UTC): PyTorch copy/cast kernels 0.217 -> 0.183 s,
+    GPU time 1.637 -> 1.617 s over steps 3-64; $SOLUTION_DEFER_DROPOUT=0 lets torch make it."""
+    return os.environ.get(DEFER_ENV, "1") != "0"
 
 
 class _Deferred:
