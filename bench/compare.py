@@ -167,7 +167,7 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload) ->
     ran = set()
     if sol_prof and sol_prof.get("profile"):
         ran |= {k for k in sol_prof["profile"]["kernel_times_s"] if is_own_kernel(k)}
-    ran |= set(sol.get("launches", {}))
+    ran |= set(sol.get("launches", {})) - set(sol.get("launches_not_ours", []))
     rep["own_kernels_ran"] = sorted(ran)
     split = rep["kernel_split"]["solution"]
     if split and sol.get("train_excl_first2_s"):

@@ -292,6 +292,7 @@ def main(argv=None) -> int:
         "tracker": read_tracker(work / "soup.db"),
         "outputs": output_files(out_dir),
         "launches": dict(_launches.LAUNCHES),
+        "launches_not_ours": sorted(_launches.NOT_OURS),
         "prohibited_modules_loaded": sorted({m.split(".")[0] for m in sys.modules} & set(PROHIBITED)),
         "profile": None,
     }

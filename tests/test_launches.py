@@ -32,3 +32,11 @@ def test_launch_runs_and_counts(device):
     _launches.launch(_axpy_kernel, (_launches.cdiv(1000, 256),), "axpy", x, y, out, 1000, 2.0, BLOCK=256)
     torch.testing.assert_close(out, x * 2.0 + y)
     assert _launches.LAUNCHES["axpy"] == 1
+
+
+def test_records_of_other_kernels_are_marked_not_ours():
+    _launches.reset()
+    _launches.record("torch_kernel_counted_for_a_test", ours=False)
+    _launches.record("ours")
+    assert _launches.LAUNCHES["torch_kernel_counted_for_a_test"] == 1
+    assert "torch_kernel_counted_for_a_test" in _launches.NOT_OURS and "ours" not in _launches.NOT_OURS

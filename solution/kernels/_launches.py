@@ -5,16 +5,23 @@ the CPU interpreter, where no GPU profiler sees kernels (counting costs ~50 ns a
 Measured and dropped (2026-11-30, H200, Triton 3.6; bench/kernels/bench_launch.py): calling the
 compiled kernel's launcher directly instead of ``kernel[grid](...)``. cProfile had put Triton's
 launch path at 64 us a launch; measured without the profiler it costs 13.8 us (a torch.add: 7.3 us),
-so at ~950 launches a step at most ~9 ms of a ~170-240 ms step could be saved, and the first
-version, whose cache key cost more than it saved, measured slower. See docs/NOTES.md.
+so at ~950 launches a step at most ~9-15 ms of a ~170-280 ms step could be saved. The first
+version never reached its direct path on the GPU (its test showed every launch still going through
+Triton, plus its cache key: 21.7 against 13.8 us), so it was dropped rather than debugged.
+See docs/PERFORMANCE.md ("Host time per operation") and docs/NOTES.md.
 """
 from collections import Counter
 
 LAUNCHES: Counter = Counter()
+# Names counted in LAUNCHES that are not our Triton kernels (PyTorch's own kernels or reference
+# code run by our wiring): counted for the tests, never reported as our kernels.
+NOT_OURS: set = set()
 
 
-def record(kernel_name: str) -> None:
+def record(kernel_name: str, ours: bool = True) -> None:
     LAUNCHES[kernel_name] += 1
+    if not ours:
+        NOT_OURS.add(kernel_name)
 
 
 def reset() -> None:

@@ -24,7 +24,7 @@ residual add of the MLP's fp16 output.
    bit against torch (tests/test_fp32_add.py), on the CPU interpreter and on the GPU.
 
 5. How it was measured. ``python -m bench.variants default add=SOLUTION_ADD_KERNEL=1`` on the H200
-   taking the T4's paths (2026-11-30, ~04:0x UTC; steps 3-64, profiled): PyTorch copy/cast kernels
+   taking the T4's paths (2026-11-30, ~03:2x UTC; steps 3-64, profiled): PyTorch copy/cast kernels
    0.217 -> 0.180 s, our kernels 0.442 -> 0.462 s, GPU time 1.637 -> 1.619 s (-0.018 s; predicted
    -0.03 to -0.05 s), memory unchanged. On by default; ``SOLUTION_ADD_KERNEL=0`` keeps torch's adds.
 """

@@ -245,7 +245,7 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
     limit = INTERP_KERNEL_MAX_LOGITS
     if interpreter_enabled() and limit is not None and logits.numel() > limit:
         rows_reference_torch(logits, labels, loss, entropy, argmax, write_grad)
-        record("_lm_head_ce_rows_torch")
+        record("_lm_head_ce_rows_torch", ours=False)
     else:
         launch_rows_kernel(logits, labels, loss, entropy, argmax, write_grad, block_v=block_v,
                            block_rows=block_rows)

@@ -135,7 +135,7 @@ DEFER_ENV = "SOLUTION_DEFER_DROPOUT"
 
 def defer_dropout_enabled() -> bool:
     """Make fp16(dropout(x)) inside the cast launch on the packed path (``_Deferred``). On by default
-    since the H200 measurement of 2026-11-30 (~04:0x UTC): PyTorch copy/cast kernels 0.217 -> 0.183 s,
+    since the H200 measurement of 2026-11-30 (~03:2x UTC): PyTorch copy/cast kernels 0.217 -> 0.183 s,
     GPU time 1.637 -> 1.617 s over steps 3-64; $SOLUTION_DEFER_DROPOUT=0 lets torch make it."""
     return os.environ.get(DEFER_ENV, "1") != "0"
 

@@ -14,16 +14,14 @@ Two swaps:
    attentions requested, gradient checkpointing, sliding-window layers, attention dropout,
    another attention implementation) runs the stock forward unchanged.
 2. ``AttentionInterface._global_mapping["sdpa"]``: when the mask argument is an ``Unpadded``,
-   q/k/v go back to the padded [batch, heads, seqlen, dim] layout (zeros at pads), the same SDPA
-   call as stock runs with ``is_causal=True`` (K/V repeated to the 12 query heads as stock does
-   when it passes a mask), and the real rows of the output are kept. With right padding a real
-   query at position t attends to keys 0..t, all real: the set of keys is stock's, so the values
-   are the same up to the attention kernel's rounding (masked entries are skipped instead of
-   set to -inf). Any other call goes to the stock function.
-
-Why the attention stays padded: SDPA's memory-efficient kernel (the T4's) takes rectangular
-batches; a packed causal mask over [N, N] would cost N^2 instead of sum(len^2). The padding it
-does there is the only work on pads left (attention is ~10% of the step's matrix work).
+   attention runs on the packed rows by default: PyTorch's memory-efficient kernel in its
+   variable-length mode (``cu_seqlens``, causal within each row; solution/kernels/attn_varlen.py),
+   K/V repeated to the 12 query heads by our layout kernel. With SOLUTION_ATTN_VARLEN=0, q/k/v go
+   back to the padded [batch, heads, seqlen, dim] layout (zeros at pads), the same SDPA call as
+   stock runs with ``is_causal=True``, and the real rows of the output are kept. Either way, with
+   right padding a real query at position t attends to keys 0..t of its row, all real: the set of
+   keys is stock's, so the values are the same up to the attention kernel's rounding (masked
+   entries are skipped instead of set to -inf). Any other call goes to the stock function.
 
 Refused (check()) unless the installed Qwen2Model.forward and sdpa_attention_forward are the
 sources mirrored here or reviewed as equivalent (sha256, solution/patches/_sources.py: transformers
@@ -222,7 +220,7 @@ VARLEN_ENV = "SOLUTION_ATTN_VARLEN"
 
 def varlen_enabled() -> bool:
     """Variable-length attention on the packed rows (solution/kernels/attn_varlen.py) instead of
-    the padded layout. On by default since the H200 measurement of 2026-11-30 (~04:0x UTC): attention
+    the padded layout. On by default since the H200 measurement of 2026-11-30 (~03:2x UTC): attention
     kernels 0.246 -> 0.180 s and GPU time 1.637 -> 1.558 s over steps 3-64, peak allocated 5.52 ->
     5.40 GiB, loss within 1.0e-5 (docs/kernels/attn_varlen.md); $SOLUTION_ATTN_VARLEN=0 keeps the
     padded layout. Needs the layout kernels (it repeats KV heads with them)."""
