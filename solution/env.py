@@ -24,7 +24,7 @@ def interpreter_enabled() -> bool:
 def check_support() -> Support:
     """Can our Triton kernels run here, and on what?
 
-    - CUDA GPU with compute capability >= 7.5 (the T4 is 7.5) and Triton importable: yes.
+    - CUDA GPU with compute capability >= 7.5 (the T4 is 7.5) and Triton >= 3.2 importable: yes.
     - No CUDA but TRITON_INTERPRET=1 (CI, CPU tests): yes, through the interpreter (slow,
       for correctness only).
     - Anything else: no, with the reason.
@@ -34,9 +34,12 @@ def check_support() -> Support:
     except ImportError:  # pragma: no cover - torch is a hard dependency
         return Support(False, "none", "PyTorch is not installed")
     try:
-        import triton  # noqa: F401
+        import triton
     except ImportError:
         return Support(False, "none", "Triton is not installed (pip install triton)")
+    too_old = triton_too_old(getattr(triton, "__version__", "0"))
+    if too_old:
+        return Support(False, "none", too_old)
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         if (major, minor) < (7, 5):
@@ -48,6 +51,24 @@ def check_support() -> Support:
     if interpreter_enabled():
         return Support(True, "interpreter", "no CUDA; TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter")
     return Support(False, "none", "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)")
+
+
+# The oldest Triton our kernels are tested with: the sm_75 compile check passes on 3.0-3.8, but
+# Triton 3.0 / 3.1's interpreter cannot run them, so their results were never compared with the
+# references there (docs/NOTES.md, "Triton versions"). Triton 3.2 is what torch 2.6 ships.
+OLDEST_TRITON = (3, 2)
+
+
+def triton_too_old(version: str) -> str | None:
+    """Why this Triton version is refused (None: accepted)."""
+    try:
+        major, minor = (int(x) for x in version.split(".")[:2])
+    except ValueError:
+        return f"Triton version {version!r} not understood"
+    if (major, minor) < OLDEST_TRITON:
+        return (f"Triton {version} is older than {OLDEST_TRITON[0]}.{OLDEST_TRITON[1]}, the oldest our kernels "
+                f"are tested with (PyTorch >= 2.6 brings it)")
+    return None
 
 
 def bf16_native() -> bool:

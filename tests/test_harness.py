@@ -170,3 +170,29 @@ def test_memory_peak_replay_finds_the_peak_and_its_owners():
     sites = {site: (nbytes, count) for site, nbytes, count in br["by_site"]}
     assert sites == {"solution/kernels/a.py:10 f": (100, 1), "solution/kernels/a.py:30 f": (80, 2)}
     assert "solution/kernels/a.py:30 f" in format_breakdown(br)
+
+
+def test_triton_older_than_tested_falls_back_with_a_reason():
+    from solution.env import triton_too_old
+
+    assert triton_too_old("3.1.0") and "3.2" in triton_too_old("3.1.0")
+    assert triton_too_old("2.3.1")
+    assert triton_too_old("3.2.0") is None and triton_too_old("3.6.0") is None and triton_too_old("3.8.0") is None
+    assert triton_too_old("4.0.0+git1234") is None
+    assert "not understood" in triton_too_old("nightly")
+
+
+def test_apply_installs_nothing_on_an_old_triton(monkeypatch, capsys):
+    import triton
+
+    import solution
+    from solution import _apply
+
+    monkeypatch.setattr(triton, "__version__", "3.1.0")
+    solution.revert()
+    try:
+        assert solution.apply() == {}
+        assert "older than 3.2" in capsys.readouterr().out
+        assert not _apply.installed()
+    finally:
+        solution.revert()

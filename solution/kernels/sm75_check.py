@@ -37,8 +37,16 @@ def compile_spec(spec: dict):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    src = triton.compiler.ASTSource(fn=spec["fn"], signature=spec["signature"],
-                                    constexprs=spec.get("constexprs", {}))
+    fn = spec["fn"]
+    # every parameter in the kernel's order, constexprs included (Triton 3.2 and 3.3 map the
+    # signature to the parameters by position)
+    signature = {n: spec["signature"].get(n, "constexpr") for n in fn.arg_names}
+    constexprs = spec.get("constexprs", {})
+    try:  # Triton >= 3.3: constexprs keyed by the parameter's index path
+        src = triton.compiler.ASTSource(fn=fn, signature=signature,
+                                        constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    except TypeError:  # Triton 3.0 - 3.2 (what a T4 with torch <= 2.6 has): "constants", by name
+        src = triton.compiler.ASTSource(fn=fn, signature=signature, constants=constexprs)
     options = {"num_warps": spec.get("num_warps", 4), "num_stages": 1, **spec.get("options", {})}
     return triton.compile(src, target=GPUTarget("cuda", 75, 32), options=options)
 
