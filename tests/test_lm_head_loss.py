@@ -627,3 +627,25 @@ def test_fallback_message_is_said_once(capsys):
     patch._say_once("test reason")
     patch._say_once("test reason")
     assert capsys.readouterr().out.count("[solution] test reason") == 1
+
+
+def test_frozen_weight_cast_is_reused_only_while_the_weight_is_unchanged(device):
+    """cast_frozen_weight: the same fp16 bits as weight.to(fp16); reused for the same unchanged
+    tensor; recast after an in-place write, for another tensor (even one with the same values),
+    for a weight that requires grad (never cached), and after clear_weight_cache()."""
+    lm_mod.clear_weight_cache()
+    w = torch.randn(50, 16, device=device)
+    a = lm_mod.cast_frozen_weight(w, torch.float16)
+    assert a.dtype == torch.float16 and torch.equal(a, w.to(torch.float16))
+    assert lm_mod.cast_frozen_weight(w, torch.float16) is a  # reused
+    with torch.no_grad():
+        w.mul_(2.0)  # bumps the version counter
+    b = lm_mod.cast_frozen_weight(w, torch.float16)
+    assert b is not a and torch.equal(b, w.to(torch.float16))
+    w2 = w.clone()
+    assert lm_mod.cast_frozen_weight(w2, torch.float16) is not b
+    trained = torch.nn.Parameter(torch.randn(50, 16, device=device))
+    assert lm_mod.cast_frozen_weight(trained, torch.float16) is not lm_mod.cast_frozen_weight(trained, torch.float16)
+    assert lm_mod.cast_frozen_weight(w, torch.float32) is w  # already that dtype: no copy
+    lm_mod.clear_weight_cache()
+    assert not lm_mod._WEIGHT_CACHE
