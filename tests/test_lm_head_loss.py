@@ -649,3 +649,9 @@ def test_frozen_weight_cast_is_reused_only_while_the_weight_is_unchanged(device)
     assert lm_mod.cast_frozen_weight(w, torch.float32) is w  # already that dtype: no copy
     lm_mod.clear_weight_cache()
     assert not lm_mod._WEIGHT_CACHE
+
+
+def test_frozen_weight_cache_can_be_turned_off(device, monkeypatch):
+    monkeypatch.setenv("SOLUTION_LM_HEAD_WEIGHT_CACHE", "0")
+    w = torch.randn(20, 8, device=device)
+    assert lm_mod.cast_frozen_weight(w, torch.float16) is not lm_mod.cast_frozen_weight(w, torch.float16)

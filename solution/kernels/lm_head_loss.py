@@ -40,6 +40,7 @@ would cost a third [N, H] x [H, V] matmul (~25 ms per step on a T4) to save noth
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from dataclasses import dataclass
 
@@ -265,8 +266,11 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # Risks: a weight that requires grad (trained head) is never cached; memory: the fp16 copy now
 # stays allocated between steps, but it was alive at the step's memory peak anyway (the peak is
 # the LM head's forward, docs/PERFORMANCE.md), so the peak does not move. clear_weight_cache()
-# drops it (solution.revert() calls it).
+# drops it (solution.revert() calls it). SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again.
+# Measured: not yet (built after the 2026-11-30 device time was spent); to measure:
+# VARIANTS="default nocache=SOLUTION_LM_HEAD_WEIGHT_CACHE=0" bash scripts/gpu_run.sh variants.
 _WEIGHT_CACHE: dict = {}
+WEIGHT_CACHE_ENV = "SOLUTION_LM_HEAD_WEIGHT_CACHE"
 
 
 def _weight_key(weight: torch.Tensor, dtype: torch.dtype):
@@ -276,7 +280,7 @@ def _weight_key(weight: torch.Tensor, dtype: torch.dtype):
 
 def cast_frozen_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight.to(dtype)``: the same values, reused across calls for a frozen weight."""
-    if weight.dtype == dtype or weight.requires_grad:
+    if weight.dtype == dtype or weight.requires_grad or os.environ.get(WEIGHT_CACHE_ENV, "1") == "0":
         return weight.to(dtype)
     key = _weight_key(weight, dtype)
     hit = _WEIGHT_CACHE.get("entry")
