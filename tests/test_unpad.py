@@ -278,15 +278,16 @@ def test_sft_trainer_logs_match_stock_with_packed_batches(device, tmp_path, monk
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("varlen", [False, True])
-def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, varlen):
+@pytest.mark.parametrize("attention", ["padded", "varlen", "triton"])
+def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, attention):
     """The workload's stack on a tiny model: NF4 double-quant weights (bitsandbytes), peft LoRA
     r=16 on q/v with dropout 0.05, fp16 autocast, every patch through solution.apply(), a
     right-padded batch: loss and LoRA gradients against stock on the same seed (the dropout masks
     are the same draws). Tolerances: the packed path runs the fp16 GEMMs over N rows instead of
     batch x seqlen (cuBLAS may pick other kernels) and attention with is_causal instead of a mask,
     so results differ at fp16 rounding: loss rel 1e-3, gradients rel 3e-2 (fp16 sums over ~100
-    tokens). Written without GPU access (2026-11-30): its first GPU run is pending."""
+    tokens). attention: the padded layout, PyTorch's variable-length kernel (the default) or our
+    Triton kernel (solution/kernels/attn_triton.py; that case has not run on a GPU yet)."""
     if device != "cuda":
         pytest.skip("bitsandbytes 4-bit needs CUDA")
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -297,7 +298,8 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, var
     from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
     from workload.model_standin import write_standin
 
-    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1" if varlen else "0")
+    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1" if attention == "varlen" else "0")
+    monkeypatch.setenv("SOLUTION_ATTN_TRITON", "1" if attention == "triton" else "0")
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 
@@ -329,7 +331,8 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, var
     _launches.reset()
     loss_o, grads_o = run(True)
     assert _launches.LAUNCHES["nf4_dequant_cast"] > 0
-    assert (_launches.LAUNCHES["efficient_attention_varlen"] > 0) == varlen
+    assert (_launches.LAUNCHES["efficient_attention_varlen"] > 0) == (attention == "varlen")
+    assert (_launches.LAUNCHES["_attn_fwd_kernel"] > 0) == (attention == "triton")
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():
