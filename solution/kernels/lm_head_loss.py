@@ -263,7 +263,10 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # What it does instead: keeps the last cast (one entry) and reuses it while the weight is the same
 # tensor object (held by a weak reference) with the same storage, shape, strides and version counter (every in-place write, e.g. an
 # optimizer step or a load, bumps the version; assigning .data changes the storage).
-# Risks: a weight that requires grad (trained head) is never cached; memory: the fp16 copy now
+# Risks: a write through ``weight.data`` bypasses the version counter and would not be seen
+# (nothing in this workload writes the frozen head; Trainer, peft and Soup do not; load_state_dict
+# copies into the parameter itself, which counts); a weight that requires grad (trained head) is
+# never cached; memory: the fp16 copy now
 # stays allocated between steps, but it was alive at the step's memory peak anyway (the peak is
 # the LM head's forward, docs/PERFORMANCE.md), so the peak does not move. clear_weight_cache()
 # drops it (solution.revert() calls it). SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again.
