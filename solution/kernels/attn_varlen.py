@@ -18,8 +18,10 @@
    is not supported by that mode: the KV heads are repeated 2 -> 12 and cast to fp16 by our
    ``pad_rows_kernel`` on the packed layout (``padding.packed_layout``: batch 1, no pad
    positions), in the same single pass per tensor as on the padded path.
-   This is PyTorch's own kernel (not a kernel library); no Triton attention is used, because
-   Triton >= 3.3 runs ``tl.dot`` on a T4 without tensor cores (field notes).
+   This is PyTorch's own kernel (not a kernel library). It is the default rather than a Triton
+   attention because Triton >= 3.3 runs ``tl.dot`` on a T4 without tensor cores (field notes); our
+   own Triton attention (solution/kernels/attn_triton.py, SOLUTION_ATTN_TRITON=1) is built to be
+   measured against it, and stays off until it wins.
 
 4. Correctness risks. Per real query the set of keys is the padded path's (causal within the row);
    what can differ is the order of the fp32 sums inside the kernel (other tile counts for other
