@@ -5,8 +5,8 @@
 #   !git clone <this repo> soup-kernels && cd soup-kernels && bash scripts/t4_run.sh
 # Prints the same report as scripts/compare.sh and writes runs/<timestamp>/report.{md,json,png}.
 # With T4_VARIANTS=1 it then also profiles the solution's settings side by side (the default, the
-# memory policies "balanced" and "memory", the padded attention layout): runs/variants-t4/variants.md,
-# ~4 more runs.
+# memory policies "balanced" and "memory", the padded attention layout, our own Triton attention):
+# runs/variants-t4/variants.md, ~5 more runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
@@ -16,6 +16,6 @@ rc=0
 python3 -m bench.compare "$@" || rc=$?  # non-zero when a rule check fails: the report says which
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
   python3 -m bench.variants --out runs/variants-t4 default balanced=SOLUTION_MEMORY_POLICY=balanced \
-    memory=SOLUTION_MEMORY_POLICY=memory padded=SOLUTION_ATTN_VARLEN=0
+    memory=SOLUTION_MEMORY_POLICY=memory padded=SOLUTION_ATTN_VARLEN=0 triton=SOLUTION_ATTN_TRITON=1
 fi
 exit $rc
