@@ -80,9 +80,11 @@ def _configs(device: torch.device) -> dict:
         return {"fwd": (16, 16, 1), "dkdv": (16, 16, 1), "dq": (16, 16, 1)}
     if torch.cuda.get_device_capability(device) < (8, 0):  # T4: 64 KB of shared memory per block
         return {"fwd": (64, 32, 4), "dkdv": (32, 32, 4), "dq": (32, 32, 4)}
-    # not tuned (no GPU run yet): the backward keeps two [64, 128] fp32 accumulators (dK, dV) or
-    # one plus the Q / dO tiles per program, hence 8 warps to leave registers for the rest
-    return {"fwd": (64, 64, 4), "dkdv": (64, 64, 8), "dq": (64, 64, 8)}
+    # Not tuned (no GPU run yet). dK/dV: one program per (key block, row, KV head) is only
+    # 2 KV heads x 4 rows x 512 / BLOCK_N programs, so its key blocks are 32 wide (128 programs for a
+    # row of 512, about one per H200 SM) rather than 64 (64 programs). dQ keeps a [64, 128] fp32
+    # accumulator next to the Q / dO tiles: 8 warps to leave registers for the rest.
+    return {"fwd": (64, 64, 4), "dkdv": (64, 32, 4), "dq": (64, 64, 8)}
 
 
 @triton.jit
