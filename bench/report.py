@@ -65,6 +65,22 @@ def summary_table(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def _share_context(rep: dict) -> list[str]:
+    """What the share is made of (measured figures of this report, nothing new): our kernels'
+    share of the solution's GPU kernel time, and how busy the GPU was during the timed steps. A GPU
+    busy a small part of the wall time means a host-bound step, where kernel work barely moves the
+    share's denominator."""
+    ks = rep["kernel_split"].get("solution")
+    wall = rep["solution"].get("train_excl_first2_s")
+    own = rep.get("own_kernel_gpu_s")
+    if not ks or not wall or own is None or not ks.get("total_gpu_s"):
+        return []
+    return [f"(our kernels: {own:.3f} s = {own / ks['total_gpu_s']:.1%} of the solution's GPU kernel time; "
+            f"GPU kernel time {ks['total_gpu_s']:.2f} s over {wall:.1f} s of wall time = "
+            f"{ks['total_gpu_s'] / wall:.1%} busy: "
+            f"{'host-bound' if ks['total_gpu_s'] / wall < 0.5 else 'GPU-bound'} steps)"]
+
+
 def markdown(rep: dict) -> str:
     v = rep["versions"]
     out = [f"# Baseline vs solution: {rep['model']}", "",
@@ -82,8 +98,9 @@ def markdown(rep: dict) -> str:
     share = rep.get("own_kernel_share")
     out += ["", f"Own-kernel share of training time excluding the first two steps: "
             f"**{'n/a' if share is None else f'{share:.1%}'}**"
-            + ("" if share is not None else f" ({rep.get('own_kernel_share_note')})"),
-            f"Own kernels that ran: {', '.join(rep.get('own_kernels_ran') or []) or 'none'}", ""]
+            + ("" if share is not None else f" ({rep.get('own_kernel_share_note')})")]
+    out += _share_context(rep)
+    out += [f"Own kernels that ran: {', '.join(rep.get('own_kernels_ran') or []) or 'none'}", ""]
     for variant in ("baseline", "solution"):
         ks = rep["kernel_split"][variant]
         if not ks:

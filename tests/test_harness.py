@@ -196,3 +196,16 @@ def test_apply_installs_nothing_on_an_old_triton(monkeypatch, capsys):
         assert not _apply.installed()
     finally:
         solution.revert()
+
+
+def test_report_puts_the_share_in_context():
+    """The report says what the own-kernel share is made of, from the report's own figures."""
+    from bench.report import _share_context
+
+    rep = {"kernel_split": {"solution": {"total_gpu_s": 1.5}}, "solution": {"train_excl_first2_s": 12.0},
+           "own_kernel_gpu_s": 0.45}
+    (line,) = _share_context(rep)
+    assert "30.0% of the solution's GPU kernel time" in line and "12.5% busy: host-bound" in line
+    rep["solution"]["train_excl_first2_s"] = 2.0
+    assert "GPU-bound" in _share_context(rep)[0]
+    assert _share_context({"kernel_split": {"solution": None}, "solution": {}}) == []
