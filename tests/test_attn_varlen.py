@@ -125,3 +125,28 @@ def _gqa_reference(q, k, v, dout, lengths, scale):
     out = (torch.softmax(s, -1) @ vr).transpose(1, 2)
     grads = torch.autograd.grad(out, (q64, k64, v64), dout.double().cpu())
     return out.detach(), grads
+
+
+def test_varlen_failure_falls_back_to_the_padded_layout_once(monkeypatch, capsys):
+    """If PyTorch's variable-length kernel refuses this machine (never run on a real T4), the
+    attention runs on the padded layout, with one message, and varlen stays off afterwards."""
+    from solution.patches import qwen2_unpad
+
+    class Attn:
+        num_key_value_groups = 1
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no varlen here")
+
+    monkeypatch.setattr(qwen2_unpad, "_VARLEN_FAILED", None)
+    monkeypatch.setattr(attn_varlen, "varlen_causal_attention", refuse)
+    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1")
+    info = padding.make_unpadded([3, 5], 5, torch.device("cpu"))
+    q, k, v = (t.transpose(1, 2) for t in _qkv(8, 2, 16, torch.float32, "cpu"))
+    _launches.reset()
+    out, _ = qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
+    assert out.shape == (1, 8, 2, 16) and _launches.LAUNCHES["pad_rows_kernel"] > 0
+    assert "variable-length attention failed (RuntimeError: no varlen here)" in capsys.readouterr().out
+    assert not qwen2_unpad.varlen_enabled()
+    qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
+    assert capsys.readouterr().out == ""  # said once

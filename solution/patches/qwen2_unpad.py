@@ -198,7 +198,12 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
                     and attn_triton.supported(query.shape[-1], query.shape[1], key.shape[1], dtype, query.device)):
                 return _sdpa_triton(query, key, value, info, scaling)
             if varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None:
-                return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
+                try:
+                    return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
+                except torch.cuda.OutOfMemoryError:
+                    raise  # not a refusal of the kernel: the padded layout would need more memory
+                except RuntimeError as exc:  # e.g. a PyTorch build or GPU without the varlen mode
+                    _varlen_failed(exc)
             return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
     b, s = info.batch, info.seqlen
 
@@ -227,7 +232,21 @@ def varlen_enabled() -> bool:
     kernels 0.246 -> 0.180 s and GPU time 1.637 -> 1.558 s over steps 3-64, peak allocated 5.52 ->
     5.40 GiB, loss within 1.0e-5 (docs/kernels/attn_varlen.md); $SOLUTION_ATTN_VARLEN=0 keeps the
     padded layout. Needs the layout kernels (it repeats KV heads with them)."""
-    return os.environ.get(VARLEN_ENV, "1") != "0"
+    return _VARLEN_FAILED is None and os.environ.get(VARLEN_ENV, "1") != "0"
+
+
+_VARLEN_FAILED: str | None = None
+
+
+def _varlen_failed(exc: Exception) -> None:
+    """The variable-length kernel refused this machine's inputs (it was measured on an H200 taking
+    the T4's paths, never on a real T4): say so once, and use the padded layout from now on (the
+    same values up to the attention kernel's rounding)."""
+    global _VARLEN_FAILED
+    if _VARLEN_FAILED is None:
+        _VARLEN_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        print(f"[solution] variable-length attention failed ({_VARLEN_FAILED}); attention runs on the padded "
+              "layout from now on", flush=True)
 
 
 def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
