@@ -186,7 +186,9 @@ def _make_model_forward(stock_forward):
 
 def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **kwargs):
     """Attention of packed rows: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> [1, N, Hq, D]
-    (the layout stock's sdpa_attention_forward returns), through the padded layout."""
+    (the layout stock's sdpa_attention_forward returns). By default on the packed rows themselves
+    (PyTorch's variable-length kernel; our Triton kernel with $SOLUTION_ATTN_TRITON=1), else
+    through the padded layout (our layout kernels, or torch's ops with the layout kernels off)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     from solution import padding
