@@ -73,12 +73,13 @@ def _share_context(rep: dict) -> list[str]:
     ks = rep["kernel_split"].get("solution")
     wall = rep["solution"].get("train_excl_first2_s")
     own = rep.get("own_kernel_gpu_s")
-    if not ks or not wall or own is None or not ks.get("total_gpu_s"):
+    gpu = ks.get("total_gpu_s") if ks else None
+    if not gpu or not wall or own is None:
         return []
-    return [f"(our kernels: {own:.3f} s = {own / ks['total_gpu_s']:.1%} of the solution's GPU kernel time; "
-            f"GPU kernel time {ks['total_gpu_s']:.2f} s over {wall:.1f} s of wall time = "
-            f"{ks['total_gpu_s'] / wall:.1%} busy: "
-            f"{'host-bound' if ks['total_gpu_s'] / wall < 0.5 else 'GPU-bound'} steps)"]
+    busy = gpu / wall
+    return [f"(our kernels: {own:.3f} s = {own / gpu:.1%} of the solution's GPU kernel time; "
+            f"GPU kernel time {gpu:.2f} s over {wall:.1f} s of wall time = {busy:.1%} busy: "
+            f"{'host-bound' if busy < 0.5 else 'GPU-bound'} steps)"]
 
 
 def markdown(rep: dict) -> str:

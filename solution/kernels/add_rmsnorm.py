@@ -138,7 +138,7 @@ def _launch_forward(r2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, ep
         rows = _rows_per_program(n_rows, block)
         launch(_add_rmsnorm_fwd_kernel, (cdiv(n_rows, rows),), "_add_rmsnorm_fwd_kernel",
                r2, x2, weight, h, y, rstd, n_rows, r2.stride(0), x2.stride(0), n_cols, eps,
-            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
+               BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
     return h, y, rstd
 
 
@@ -152,8 +152,8 @@ def _launch_backward(h2, weight, gy2, gh2, rstd, dtypes):
         gh_arg = h2 if gh2 is None else gh2  # placeholder of h's dtype, never read when absent
         launch(_add_rmsnorm_bwd_kernel, (cdiv(n_rows, rows),), "_add_rmsnorm_bwd_kernel",
                h2, weight, gy2, gh_arg, rstd, outs[0], outs[-1], n_rows, gy2.stride(0),
-            0 if gh2 is None else gh2.stride(0), n_cols, HAS_GRAD_H=gh2 is not None, TWO_OUTPUTS=len(outs) == 2,
-            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
+               0 if gh2 is None else gh2.stride(0), n_cols, HAS_GRAD_H=gh2 is not None, TWO_OUTPUTS=len(outs) == 2,
+               BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
     return outs
 
 

@@ -121,7 +121,7 @@ def _launch_pad(rows: torch.Tensor, info, rep: int, out_dtype: torch.dtype) -> t
     if n_rows:
         launch(pad_rows_kernel, (n_rows,), "pad_rows_kernel",
                rows, info.src, out, n_rows, st[0], st[1], out.stride(1), out.stride(2),
-                                   H_IN=h_in, REP=rep, D=d, HP2=_hp2(h_in * rep), num_warps=GPU_NUM_WARPS)
+               H_IN=h_in, REP=rep, D=d, HP2=_hp2(h_in * rep), num_warps=GPU_NUM_WARPS)
     return out.transpose(1, 2)
 
 
@@ -134,7 +134,7 @@ def _launch_unpad(padded: torch.Tensor, info, rep: int, out_dtype: torch.dtype) 
     if n:
         launch(unpad_rows_kernel, (n,), "unpad_rows_kernel",
                x, info.idx, out, n, row_stride, head_stride, out.stride(0), out.stride(1),
-                                H_OUT=h_out, REP=rep, D=d, HP2=_hp2(h_out), num_warps=GPU_NUM_WARPS)
+               H_OUT=h_out, REP=rep, D=d, HP2=_hp2(h_out), num_warps=GPU_NUM_WARPS)
     return out
 
 

@@ -170,7 +170,7 @@ def _attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr, scale_log2, n_
 
 
 @triton.jit
-def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, n_total, n_heads, so_n, so_h, sdo_n, sdo_h,
+def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, n_total, so_n, so_h, sdo_n, sdo_h,
                            D: tl.constexpr, BLOCK: tl.constexpr):
     """delta[h, t] = sum_d dO[t, h, d] * O[t, h, d] (fp32) for BLOCK tokens of one head."""
     h = tl.program_id(1)
@@ -297,7 +297,7 @@ class TritonVarlenAttention(torch.autograd.Function):
             delta = torch.empty((hq, n), dtype=torch.float32, device=q.device)
             block = 64 if q.device.type == "cuda" else 16
             launch(_attn_bwd_delta_kernel, (cdiv(n, block), hq), "_attn_bwd_delta_kernel",
-                   out, dout, delta, n, hq, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
+                   out, dout, delta, n, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1),
                    D=d, BLOCK=block, num_warps=4 if q.device.type == "cuda" else 1)
             strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), dout.stride(0), dout.stride(1))
             bm, bn, warps = cfg["dkdv"]
@@ -333,7 +333,7 @@ def sm75_specs():
                          "KV_BLOCKS": "constexpr"},
            "constexprs": {"GROUPS": 6, "D": 128, "BLOCK_M": bm, "BLOCK_N": bn, "KV_BLOCKS": 16}}
     yield {"name": "attn_bwd_delta D128 B64 w4", "fn": _attn_bwd_delta_kernel, "num_warps": 4,
-           "signature": {"o_ptr": "*fp16", "do_ptr": "*fp16", "delta_ptr": "*fp32", "n_total": "i32", "n_heads": "i32",
+           "signature": {"o_ptr": "*fp16", "do_ptr": "*fp16", "delta_ptr": "*fp32", "n_total": "i32",
                          "so_n": "i32", "so_h": "i32", "sdo_n": "i32", "sdo_h": "i32",
                          "D": "constexpr", "BLOCK": "constexpr"},
            "constexprs": {"D": 128, "BLOCK": 64}}

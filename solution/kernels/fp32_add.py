@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from solution.env import interpreter_enabled
-from solution.kernels._launches import launch
+from solution.kernels._launches import cdiv, launch
 
 ENV = "SOLUTION_ADD_KERNEL"
 GPU_BLOCK = 2048
@@ -76,7 +76,7 @@ def add_as_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     n = out.numel()
     block = GPU_BLOCK if out.device.type == "cuda" else INTERPRETER_BLOCK
-    launch(fp32_add_kernel, (-(-n // block),), "fp32_add_kernel",
+    launch(fp32_add_kernel, (cdiv(n, block),), "fp32_add_kernel",
            a, b, out, n, BLOCK=block, num_warps=GPU_NUM_WARPS)
     return out
 

@@ -200,9 +200,9 @@ def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.T
     grid = (cdiv(rows, block_rows),)
     launch(_lm_head_ce_rows_kernel, grid, "_lm_head_ce_rows_kernel",
            logits, labels, loss, entropy, argmax, rows, logits.stride(0), GRAD_SCALE,
-                                  VOCAB=vocab, IGNORE=IGNORE_INDEX, NEG_FILL=NEG_FILL[logits.dtype],
-                                  WRITE_GRAD=write_grad, BLOCK_ROWS=block_rows, BLOCK_V=block_v,
-                                  num_warps=num_warps)
+           VOCAB=vocab, IGNORE=IGNORE_INDEX, NEG_FILL=NEG_FILL[logits.dtype],
+           WRITE_GRAD=write_grad, BLOCK_ROWS=block_rows, BLOCK_V=block_v,
+           num_warps=num_warps)
 
 
 def rows_reference_torch(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
@@ -261,15 +261,16 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # head is frozen: LoRA trains q/v only). On the H200 that is ~0.3 ms a step; on a T4 (320 GB/s)
 # ~4.4 ms a step, ~0.27 s over 62 steps (computed, not measured).
 # What it does instead: keeps the last cast (one entry) and reuses it while the weight is the same
-# tensor object (held by a weak reference) with the same storage, shape, strides and version counter (every in-place write, e.g. an
-# optimizer step or a load, bumps the version; assigning .data changes the storage).
+# tensor object (held by a weak reference) with the same storage, shape, strides and version
+# counter (every in-place write, e.g. an optimizer step or a load, bumps the version; assigning
+# .data changes the storage).
 # Risks: a write through ``weight.data`` bypasses the version counter and would not be seen
 # (nothing in this workload writes the frozen head; Trainer, peft and Soup do not; load_state_dict
 # copies into the parameter itself, which counts); a weight that requires grad (trained head) is
-# never cached; memory: the fp16 copy now
-# stays allocated between steps, but it was alive at the step's memory peak anyway (the peak is
-# the LM head's forward, docs/PERFORMANCE.md), so the peak does not move. clear_weight_cache()
-# drops it (solution.revert() calls it). SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again.
+# never cached; memory: the fp16 copy now stays allocated between steps, but it was alive at the
+# step's memory peak anyway (the peak is the LM head's forward, docs/PERFORMANCE.md), so the peak
+# does not move. clear_weight_cache() drops it (solution.revert() calls it).
+# SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again.
 # Measured: not yet (built after the 2026-11-30 device time was spent); to measure:
 # VARIANTS="default nocache=SOLUTION_LM_HEAD_WEIGHT_CACHE=0" bash scripts/gpu_run.sh variants.
 _WEIGHT_CACHE: dict = {}

@@ -109,7 +109,7 @@ def lora_combine(base16: torch.Tensor, lora16: torch.Tensor, scaling: float, out
     grid, block = _grid_block(n, out.device)
     launch(lora_combine_kernel, grid, "lora_combine",
            base16, lora16, out, n, scaling, BLOCK=block,
-                              num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
+           num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
     return out
 
 
@@ -120,7 +120,7 @@ def lora_grad_sum(a16: torch.Tensor, b16: torch.Tensor, drop_mask, drop_mode: in
     grid, block = _grid_block(n, out.device)
     launch(lora_grad_sum_kernel, grid, "lora_grad_sum",
            a16, b16, a16 if drop_mask is None else drop_mask, out, n, drop_scale,
-                               DROP=drop_mode, BLOCK=block, num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
+           DROP=drop_mode, BLOCK=block, num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
     return out
 
 

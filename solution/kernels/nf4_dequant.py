@@ -339,7 +339,7 @@ class DequantPlan:
         n = self.numel = math.prod(self.shape)
         self.device = dev
         bs = qs.blocksize
-        n_blocks = -(-n // bs)
+        n_blocks = cdiv(n, bs)
         if qs.nested:
             s2 = qs.state2
             self.state2, self.absmax2_src, self.code2_src, self.offset_src = s2, s2.absmax, s2.code, qs.offset
@@ -396,12 +396,12 @@ class DequantPlan:
             if dequant:
                 self.launch(out, round_bf16)
             cast_block = SEPARATE_CAST_BLOCK if out.device.type == "cuda" else self.cast_block
-            launch(fp16_cast_kernel, (-(-n_cast // cast_block),), "fp16_cast_kernel",
+            launch(fp16_cast_kernel, (cdiv(n_cast, cast_block),), "fp16_cast_kernel",
                    *cast_args, CAST_A=a16 is not None, CAST_B=cast_b, CAST_BLOCK=cast_block,
                    num_warps=SEPARATE_CAST_WARPS, enable_fp_fusion=False)
             return
         n_deq = self.n_deq_programs if dequant else 0
-        grid = (n_deq - (-n_cast // self.cast_block),)  # (not triton.cdiv: a slow constexpr_function on the host)
+        grid = (n_deq + cdiv(n_cast, self.cast_block),)
         launch(nf4_dequant_cast_kernel, grid, KERNEL_NAME + "_cast" if dequant else "fp16_cast",
                *self.args, out, *self.sizes, n_deq, *cast_args,
                ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, CAST_A=a16 is not None, CAST_B=cast_b,

@@ -222,7 +222,7 @@ def _launch_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
         rows = _rows_per_program(n_rows, block)
         launch(_rmsnorm_fwd_kernel, (cdiv(n_rows, rows),), "_rmsnorm_fwd_kernel",
                x2, weight, out, rstd, n_rows, x2.stride(0), out.stride(0), n_cols, eps,
-            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
+               BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
     return out, rstd
 
 
@@ -234,7 +234,7 @@ def _launch_backward_dx(x2, weight, g2, rstd):
         rows = _rows_per_program(n_rows, block)
         launch(_rmsnorm_bwd_dx_kernel, (cdiv(n_rows, rows),), "_rmsnorm_bwd_dx_kernel",
                x2, weight, g2, rstd, dx, n_rows, x2.stride(0), g2.stride(0), dx.stride(0), n_cols,
-            BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
+               BLOCK_ROWS=rows, BLOCK=block, num_warps=warps)
     return dx
 
 
@@ -249,7 +249,7 @@ def _launch_backward_dw(x2, g2, rstd, weight_dtype):
     grid = (cdiv(n_cols, block_n), row_tiles)
     launch(_rmsnorm_bwd_dw_kernel, grid, "_rmsnorm_bwd_dw_kernel",
            x2, g2, rstd, partial, x2.stride(0), g2.stride(0), n_rows, n_cols,
-                                 BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_DW_WARPS)
+           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_DW_WARPS)
     return partial.sum(0).to(weight_dtype)
 
 

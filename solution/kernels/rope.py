@@ -190,13 +190,13 @@ def _launch(q, k, q_out, k_out, cos, sin, backward: bool) -> None:
     sin_sb = sin.stride(0) if sin.shape[0] > 1 else 0
     launch(_rope_qk_kernel, (cdiv(n_tokens, config["BLOCK_T"]),), "_rope_qk_kernel",
            q_in, k_in, q_o, k_o, cos, sin, n_tokens, seq_len, n_q, n_k, half,
-        q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
-        q_o.stride(0), q_o.stride(1), q_o.stride(2), k_o.stride(0), k_o.stride(1), k_o.stride(2),
-        cos_sb, cos.stride(1), sin_sb, sin.stride(1),
-        **config, BACKWARD=backward, num_warps=_num_warps(config["BLOCK_T"]),
-        # No fused multiply-add: products and sums rounded separately, exactly like stock's ops,
-        # so fp32 results also equal stock bit for bit.
-        enable_fp_fusion=False)
+           q_in.stride(0), q_in.stride(1), q_in.stride(2), k_in.stride(0), k_in.stride(1), k_in.stride(2),
+           q_o.stride(0), q_o.stride(1), q_o.stride(2), k_o.stride(0), k_o.stride(1), k_o.stride(2),
+           cos_sb, cos.stride(1), sin_sb, sin.stride(1),
+           **config, BACKWARD=backward, num_warps=_num_warps(config["BLOCK_T"]),
+           # No fused multiply-add: products and sums rounded separately, exactly like stock's ops,
+           # so fp32 results also equal stock bit for bit.
+           enable_fp_fusion=False)
 
 
 def _unit_last(t: torch.Tensor) -> torch.Tensor:

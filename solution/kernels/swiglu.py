@@ -215,18 +215,18 @@ def _launch_fwd(g2, u2, h2, use_table: bool, table, fp32_stock: bool = False) ->
     n_rows, n_cols = g2.shape
     launch(_swiglu_fwd_kernel, _grid(n_rows, n_cols), "swiglu_fwd",
            g2, u2, h2, table if use_table else g2, n_rows, n_cols,
-        g2.stride(0), u2.stride(0), h2.stride(0),
-        SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
-        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
+           g2.stride(0), u2.stride(0), h2.stride(0),
+           SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
+           BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
 
 
 def _launch_bwd(dh2, g2, u2, dg2, du2, use_table: bool, table, fp32_stock: bool = False) -> None:
     n_rows, n_cols = g2.shape
     launch(_swiglu_bwd_kernel, _grid(n_rows, n_cols), "swiglu_bwd",
            dh2, g2, u2, dg2, du2, table if use_table else g2, n_rows, n_cols,
-        dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
-        SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
-        BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
+           dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
+           SILU_TABLE=use_table, LIBDEVICE_EXP=not interpreter_enabled(),
+           BLOCK_R=_blocks()[0], BLOCK_C=_blocks()[1], FP32_STOCK=fp32_stock, num_warps=NUM_WARPS)
 
 
 def swiglu_fp16_of_fp32(g16: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:

@@ -246,7 +246,8 @@ def _varlen_failed(exc: Exception) -> None:
     same values up to the attention kernel's rounding)."""
     global _VARLEN_FAILED
     if _VARLEN_FAILED is None:
-        _VARLEN_FAILED = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        first_line = (str(exc).splitlines() or [""])[0][:200]
+        _VARLEN_FAILED = f"{type(exc).__name__}: {first_line}"
         print(f"[solution] variable-length attention failed ({_VARLEN_FAILED}); attention runs on the padded "
               "layout from now on", flush=True)
 
