@@ -10,6 +10,7 @@ clocks, logs and memory counters); renders the workload into a Soup YAML and run
 SQLite tracker and output files, and writes result.json into the workdir.
 With BENCH_DETERMINISTIC=1 in the environment (diagnosis only), PyTorch's deterministic algorithms
 are on (warn_only), to check whether two runs of the same code give the same bits.
+With --host-split FILE, the wall time of steps 3..end is split by Trainer phase (bench/host_split.py).
 With --memory-peak FILE, the allocator history is recorded and what is alive at the peak is
 written to FILE (bench/memory_peak.py).
 With --profile, torch.profiler records GPU kernels from step 3 to the end (a separate pass:
@@ -38,7 +39,7 @@ def _sync():
 class StepClock:
     """Trainer callback: step end times (after a device sync), logs, optional profiler."""
 
-    def __init__(self, profile: bool, cprofile=None):
+    def __init__(self, profile: bool, cprofile=None, host_split=None):
         from transformers import TrainerCallback
 
         clock = self
@@ -49,6 +50,8 @@ class StepClock:
                 clock.t_begin = time.perf_counter()
 
             def on_step_begin(self, args, state, control, **kw):
+                if clock.host_split is not None and not clock.host_split.marks:
+                    clock.host_split.attach_late(clock.trainer, kw.get("model"))
                 if clock.profile and state.global_step == SKIP_STEPS and clock.prof is None:
                     clock.start_profiler()
                 if clock.cprofile is not None and state.global_step == SKIP_STEPS:
@@ -57,6 +60,8 @@ class StepClock:
             def on_step_end(self, args, state, control, **kw):
                 _sync()
                 clock.step_ends.append(time.perf_counter())
+                if clock.host_split is not None:
+                    clock.host_split.mark()
 
             def on_log(self, args, state, control, logs=None, **kw):
                 clock.logs.append({"step": state.global_step, **(logs or {})})
@@ -71,6 +76,8 @@ class StepClock:
         self.callback = _CB()
         self.profile = profile
         self.cprofile = cprofile
+        self.host_split = host_split
+        self.trainer = None
         self.prof = None
         self.t_begin = self.t_end = None
         self.step_ends: list[float] = []
@@ -147,6 +154,9 @@ def install_clock(clock: StepClock):
     def init_with_clock(self, *a, **kw):
         orig_init(self, *a, **kw)
         self.add_callback(clock.callback)
+        clock.trainer = self
+        if clock.host_split is not None:
+            clock.host_split.attach(self)
 
     transformers.Trainer.__init__ = init_with_clock
 
@@ -188,6 +198,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default=None, help="workload YAML (default: workload/workload.yaml)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", help="write a cProfile summary of the host (Python) time of steps 3..end to this file")
+    ap.add_argument("--host-split", help="write where the wall time of steps 3..end goes, phase by phase "
+                    "(Trainer phases and the decoder forward; bench/host_split.py) to this file")
     ap.add_argument("--memory-peak", help="record the allocator history and write what is alive at the peak "
                     "(grouped by allocating line) to this file (a separate pass: it slows the host)")
     ap.add_argument("--native-precision", action="store_true",
@@ -229,7 +241,12 @@ def main(argv=None) -> int:
         import cProfile
 
         cprof = cProfile.Profile()  # enabled by the clock from step 3 to the end of training
-    clock = StepClock(profile=args.profile, cprofile=cprof)
+    split = None
+    if args.host_split:
+        from bench.host_split import HostSplit
+
+        split = HostSplit()
+    clock = StepClock(profile=args.profile, cprofile=cprof, host_split=split)
     install_clock(clock)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -263,6 +280,12 @@ def main(argv=None) -> int:
 
     steps = clock.step_times()
     timed = steps[SKIP_STEPS:]
+    host_split = None
+    if split is not None:
+        from bench.host_split import format_summary
+
+        host_split = split.summary(steps, SKIP_STEPS)
+        Path(args.host_split).write_text(format_summary(host_split), encoding="utf-8")
     tok_logs = [l for l in clock.logs if "num_tokens" in l]
     tokens_total = float(tok_logs[-1]["num_tokens"]) if tok_logs else None
     tokens_after_skip = None
@@ -295,6 +318,7 @@ def main(argv=None) -> int:
         "launches_not_ours": sorted(_launches.NOT_OURS),
         "prohibited_modules_loaded": sorted({m.split(".")[0] for m in sys.modules} & set(PROHIBITED)),
         "profile": None,
+        "host_split": host_split,
     }
     if args.profile and clock.kernel_times:
         result["profile"] = {

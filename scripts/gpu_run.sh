@@ -3,12 +3,12 @@
 # network (the lent GPU machine): install the carried wheels (.whl/, from
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
-#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile] [memory] [variants]
+#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile] [hostsplit] [memory] [variants]
 #   (default: the first three)
 # Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile),
 #      VARIANTS (bench.variants labels, e.g. "default padded=SOLUTION_ATTN_VARLEN=0"),
 #      VARIANT_ARGS (e.g. --baseline), MEMORY_VARIANTS (default "solution"),
-#      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT,
+#      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT, HOSTSPLIT_VARIANTS, HOSTSPLIT_TIMEOUT,
 #      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
 # most 8 files), with the comparison's report.md beside it.
@@ -68,6 +68,9 @@ for step in $steps; do
     cprofile)
       # Where the host (Python) time of a step goes, stock and ours (separate runs, cProfile on).
       run_each cprofile --cprofile txt ${CPROFILE_TIMEOUT:-150} 45 ${CPROFILE_VARIANTS:-baseline solution} ;;
+    hostsplit)
+      # Where the wall time of a step goes, by Trainer phase (bench/host_split.py; separate runs).
+      run_each hostsplit --host-split md ${HOSTSPLIT_TIMEOUT:-150} 20 ${HOSTSPLIT_VARIANTS:-baseline solution} ;;
     memory)
       # What is alive at the peak of allocated memory, by allocating line (bench/memory_peak.py).
       run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;

@@ -14,6 +14,19 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "workload" / "data" / "kazakh_instructions.jsonl"
 
 
+def _small_workload(tmp_path, examples: int, steps: int):
+    """(data file, workload YAML): the first ``examples`` rows of the embedded dataset and the
+    default workload cut to ``steps`` steps."""
+    rows = DATA.read_text(encoding="utf-8").splitlines()[:examples]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    w = yaml.safe_load(WORKLOAD_FILE.read_text(encoding="utf-8"))
+    w["training"].update(examples=examples, steps=steps)
+    workload = tmp_path / "workload.yaml"
+    workload.write_text(yaml.safe_dump(w), encoding="utf-8")
+    return data, workload
+
+
 @pytest.mark.slow
 def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path):
     import torch
@@ -22,13 +35,7 @@ def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path):
         pytest.skip("the GPU machine runs the full-size comparison instead")
     from bench.compare import main
 
-    rows = DATA.read_text(encoding="utf-8").splitlines()[:8]
-    data = tmp_path / "data.jsonl"
-    data.write_text("\n".join(rows) + "\n", encoding="utf-8")
-    w = yaml.safe_load(WORKLOAD_FILE.read_text(encoding="utf-8"))
-    w["training"].update(examples=8, steps=2)
-    workload = tmp_path / "workload.yaml"
-    workload.write_text(yaml.safe_dump(w), encoding="utf-8")
+    data, workload = _small_workload(tmp_path, examples=8, steps=2)
     out = tmp_path / "out"
 
     rc = main(["--data", str(data), "--workload", str(workload), "--out", str(out), "--size", "tiny"])
@@ -42,3 +49,31 @@ def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path):
     installed = set(report["solution"]["installed"])
     assert {"qwen2_rmsnorm", "qwen2_rope", "qwen2_mlp", "qwen2_lm_head_loss"} <= installed
     assert report["own_kernels_ran"], "our kernels must run in the solution pass"
+
+
+@pytest.mark.slow
+def test_host_split_pass_times_the_trainer_phases(tmp_path):
+    """bench.run_one --host-split: a stock run (tiny stand-in, 4 steps) writes a table whose
+    phases cover the timed steps and whose wrapped phases were really called."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU check of the instrument; the GPU machine runs it at full size")
+    from bench.run_one import main
+    from workload.model_standin import write_standin
+
+    data, workload = _small_workload(tmp_path, examples=16, steps=4)
+    model = ROOT / ".cache" / "models" / "qwen2.5-1.5b-instruct-standin-tiny"
+    write_standin(model, size="tiny")
+    split = tmp_path / "split.md"
+
+    rc = main(["--variant", "baseline", "--model", str(model), "--data", str(data), "--workload", str(workload),
+               "--workdir", str(tmp_path / "run"), "--host-split", str(split)])
+
+    assert rc == 0
+    text = split.read_text(encoding="utf-8")
+    assert "2 steps" in text, text
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in text.splitlines() if line.startswith("| ")}
+    for phase in ("forward", "decoder (inside forward)", "backward", "optimizer", "zero_grad"):
+        assert float(rows[phase][0]) > 0.0, (phase, text)
+        assert rows[phase][2].strip() == "1", (phase, text)
