@@ -4,7 +4,9 @@
     python -m bench.compare --model PATH --data FILE   # the real Qwen2.5-1.5B-Instruct and dataset
 
 Runs, each in a fresh process (bench/run_one.py): baseline (timed), solution (timed), then, on a
-GPU, baseline and solution again under torch.profiler (kernel time split, own-kernel share).
+GPU, baseline and solution again under torch.profiler (kernel time split, own-kernel share), and
+once more each with the host split (bench/host_split.py: where the step's wall time goes, by
+Trainer phase and decoder module). Only the timed runs give the time, memory and loss figures.
 Writes runs/<timestamp>/report.{json,md,png} and prints a summary and the rule check.
 """
 from __future__ import annotations
@@ -112,17 +114,23 @@ def _progress(log_path: Path, proc: subprocess.Popen, label: str) -> None:
     print(("\r" if tty else "") + end, flush=True)
 
 
-def run_variant(variant: str, model: str, data: str, out: Path, profile: bool, workload: str | None) -> dict:
+PASSES = {"timed": [], "profiled": ["--profile"], "hostsplit": ["--host-split"]}
+
+
+def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workload: str | None) -> dict:
+    """One bench.run_one child: ``mode`` "timed" (no instrument), "profiled" (torch.profiler) or
+    "hostsplit" (bench/host_split.py's timers)."""
     import torch
 
-    name = f"{variant}{'-profiled' if profile else ''}"
+    name = variant if mode == "timed" else f"{variant}-{mode}"
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     if variant == "solution" and not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # CPU: our kernels run in Triton's interpreter
     cmd = [sys.executable, "-m", "bench.run_one", "--variant", variant, "--model", model, "--data", data,
-           "--workdir", str(work)] + (["--profile"] if profile else []) + (["--workload", workload] if workload else [])
+           "--workdir", str(work)] + (["--workload", workload] if workload else [])
+    cmd += PASSES[mode] + ([str(work / "host_split.md")] if mode == "hostsplit" else [])
     log_path = work / "log.txt"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
@@ -151,7 +159,7 @@ def kernel_split(result: dict | None) -> dict | None:
             "top_kernels_s": top, "window_s": result["profile"]["window_s"]}
 
 
-def build_report(args, model_label, base, sol, base_prof, sol_prof, workload) -> dict:
+def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split=None, sol_split=None) -> dict:
     rep = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": _gpu(),
@@ -163,6 +171,7 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload) ->
         "baseline": base,
         "solution": sol,
         "kernel_split": {"baseline": kernel_split(base_prof), "solution": kernel_split(sol_prof)},
+        "host_split": {"baseline": (base_split or {}).get("host_split"), "solution": (sol_split or {}).get("host_split")},
     }
     ran = set()
     if sol_prof and sol_prof.get("profile"):
@@ -197,6 +206,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", help="workload YAML (default workload/workload.yaml)")
     ap.add_argument("--out", type=Path, help="output dir (default runs/<timestamp>)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled passes")
+    ap.add_argument("--no-host-split", action="store_true", help="skip the host-split passes")
     args = ap.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
 
@@ -216,13 +226,16 @@ def main(argv=None) -> int:
 
     out.mkdir(parents=True, exist_ok=True)
     print(f"[compare] {model_label}, data {data}, output {out}", flush=True)
-    base = run_variant("baseline", model, data, out, False, args.workload)
-    sol = run_variant("solution", model, data, out, False, args.workload)
-    base_prof = sol_prof = None
+    base = run_variant("baseline", model, data, out, "timed", args.workload)
+    sol = run_variant("solution", model, data, out, "timed", args.workload)
+    base_prof = sol_prof = base_split = sol_split = None
     if torch.cuda.is_available() and not args.no_profile:
-        base_prof = run_variant("baseline", model, data, out, True, args.workload)
-        sol_prof = run_variant("solution", model, data, out, True, args.workload)
-    rep = build_report(args, model_label, base, sol, base_prof, sol_prof, workload)
+        base_prof = run_variant("baseline", model, data, out, "profiled", args.workload)
+        sol_prof = run_variant("solution", model, data, out, "profiled", args.workload)
+    if torch.cuda.is_available() and not args.no_host_split:
+        base_split = run_variant("baseline", model, data, out, "hostsplit", args.workload)
+        sol_split = run_variant("solution", model, data, out, "hostsplit", args.workload)
+    rep = build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split, sol_split)
     (out / "report.json").write_text(json.dumps(rep, indent=1, default=str), encoding="utf-8")
     md = report_mod.markdown(rep)
     (out / "report.md").write_text(md, encoding="utf-8")

@@ -45,6 +45,32 @@ def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
     ]
 
 
+# The project's targets (issue 5): solution at most this fraction of the baseline, per report row.
+TARGETS = [
+    ("training time excl. first 2 steps (s)", 1 / 3, "1/3"),
+    ("peak GPU memory allocated (GiB)", 1 / 2, "1/2"),
+    ("peak GPU memory reserved (GiB)", 1 / 2, "1/2"),
+    ("GPU kernel time, steps 3-64 (s)", 1 / 3, "1/3"),
+]
+
+
+def _targets_section(rep: dict) -> list[str]:
+    """Each target row: solution / baseline against the target fraction, and when missed, by how
+    much (the solution figure minus the largest one that would meet it)."""
+    rows = {name: (b, s) for name, b, s, _ in _rows(rep)}
+    out = ["## Against the project's targets (issue 5)", "",
+           "| figure | solution / baseline | target | status |", "| --- | ---: | ---: | --- |"]
+    for name, frac, label in TARGETS:
+        b, s = rows.get(name, (None, None))
+        if not b or not s:
+            out.append(f"| {name} | n/a | <= {label} | not measured |")
+            continue
+        ratio = s / b
+        status = "met" if ratio <= frac else f"missed by {_fmt(s - b * frac)} ({_fmt(b * frac)} needed)"
+        out.append(f"| {name} | {ratio:.3f} | <= {label} | {status} |")
+    return out + [""]
+
+
 def _ratio(b, s, better):
     if not b or not s:
         return "n/a"
@@ -82,6 +108,33 @@ def _share_context(rep: dict) -> list[str]:
             f"{'host-bound' if busy < 0.5 else 'GPU-bound'} steps)"]
 
 
+def _host_split_section(rep: dict) -> list[str]:
+    """Where the wall time of a step goes (host-split passes, bench/host_split.py), both variants
+    side by side, in ms a step. Nested rows (the decoder inside the forward, the module classes
+    inside the decoder) are indented and not part of the step's sum."""
+    hs = rep.get("host_split") or {}
+    b, s = hs.get("baseline"), hs.get("solution")
+    if not b or not s:
+        return []
+    from bench.host_split import MODULE, NESTED, ORDER
+
+    def ms(r, p):
+        v = r["phases_s"].get(p)
+        return "" if v is None else f"{1000 * v / r['steps']:.1f}"
+
+    modules = sorted({p for r in (b, s) for p in r["phases_s"] if p.startswith(MODULE)})
+    out = [f"## Where the step's wall time goes (host-split passes, steps 3-{rep['workload']['steps']})", "",
+           "Each variant ran once more with timers around the Trainer's phases and the decoder's modules "
+           "(bench/host_split.py; no device sync, a few microseconds a call). On a GPU that finishes its "
+           "work faster than Python queues it, these wall times are host (CPU) time.", "",
+           f"| phase | baseline ms a step | solution ms a step |", "| --- | ---: | ---: |",
+           f"| whole step | {1000 * b['wall_s'] / b['steps']:.1f} | {1000 * s['wall_s'] / s['steps']:.1f} |"]
+    for p in ORDER + modules:
+        label = f"&nbsp;&nbsp;{p}" if p in NESTED or p in modules else p
+        out.append(f"| {label} | {ms(b, p)} | {ms(s, p)} |")
+    return out + [""]
+
+
 def markdown(rep: dict) -> str:
     v = rep["versions"]
     out = [f"# Baseline vs solution: {rep['model']}", "",
@@ -102,6 +155,7 @@ def markdown(rep: dict) -> str:
             + ("" if share is not None else f" ({rep.get('own_kernel_share_note')})")]
     out += _share_context(rep)
     out += [f"Own kernels that ran: {', '.join(rep.get('own_kernels_ran') or []) or 'none'}", ""]
+    out += _targets_section(rep)
     for variant in ("baseline", "solution"):
         ks = rep["kernel_split"][variant]
         if not ks:
@@ -113,6 +167,7 @@ def markdown(rep: dict) -> str:
         out += ["", "Top kernels:", ""]
         out += [f"- {t:.3f} s  `{name[:110]}`" for name, t in ks["top_kernels_s"][:10]]
         out.append("")
+    out += _host_split_section(rep)
     out += ["## Rule check", ""]
     for r in rep["rules"]:
         status = "PASS" if r["ok"] else ("n/a" if r["ok"] is None else "FAIL")
@@ -132,6 +187,21 @@ def markdown(rep: dict) -> str:
 def _series(result: dict, key: str):
     pts = [(int(l["step"]), float(l[key])) for l in result.get("trainer_logs", []) if key in l and "train_runtime" not in l]
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def main(argv=None) -> int:
+    """Re-render report.md (and the PNG) from a report.json, e.g. one fetched from the GPU machine."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("report_json", type=Path)
+    args = ap.parse_args(argv)
+    rep = json.loads(args.report_json.read_text(encoding="utf-8"))
+    args.report_json.with_suffix(".md").write_text(markdown(rep), encoding="utf-8")
+    print(args.report_json.with_suffix(".md"))
+    return 0
 
 
 def plot(rep: dict, path) -> None:
@@ -174,3 +244,7 @@ def plot(rep: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

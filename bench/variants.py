@@ -42,8 +42,8 @@ def run_all(specs, out: Path, model: str, data: str, baseline: bool, timed: bool
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         try:
-            prof = run_variant(variant, model, data, out / label, profile=True, workload=None)
-            plain = run_variant(variant, model, data, out / label, profile=False, workload=None) if timed else None
+            prof = run_variant(variant, model, data, out / label, mode="profiled", workload=None)
+            plain = run_variant(variant, model, data, out / label, mode="timed", workload=None) if timed else None
         finally:
             for k, v in saved.items():
                 if v is None:

@@ -209,3 +209,37 @@ def test_report_puts_the_share_in_context():
     rep["solution"]["train_excl_first2_s"] = 2.0
     assert "GPU-bound" in _share_context(rep)[0]
     assert _share_context({"kernel_split": {"solution": None}, "solution": {}}) == []
+
+
+def test_report_shows_the_host_split_side_by_side():
+    """The report's host-split section: both variants in ms a step, nested rows indented, and
+    nothing when either pass is missing."""
+    from bench.report import _host_split_section
+
+    def split(fwd, dec, bwd, wall):
+        return {"steps": 2, "wall_s": wall, "calls": {},
+                "phases_s": {"forward": fwd, "decoder": dec, "backward": bwd, "other": wall - fwd - bwd,
+                             "module transformers Qwen2MLP": dec / 4}}
+
+    rep = {"workload": {"steps": 64}, "host_split": {"baseline": split(0.2, 0.18, 0.2, 0.5),
+                                                     "solution": split(0.1, 0.09, 0.08, 0.3)}}
+    text = "\n".join(_host_split_section(rep))
+    assert "| whole step | 250.0 | 150.0 |" in text
+    assert "| forward | 100.0 | 50.0 |" in text
+    assert "| &nbsp;&nbsp;decoder | 90.0 | 45.0 |" in text
+    assert "| &nbsp;&nbsp;module transformers Qwen2MLP | 22.5 | 11.2 |" in text
+    rep["host_split"]["solution"] = None
+    assert _host_split_section(rep) == []
+
+
+def test_report_says_by_how_much_a_target_is_missed():
+    from bench.report import _targets_section
+
+    rep = {"baseline": {"train_excl_first2_s": 15.0, "step_times_s": [1.0] * 64, "peak_mem_allocated_bytes": 10 * 2**30},
+           "solution": {"train_excl_first2_s": 6.0, "step_times_s": [1.0] * 64, "peak_mem_allocated_bytes": 4 * 2**30},
+           "kernel_split": {"baseline": {"total_gpu_s": 3.0}, "solution": {"total_gpu_s": 0.9}}}
+    text = "\n".join(_targets_section(rep))
+    assert "| training time excl. first 2 steps (s) | 0.400 | <= 1/3 | missed by 1 (5 needed) |" in text
+    assert "| peak GPU memory allocated (GiB) | 0.400 | <= 1/2 | met |" in text
+    assert "| peak GPU memory reserved (GiB) | n/a | <= 1/2 | not measured |" in text
+    assert "| GPU kernel time, steps 3-64 (s) | 0.300 | <= 1/3 | met |" in text
