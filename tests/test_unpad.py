@@ -287,7 +287,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
     batch x seqlen (cuBLAS may pick other kernels) and attention with is_causal instead of a mask,
     so results differ at fp16 rounding: loss rel 1e-3, gradients rel 3e-2 (fp16 sums over ~100
     tokens). attention: the padded layout, PyTorch's variable-length kernel (the default) or our
-    Triton kernel (solution/kernels/attn_triton.py; that case has not run on a GPU yet)."""
+    Triton kernel (solution/kernels/attn_triton.py)."""
     if device != "cuda":
         pytest.skip("bitsandbytes 4-bit needs CUDA")
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training

@@ -175,8 +175,8 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
                 # uniform draw is below 1 - p), never on the input's values: an uninitialized input
                 # of the same shape, dtype and layout runs the same kernel on the same draws and
                 # saves the fill that torch.ones made (one [batch, seqlen, hidden] fp32 write per
-                # LoRA layer; 2026-11-30, not yet measured; test_dropout_draws_over_the_padded_shape_cuda
-                # checks the mask against a draw over the real padded tensor).
+                # LoRA layer; test_dropout_draws_over_the_padded_shape_cuda checks the mask against a
+                # draw over the real padded tensor, and passes on the H200).
                 _, mask = torch.native_dropout(torch.empty(padded_shape, dtype=x.dtype, device=x.device), p, True)
                 mask = padding.unpad_rows(mask, padding.active()).view(x.shape)
                 # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
