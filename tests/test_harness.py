@@ -243,3 +243,41 @@ def test_report_says_by_how_much_a_target_is_missed():
     assert "| peak GPU memory allocated (GiB) | 0.400 | <= 1/2 | met |" in text
     assert "| peak GPU memory reserved (GiB) | n/a | <= 1/2 | not measured |" in text
     assert "| GPU kernel time, steps 3-64 (s) | 0.300 | <= 1/3 | met |" in text
+
+
+def test_graph_experiment_steps_through_the_patched_layers(device):
+    """bench/kernels/bench_layer_graph.py captures ``layer_step``: on the tiny model (no NF4 on the
+    CPU) it must run our patched decoder layers on packed rows and give the LoRA weights gradients
+    (the CUDA-graph part itself needs a GPU)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    import solution
+    from bench.kernels.bench_layer_graph import layer_step
+    from solution import padding
+    from solution.kernels import _launches
+    from workload.model_standin import standin_config
+
+    cfg = {k: v for k, v in standin_config("tiny").items() if k not in ("architectures", "model_type", "torch_dtype")}
+    solution.revert()
+    solution.apply(verbose=False)
+    try:
+        torch.manual_seed(0)
+        with torch.device(device):
+            model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                                 target_modules=["q_proj", "v_proj"]))
+        model.train()
+        decoder = model.base_model.model.model
+        info = padding.make_unpadded([5, 3, 8], 8, torch.device(device))
+        h = torch.randn(1, info.n_tokens, cfg["hidden_size"], device=device)
+        pos = info.positions.unsqueeze(0)
+        _launches.reset()
+        y = layer_step(decoder, info, h, torch.randn_like(h), decoder.rotary_emb(h, pos), pos)()
+        assert y.shape == h.shape
+        assert _launches.LAUNCHES["_rope_qk_kernel"] > 0 and _launches.LAUNCHES["_add_rmsnorm_fwd_kernel"] > 0
+        grads = [n for n, p in model.named_parameters() if p.grad is not None]
+        assert grads and all("lora_" in n for n in grads)
+    finally:
+        solution.revert()
