@@ -2,8 +2,8 @@
 
 On a fast GPU the step is host-bound: the Python side (Trainer, autograd, our launches) takes
 longer than the GPU work it queues, so the wall time of each phase is close to its host time.
-This wraps a few methods of the one Trainer instance (and the decoder stack's forward) with
-perf_counter timers; it never synchronizes the device and changes no computation, but it adds a
+This wraps a few methods of the one Trainer instance, and the forward of the decoder stack and
+of each module class in its layers (at class level), with perf_counter timers; it never synchronizes the device and changes no computation, but it adds a
 few microseconds per wrapped call, so it runs in its own pass (`bench.run_one --host-split`),
 never in a timed run.
 
@@ -17,10 +17,13 @@ Phases (the wrapped call, in the order the Trainer makes them):
   optimizer    optimizer.step (GradScaler step, AdamW)
   zero_grad    model.zero_grad
   log          Trainer._maybe_log_save_evaluate (logging callbacks, Soup's tracker)
-  module X     forward calls of each module class inside the decoder layers (nested: a
-               decoder layer's time includes its attention's, which includes its projections');
-               with gradient checkpointing (the baseline) the recomputation in the backward
-               counts here too
+  module X     forward calls of each module class inside the decoder layers, timed by
+               class-level wrappers that leave our patches' fused paths on (nested: a
+               decoder layer's time includes its attention's, which includes its projections').
+               A fused path that bypasses a module's call (our LoRA layer runs its bnb base
+               layer without calling it) does not count for that module: see the calls.
+               With gradient checkpointing (off in this workload) a recomputation in the
+               backward would count here too
   other        the rest of the step (Trainer bookkeeping, the loss NaN check's device sync,
                lr_scheduler.step, callbacks, our StepClock's own sync). The scheduler is not
                wrapped: Trainer pickles its __dict__ into the checkpoint, and a wrapper there
@@ -31,6 +34,8 @@ from __future__ import annotations
 import functools
 import time
 from collections import defaultdict
+
+import torch
 
 TRAINER_PHASES = {
     "get_batch_samples": "batch",
@@ -56,11 +61,9 @@ class HostSplit:
         self.totals: dict[str, float] = defaultdict(float)
         self.calls: dict[str, int] = defaultdict(int)
         self.marks: list[tuple[dict, dict]] = []  # (totals, calls) at each step end
+        self._classes: dict[type, object] = {}  # class -> its own forward before wrapping (or None)
 
-    def _wrap(self, obj, attr: str, phase: str):
-        fn = getattr(obj, attr, None)
-        if fn is None or getattr(fn, "_host_split", False):
-            return
+    def _timed(self, fn, phase: str):
         totals, calls = self.totals, self.calls
 
         @functools.wraps(fn)
@@ -73,11 +76,33 @@ class HostSplit:
                 calls[phase] += 1
 
         timed._host_split = True
-        setattr(obj, attr, timed)
+        return timed
+
+    def _wrap(self, obj, attr: str, phase: str):
+        """Time ``obj.attr`` (an instance attribute: the Trainer's and the optimizer's methods)."""
+        fn = getattr(obj, attr, None)
+        if fn is None or getattr(fn, "_host_split", False):
+            return
+        setattr(obj, attr, self._timed(fn, phase))
+
+    def _wrap_class_forward(self, cls: type, phase: str) -> None:
+        """Time ``cls.forward`` for every instance by replacing the CLASS attribute, never an
+        instance one: our patches take their fused paths only for modules without an
+        instance-level forward (e.g. the fused NF4 MLP, the LoRA layer and the residual + norm
+        kernel check ``"forward" in module.__dict__``), so instance wrappers would time another
+        path. The wrapper also says which function it times (``_solution_stock``: the stock
+        forward that qwen2_decoder_layer checks the norm's class forward against)."""
+        fn = getattr(cls, "forward", None)
+        if cls in self._classes or fn is None or fn is torch.nn.Module.forward or getattr(fn, "_host_split", False):
+            return
+        self._classes[cls] = cls.__dict__.get("forward")
+        timed = self._timed(fn, phase)
+        timed._solution_stock = getattr(fn, "_solution_stock", fn)
+        cls.forward = timed
 
     def attach(self, trainer) -> None:
-        """Wrap the trainer's phases; the optimizer, scheduler and model are wrapped lazily at
-        the first step begin, when the Trainer has built (and accelerate has wrapped) them."""
+        """Wrap the trainer's phases; the optimizer and model are wrapped lazily at the first
+        step begin, when the Trainer has built (and accelerate has wrapped) them."""
         for attr, phase in TRAINER_PHASES.items():
             self._wrap(trainer, attr, phase)
         self._wrap(trainer.accelerator, "backward", "backward")
@@ -87,12 +112,26 @@ class HostSplit:
             self._wrap(trainer.optimizer, "step", "optimizer")
         if model is not None:
             self._wrap(model, "zero_grad", "zero_grad")
-            for mod in model.modules():
-                if type(mod).__name__.endswith("Model") and "layers" in mod._modules:
-                    self._wrap(mod, "forward", "decoder")
-                    for sub in mod.layers.modules():  # each module class inside the layers
-                        self._wrap(sub, "forward", f"{MODULE}{_class_label(sub)}")
-                    break
+            self.wrap_decoder(model)
+
+    def wrap_decoder(self, model) -> None:
+        """Time the decoder stack's forward and the forward of each module class inside its
+        layers (class-level wrappers; see _wrap_class_forward)."""
+        for mod in model.modules():
+            if type(mod).__name__.endswith("Model") and "layers" in mod._modules:
+                self._wrap_class_forward(type(mod), "decoder")
+                for sub in mod.layers.modules():
+                    self._wrap_class_forward(type(sub), f"{MODULE}{_class_label(sub)}")
+                return
+
+    def detach(self) -> None:
+        """Put the wrapped classes' forwards back (the per-instance wrappers die with the Trainer)."""
+        for cls, own in self._classes.items():
+            if own is None:
+                del cls.forward  # it was inherited
+            else:
+                cls.forward = own
+        self._classes.clear()
 
     def mark(self) -> None:
         self.marks.append((dict(self.totals), dict(self.calls)))

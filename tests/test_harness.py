@@ -245,39 +245,83 @@ def test_report_says_by_how_much_a_target_is_missed():
     assert "| GPU kernel time, steps 3-64 (s) | 0.300 | <= 1/3 | met |" in text
 
 
-def test_graph_experiment_steps_through_the_patched_layers(device):
-    """bench/kernels/bench_layer_graph.py captures ``layer_step``: on the tiny model (no NF4 on the
-    CPU) it must run our patched decoder layers on packed rows and give the LoRA weights gradients
-    (the CUDA-graph part itself needs a GPU)."""
+def _tiny_lora_model(device):
+    """(config dict, tiny Qwen2 with peft LoRA r=4 on q/v and dropout 0.05, in train mode)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    import solution
-    from bench.kernels.bench_layer_graph import layer_step
-    from solution import padding
-    from solution.kernels import _launches
     from workload.model_standin import standin_config
 
     cfg = {k: v for k, v in standin_config("tiny").items() if k not in ("architectures", "model_type", "torch_dtype")}
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen2ForCausalLM(Qwen2Config(**cfg))
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                             target_modules=["q_proj", "v_proj"]))
+    return cfg, model.train()
+
+
+def _run_layer_step(model, cfg, device):
+    """bench_layer_graph's layer step (forward + backward of the decoder layers on packed rows of a
+    [5, 3, 8] batch); returns the output."""
+    import torch
+
+    from bench.kernels.bench_layer_graph import layer_step
+    from solution import padding
+
+    decoder = model.base_model.model.model
+    info = padding.make_unpadded([5, 3, 8], 8, torch.device(device))
+    h = torch.randn(1, info.n_tokens, cfg["hidden_size"], device=device)
+    pos = info.positions.unsqueeze(0)
+    return layer_step(decoder, info, h, torch.randn_like(h), decoder.rotary_emb(h, pos), pos)()
+
+
+def test_graph_experiment_steps_through_the_patched_layers(device):
+    """bench/kernels/bench_layer_graph.py captures ``layer_step``: on the tiny model (no NF4 on the
+    CPU) it must run our patched decoder layers on packed rows and give the LoRA weights gradients
+    (the CUDA-graph part itself needs a GPU)."""
+    import solution
+    from solution.kernels import _launches
+
     solution.revert()
     solution.apply(verbose=False)
     try:
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = Qwen2ForCausalLM(Qwen2Config(**cfg))
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, task_type="CAUSAL_LM",
-                                                 target_modules=["q_proj", "v_proj"]))
-        model.train()
-        decoder = model.base_model.model.model
-        info = padding.make_unpadded([5, 3, 8], 8, torch.device(device))
-        h = torch.randn(1, info.n_tokens, cfg["hidden_size"], device=device)
-        pos = info.positions.unsqueeze(0)
+        cfg, model = _tiny_lora_model(device)
         _launches.reset()
-        y = layer_step(decoder, info, h, torch.randn_like(h), decoder.rotary_emb(h, pos), pos)()
-        assert y.shape == h.shape
+        y = _run_layer_step(model, cfg, device)
+        assert y.shape[-1] == cfg["hidden_size"]
         assert _launches.LAUNCHES["_rope_qk_kernel"] > 0 and _launches.LAUNCHES["_add_rmsnorm_fwd_kernel"] > 0
         grads = [n for n, p in model.named_parameters() if p.grad is not None]
         assert grads and all("lora_" in n for n in grads)
     finally:
         solution.revert()
+
+
+def test_host_split_times_modules_without_turning_our_fused_paths_off(device):
+    """The host split's module timers are class-level: no module gets an instance-level forward
+    (our patches refuse their fused paths for such modules), the fused residual + norm kernel still
+    runs under them, the calls are counted, and detach() puts the classes back."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    import solution
+    from bench.host_split import MODULE, HostSplit
+    from solution.kernels import _launches
+
+    solution.revert()
+    solution.apply(verbose=False)
+    split = HostSplit()
+    try:
+        cfg, model = _tiny_lora_model(device)
+        split.wrap_decoder(model)
+        assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
+        _launches.reset()
+        _run_layer_step(model, cfg, device)
+        assert _launches.LAUNCHES["_add_rmsnorm_fwd_kernel"] == cfg["num_hidden_layers"]
+        assert split.calls[f"{MODULE}transformers Qwen2DecoderLayer"] == cfg["num_hidden_layers"]
+        assert split.calls[f"{MODULE}transformers Qwen2Attention"] == cfg["num_hidden_layers"]
+    finally:
+        split.detach()
+        solution.revert()
+    assert not hasattr(modeling_qwen2.Qwen2DecoderLayer.forward, "_host_split")
+    assert not hasattr(modeling_qwen2.Qwen2Attention.forward, "_host_split")
