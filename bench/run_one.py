@@ -146,7 +146,8 @@ def emulate_t4_paths() -> str | None:
 
 
 def install_clock(clock: StepClock):
-    """Add our callback to every Trainer built from now on (measurement only, both variants)."""
+    """Add our callback to every Trainer built from now on (measurement only, both variants).
+    Returns a function that takes it off again (for callers that go on in the same process)."""
     import transformers
 
     orig_init = transformers.Trainer.__init__
@@ -159,6 +160,10 @@ def install_clock(clock: StepClock):
             clock.host_split.attach(self)
 
     transformers.Trainer.__init__ = init_with_clock
+
+    def uninstall():
+        transformers.Trainer.__init__ = orig_init
+    return uninstall
 
 
 def read_tracker(db_path: Path) -> dict:
@@ -247,7 +252,7 @@ def main(argv=None) -> int:
 
         split = HostSplit()
     clock = StepClock(profile=args.profile, cprofile=cprof, host_split=split)
-    install_clock(clock)
+    uninstall_clock = install_clock(clock)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     _launches.reset()
@@ -264,6 +269,10 @@ def main(argv=None) -> int:
         app(["train", "--config", str(cfg_path), "--yes"], standalone_mode=False)
     except SystemExit as exc:  # Soup exits through typer on errors
         rc = exc.code if isinstance(exc.code, int) else 1
+    finally:  # leave transformers' classes as they were, for callers that go on in this process
+        uninstall_clock()
+        if split is not None:
+            split.detach()
     if cprof is not None:
         import io
         import pstats

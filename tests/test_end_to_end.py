@@ -59,7 +59,9 @@ def test_host_split_pass_times_the_trainer_phases(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("CPU check of the instrument; the GPU machine runs it at full size")
-    from bench.run_one import main
+    import subprocess
+    import sys
+
     from workload.model_standin import write_standin
 
     data, workload = _small_workload(tmp_path, examples=16, steps=4)
@@ -67,10 +69,12 @@ def test_host_split_pass_times_the_trainer_phases(tmp_path):
     write_standin(model, size="tiny")
     split = tmp_path / "split.md"
 
-    rc = main(["--variant", "baseline", "--model", str(model), "--data", str(data), "--workload", str(workload),
-               "--workdir", str(tmp_path / "run"), "--host-split", str(split)])
+    # a child process, as bench.compare runs it: Soup's training leaves global state behind
+    proc = subprocess.run([sys.executable, "-m", "bench.run_one", "--variant", "baseline", "--model", str(model),
+                           "--data", str(data), "--workload", str(workload), "--workdir", str(tmp_path / "run"),
+                           "--host-split", str(split)], cwd=str(ROOT), capture_output=True, text=True)
 
-    assert rc == 0
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = split.read_text(encoding="utf-8")
     assert "2 steps" in text, text
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in text.splitlines() if line.startswith("| ")}
