@@ -217,17 +217,17 @@ def test_report_shows_the_host_split_side_by_side():
     from bench.report import _host_split_section
 
     def split(fwd, dec, bwd, wall):
-        return {"steps": 2, "wall_s": wall, "calls": {},
+        return {"steps": 2, "wall_s": wall, "calls": {"forward": 2, "module transformers Qwen2MLP": 56},
                 "phases_s": {"forward": fwd, "decoder": dec, "backward": bwd, "other": wall - fwd - bwd,
                              "module transformers Qwen2MLP": dec / 4}}
 
     rep = {"workload": {"steps": 64}, "host_split": {"baseline": split(0.2, 0.18, 0.2, 0.5),
                                                      "solution": split(0.1, 0.09, 0.08, 0.3)}}
     text = "\n".join(_host_split_section(rep))
-    assert "| whole step | 250.0 | 150.0 |" in text
-    assert "| forward | 100.0 | 50.0 |" in text
-    assert "| &nbsp;&nbsp;decoder | 90.0 | 45.0 |" in text
-    assert "| &nbsp;&nbsp;module transformers Qwen2MLP | 22.5 | 11.2 |" in text
+    assert "| whole step | 250.0 | 150.0 | | |" in text
+    assert "| forward | 100.0 | 50.0 | 1 | 1 |" in text
+    assert "| &nbsp;&nbsp;decoder | 90.0 | 45.0 |  |  |" in text
+    assert "| &nbsp;&nbsp;module transformers Qwen2MLP | 22.5 | 11.2 | 28 | 28 |" in text
     rep["host_split"]["solution"] = None
     assert _host_split_section(rep) == []
 
