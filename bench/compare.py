@@ -114,7 +114,14 @@ def _progress(log_path: Path, proc: subprocess.Popen, label: str) -> None:
     print(("\r" if tty else "") + end, flush=True)
 
 
-PASSES = {"timed": [], "profiled": ["--profile"], "hostsplit": ["--host-split"]}
+def _pass_args(mode: str, work: Path) -> list[str]:
+    """bench.run_one's options for a pass: none when timed; the host-split pass also logs Triton's
+    compiles (both are diagnosis; neither runs in a timed pass)."""
+    if mode == "profiled":
+        return ["--profile"]
+    if mode == "hostsplit":
+        return ["--host-split", str(work / "host_split.md"), "--compile-log", str(work / "compiles.md")]
+    return []
 
 
 def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workload: str | None) -> dict:
@@ -130,7 +137,7 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
         env["TRITON_INTERPRET"] = "1"  # CPU: our kernels run in Triton's interpreter
     cmd = [sys.executable, "-m", "bench.run_one", "--variant", variant, "--model", model, "--data", data,
            "--workdir", str(work)] + (["--workload", workload] if workload else [])
-    cmd += PASSES[mode] + ([str(work / "host_split.md")] if mode == "hostsplit" else [])
+    cmd += _pass_args(mode, work)
     log_path = work / "log.txt"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
@@ -172,6 +179,7 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
         "solution": sol,
         "kernel_split": {"baseline": kernel_split(base_prof), "solution": kernel_split(sol_prof)},
         "host_split": {"baseline": (base_split or {}).get("host_split"), "solution": (sol_split or {}).get("host_split")},
+        "compile_log": {"baseline": (base_split or {}).get("compile_log"), "solution": (sol_split or {}).get("compile_log")},
     }
     ran = set()
     if sol_prof and sol_prof.get("profile"):

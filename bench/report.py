@@ -139,7 +139,16 @@ def _host_split_section(rep: dict) -> list[str]:
     for p in ORDER + modules:
         label = f"&nbsp;&nbsp;{p}" if p in NESTED or p in modules else p
         out.append(f"| {label} | {ms(b, p)} | {ms(s, p)} | {calls(b, p)} | {calls(s, p)} |")
-    return out + [""]
+    return out + [_compile_line(rep), ""]
+
+
+def _compile_line(rep: dict) -> str:
+    """Triton's JIT compiles in the solution's host-split pass: how many, in which steps, seconds."""
+    log = (rep.get("compile_log") or {}).get("solution")
+    if not log or not log.get("available"):
+        return ""
+    steps = ", ".join(f"step {k}: {v['compiles']} ({v['seconds']:.1f} s)" for k, v in log["by_step"].items())
+    return f"Triton JIT compiles in the solution's host-split pass: {log['compiles']} ({steps or 'none'})."
 
 
 def markdown(rep: dict) -> str:

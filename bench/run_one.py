@@ -11,6 +11,7 @@ SQLite tracker and output files, and writes result.json into the workdir.
 With BENCH_DETERMINISTIC=1 in the environment (diagnosis only), PyTorch's deterministic algorithms
 are on (warn_only), to check whether two runs of the same code give the same bits.
 With --host-split FILE, the wall time of steps 3..end is split by Trainer phase (bench/host_split.py).
+With --compile-log FILE, every Triton JIT compile is logged with its step and duration (bench/compile_log.py).
 With --memory-peak FILE, the allocator history is recorded and what is alive at the peak is
 written to FILE (bench/memory_peak.py).
 With --profile, torch.profiler records GPU kernels from step 3 to the end (a separate pass:
@@ -205,6 +206,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cprofile", help="write a cProfile summary of the host (Python) time of steps 3..end to this file")
     ap.add_argument("--host-split", help="write where the wall time of steps 3..end goes, phase by phase "
                     "(Trainer phases and the decoder forward; bench/host_split.py) to this file")
+    ap.add_argument("--compile-log", help="write which Triton kernels compiled in which step and how long each "
+                    "took (bench/compile_log.py) to this file (+ a .json beside it)")
     ap.add_argument("--memory-peak", help="record the allocator history and write what is alive at the peak "
                     "(grouped by allocating line) to this file (a separate pass: it slows the host)")
     ap.add_argument("--native-precision", action="store_true",
@@ -252,6 +255,12 @@ def main(argv=None) -> int:
 
         split = HostSplit()
     clock = StepClock(profile=args.profile, cprofile=cprof, host_split=split)
+    compile_log = None
+    if args.compile_log:
+        from bench.compile_log import CompileLog
+
+        compile_log = CompileLog(step_of=lambda: len(clock.step_ends) + 1 if clock.t_begin is not None else None)
+        compile_log.install()
     uninstall_clock = install_clock(clock)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
@@ -273,6 +282,9 @@ def main(argv=None) -> int:
         uninstall_clock()
         if split is not None:
             split.detach()
+        if compile_log is not None:
+            compile_log.uninstall()
+            compile_log.write(args.compile_log)
     if cprof is not None:
         import io
         import pstats
@@ -328,6 +340,7 @@ def main(argv=None) -> int:
         "prohibited_modules_loaded": sorted({m.split(".")[0] for m in sys.modules} & set(PROHIBITED)),
         "profile": None,
         "host_split": host_split,
+        "compile_log": compile_log.summary() if compile_log is not None else None,
     }
     if args.profile and clock.kernel_times:
         result["profile"] = {

@@ -42,7 +42,8 @@ PY
 nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem --format=csv
 rc=0
 # run_each LABEL OPTION EXT TIMEOUT HEAD VARIANT...: one bench.run_one per variant on the full-size
-# stand-in, with OPTION writing $OUT/LABEL-VARIANT.EXT; prints its first HEAD lines.
+# stand-in, with OPTION writing $OUT/LABEL-VARIANT.EXT; prints its first HEAD lines. $RUN_ONE_EXTRA
+# (with LABEL and VARIANT substituted for @L and @V) adds options.
 run_each() {
   local label=$1 opt=$2 ext=$3 limit=$4 lines=$5 v
   shift 5
@@ -50,7 +51,8 @@ run_each() {
   python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
   for v in "$@"; do
     timeout "$limit" python3 -m bench.run_one --variant "$v" --model $M --data workload/data/kazakh_instructions.jsonl \
-      --workdir "$OUT/$label-$v" "$opt" "$OUT/$label-$v.$ext" > "$OUT/$label-$v.log" 2>&1 || rc=1
+      --workdir "$OUT/$label-$v" "$opt" "$OUT/$label-$v.$ext" \
+      $(echo "${RUN_ONE_EXTRA:-}" | sed "s/@L/$label/g; s/@V/$v/g") > "$OUT/$label-$v.log" 2>&1 || rc=1
     head -"$lines" "$OUT/$label-$v.$ext"
   done
 }
@@ -70,7 +72,10 @@ for step in $steps; do
       run_each cprofile --cprofile txt ${CPROFILE_TIMEOUT:-150} 45 ${CPROFILE_VARIANTS:-baseline solution} ;;
     hostsplit)
       # Where the wall time of a step goes, by Trainer phase (bench/host_split.py; separate runs).
-      run_each hostsplit --host-split md ${HOSTSPLIT_TIMEOUT:-150} 20 ${HOSTSPLIT_VARIANTS:-baseline solution} ;;
+      # Also logs Triton's compiles (bench/compile_log.py) to $OUT/compiles-VARIANT.md.
+      RUN_ONE_EXTRA="--compile-log $OUT/compiles-@V.md" \
+        run_each hostsplit --host-split md ${HOSTSPLIT_TIMEOUT:-150} 20 ${HOSTSPLIT_VARIANTS:-baseline solution}
+      for f in "$OUT"/compiles-*.md; do head -12 "$f"; done ;;
     memory)
       # What is alive at the peak of allocated memory, by allocating line (bench/memory_peak.py).
       run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;

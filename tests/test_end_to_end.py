@@ -53,8 +53,9 @@ def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path):
 
 @pytest.mark.slow
 def test_host_split_pass_times_the_trainer_phases(tmp_path):
-    """bench.run_one --host-split: a stock run (tiny stand-in, 4 steps) writes a table whose
-    phases cover the timed steps and whose wrapped phases were really called."""
+    """bench.run_one --host-split --compile-log: a stock run (tiny stand-in, 4 steps) writes a table
+    whose phases cover the timed steps and whose wrapped phases were really called, and a compile
+    log."""
     import torch
 
     if torch.cuda.is_available():
@@ -72,9 +73,12 @@ def test_host_split_pass_times_the_trainer_phases(tmp_path):
     # a child process, as bench.compare runs it: Soup's training leaves global state behind
     proc = subprocess.run([sys.executable, "-m", "bench.run_one", "--variant", "baseline", "--model", str(model),
                            "--data", str(data), "--workload", str(workload), "--workdir", str(tmp_path / "run"),
-                           "--host-split", str(split)], cwd=str(ROOT), capture_output=True, text=True)
+                           "--host-split", str(split), "--compile-log", str(tmp_path / "compiles.md")],
+                          cwd=str(ROOT), capture_output=True, text=True)
 
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # a stock run on the CPU compiles no Triton kernel; the log says so rather than being absent
+    assert (tmp_path / "compiles.md").read_text(encoding="utf-8").startswith("Triton JIT compiles during the run: 0")
     text = split.read_text(encoding="utf-8")
     assert "2 steps" in text, text
     rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in text.splitlines() if line.startswith("| ")}

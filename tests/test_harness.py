@@ -325,3 +325,39 @@ def test_host_split_times_modules_without_turning_our_fused_paths_off(device):
         solution.revert()
     assert not hasattr(modeling_qwen2.Qwen2DecoderLayer.forward, "_host_split")
     assert not hasattr(modeling_qwen2.Qwen2Attention.forward, "_host_split")
+
+
+def test_compile_log_records_steps_and_restores_triton_hooks(tmp_path):
+    """bench/compile_log.py: the hooks go in and come out of triton.knobs, each compile is recorded
+    with its step and duration, and the summary / report line count them per step."""
+    from types import SimpleNamespace
+
+    from bench.compile_log import CompileLog
+    from bench.report import _compile_line
+
+    step = {"now": None}
+    log = CompileLog(step_of=lambda: step["now"])
+    installed = log.install()
+    try:
+        from triton import knobs
+    except ImportError:
+        knobs = None
+    if installed:
+        assert knobs.runtime.jit_cache_hook == log._before
+    fn = SimpleNamespace(module="solution.kernels.rmsnorm", name="_rmsnorm_fwd_kernel")
+    for now, key in ((1, "a"), (1, "b"), (5, "c")):
+        step["now"] = now
+        kw = dict(key=key, repr=f"k[{key}]", fn=fn, compile={"specialization_data": "{}"}, is_manual_warmup=False,
+                  already_compiled=False)
+        assert log._before(**kw) is None and log._after(**kw) is None
+    log.uninstall()
+    if installed:
+        assert knobs.runtime.jit_cache_hook is None or knobs.runtime.jit_cache_hook != log._before
+    s = log.summary()
+    assert s["compiles"] == 3 and s["by_step"]["1"]["compiles"] == 2 and s["by_step"]["5"]["compiles"] == 1
+    assert s["by_kernel"] == {"solution.kernels.rmsnorm._rmsnorm_fwd_kernel": 3}
+    log.write(tmp_path / "compiles.md")
+    assert "| 1 | 2 |" in (tmp_path / "compiles.md").read_text(encoding="utf-8")
+    assert (tmp_path / "compiles.json").is_file()
+    line = _compile_line({"compile_log": {"solution": {**s, "available": True}}})
+    assert line.startswith("Triton JIT compiles in the solution's host-split pass: 3 (step 1: 2")
