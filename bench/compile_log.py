@@ -21,6 +21,22 @@ import time
 from collections import Counter
 
 
+def _machine() -> dict:
+    """The GPU architecture ("sm_90") and Triton version the compiles are for (a manifest key)."""
+    out = {"arch": None, "triton": None}
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            out["arch"] = "sm_{}{}".format(*torch.cuda.get_device_capability())
+        import triton
+
+        out["triton"] = triton.__version__
+    except Exception:  # noqa: BLE001 - descriptive only
+        pass
+    return out
+
+
 class CompileLog:
     def __init__(self, step_of=lambda: None):
         self.step_of = step_of  # () -> the current training step (None before training)
@@ -70,7 +86,7 @@ class CompileLog:
         secs: dict = {}
         for r in self.rows:
             secs[r["step"]] = secs.get(r["step"], 0.0) + (r["seconds"] or 0.0)
-        return {"available": self.available, "compiles": len(self.rows),
+        return {"available": self.available, "compiles": len(self.rows), **_machine(),
                 "by_step": {str(k): {"compiles": v, "seconds": secs[k]} for k, v in sorted(by_step.items(), key=str)},
                 "by_kernel": dict(Counter(r["kernel"] for r in self.rows).most_common())}
 

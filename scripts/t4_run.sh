@@ -14,6 +14,11 @@ python3 -m pip install -q --no-build-isolation -e ".[workload,test]"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU tests failed (see above); comparison continues"
 rc=0
 python3 -m bench.compare "$@" || rc=$?  # non-zero when a rule check fails: the report says which
+# The solution's host-split pass logged which of our kernels Triton compiled (bench/compile_log.py):
+# keep them in solution/kernels/compile_manifest.json, so that SOLUTION_PRECOMPILE=1 can compile them
+# in the background on this GPU type next time (commit the file to keep it; solution/precompile.py).
+log=$(ls -t runs/*/solution-hostsplit/compiles.json 2>/dev/null | head -1 || true)
+if [ -n "$log" ]; then python3 -m solution.precompile add "$log" || true; fi
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
   python3 -m bench.variants --out runs/variants-t4 default balanced=SOLUTION_MEMORY_POLICY=balanced \
     memory=SOLUTION_MEMORY_POLICY=memory padded=SOLUTION_ATTN_VARLEN=0 triton=SOLUTION_ATTN_TRITON=1

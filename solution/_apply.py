@@ -54,6 +54,10 @@ def apply(verbose: bool = True) -> dict[str, str]:
         _installed[module.NAME] = desc
         if verbose:
             _say(f"installed {module.NAME}: {desc}")
+    if _installed:
+        from solution import precompile
+
+        precompile.start(support.device, say=_say)  # only with $SOLUTION_PRECOMPILE=1 (off by default)
     if _installed and support.device == "cuda" and _set_expandable_segments(True):
         _installed[ALLOCATOR] = ("CUDA caching allocator with expandable segments: batches of varying "
                                  "length no longer fragment reserved memory")

@@ -361,3 +361,60 @@ def test_compile_log_records_steps_and_restores_triton_hooks(tmp_path):
     assert (tmp_path / "compiles.json").is_file()
     line = _compile_line({"compile_log": {"solution": {**s, "available": True}}})
     assert line.startswith("Triton JIT compiles in the solution's host-split pass: 3 (step 1: 2")
+
+
+def test_precompile_manifest_round_trip_and_background_preload(tmp_path, monkeypatch):
+    """solution/precompile.py: a compile log's entries of our kernels go into the manifest (tagged,
+    deduplicated, other packages dropped), only this architecture's and Triton's are used, and the
+    background run preloads each with the recorded data, counting failures without raising."""
+    import json
+
+    from solution import precompile
+
+    log = tmp_path / "compiles.json"
+    log.write_text(json.dumps({"summary": {"arch": "sm_90", "triton": "3.6.0"}, "compiles": [
+        {"kernel": "solution.kernels.rmsnorm._rmsnorm_fwd_kernel", "specialization_data": "A"},
+        {"kernel": "solution.kernels.rmsnorm._rmsnorm_fwd_kernel", "specialization_data": "A"},
+        {"kernel": "solution.kernels.swiglu._swiglu_fwd_kernel", "specialization_data": "B"},
+        {"kernel": "torch._inductor.something.kernel", "specialization_data": "C"},
+    ]}), encoding="utf-8")
+    manifest = tmp_path / "manifest.json"
+    assert precompile.main(["add", str(log), "--manifest", str(manifest)]) == 0
+    assert precompile.add_to_manifest(log, "sm_75", "3.2.0", manifest) == 2
+    entries = precompile.load_manifest(manifest)
+    assert len(entries) == 4 and {e["arch"] for e in entries} == {"sm_90", "sm_75"}
+    here = precompile.entries_for(entries, "sm_90", "3.6.0")
+    assert [e["specialization_data"] for e in here] == ["A", "B"]
+
+    assert precompile.resolve_kernel("torch.nn.functional.linear") is None
+    assert precompile.resolve_kernel("solution.kernels.rmsnorm.no_such_kernel") is None
+    calls = []
+
+    class FakeKernel:
+        def preload(self, data):
+            calls.append(data)
+            if data == "B":
+                raise RuntimeError("recorded for another machine")
+
+    monkeypatch.setattr(precompile, "resolve_kernel", lambda path: FakeKernel())
+    monkeypatch.setattr(precompile, "STATE", {"started": True, "entries": 2, "done": 0, "failed": 0,
+                                              "seconds": None, "errors": []})
+    precompile.run(here)
+    assert calls == ["A", "B"]
+    assert precompile.STATE["done"] == 1 and precompile.STATE["failed"] == 1
+    assert "another machine" in precompile.STATE["errors"][0]
+
+    (tmp_path / "bad.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ValueError, match="not a compile manifest"):
+        precompile.load_manifest(tmp_path / "bad.json")
+
+
+def test_precompile_stays_off_unless_asked_and_on_a_gpu(monkeypatch):
+    from solution import precompile
+
+    said = []
+    monkeypatch.delenv(precompile.ENV, raising=False)
+    assert precompile.start("cuda", say=said.append) is None and said == []
+    monkeypatch.setenv(precompile.ENV, "1")
+    assert precompile.start("interpreter", say=said.append) is None
+    assert "needs a CUDA GPU" in said[0]
