@@ -3,7 +3,7 @@
 # network (the lent GPU machine): install the carried wheels (.whl/, from
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
-#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile] [hostsplit] [memory] [variants]
+#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile] [hostsplit] [precompile] [memory] [variants]
 #   (default: the first three)
 # Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile),
 #      VARIANTS (bench.variants labels, e.g. "default padded=SOLUTION_ATTN_VARLEN=0"),
@@ -76,6 +76,34 @@ for step in $steps; do
       RUN_ONE_EXTRA="--compile-log $OUT/compiles-@V.md" \
         run_each hostsplit --host-split md ${HOSTSPLIT_TIMEOUT:-150} 20 ${HOSTSPLIT_VARIANTS:-baseline solution}
       for f in "$OUT"/compiles-*.md; do head -12 "$f"; done ;;
+    precompile)
+      # The cold start with and without solution/precompile.py: a solution run with an empty Triton
+      # cache logs its compiles (pre0), they go into a scratch manifest, and a second solution run
+      # with another empty cache preloads them in the background (pre1). Prints first-step times.
+      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
+      python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
+      rm -rf /tmp/tcache0 /tmp/tcache1 "$OUT/manifest.json"
+      for v in 0 1; do
+        TRITON_CACHE_DIR=/tmp/tcache$v SOLUTION_PRECOMPILE=$v SOLUTION_PRECOMPILE_MANIFEST="$OUT/manifest.json" \
+          timeout ${PRECOMPILE_TIMEOUT:-150} python3 -m bench.run_one --variant solution --model $M \
+          --data workload/data/kazakh_instructions.jsonl --workdir "$OUT/pre$v" --compile-log "$OUT/pre$v.md" \
+          > "$OUT/pre$v.log" 2>&1 || rc=1
+        if [ $v = 0 ]; then SOLUTION_PRECOMPILE_MANIFEST="$OUT/manifest.json" python3 -m solution.precompile add "$OUT/pre0.json"; fi
+      done
+      grep -h "precompil" "$OUT/pre1.log" | head -3
+      python3 - "$OUT" <<'PY'
+import json, sys
+for v in ("0", "1"):
+    try:
+        r = json.load(open(f"{sys.argv[1]}/pre{v}/result.json"))
+        c = json.load(open(f"{sys.argv[1]}/pre{v}.json"))["summary"]
+    except Exception as e:
+        print(f"pre{v}: no result ({e})"); continue
+    st = r["step_times_s"]
+    print(f"SOLUTION_PRECOMPILE={v}: first step {st[0]:.2f} s, second {st[1]:.2f} s, wall {r['wall_s']:.1f} s, "
+          f"compiles by step {c['by_step']}")
+PY
+      ;;
     memory)
       # What is alive at the peak of allocated memory, by allocating line (bench/memory_peak.py).
       run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;

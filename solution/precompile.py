@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 ENV = "SOLUTION_PRECOMPILE"
+MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurements: a scratch one)
 MANIFEST = Path(__file__).resolve().parent / "kernels" / "compile_manifest.json"
 OWN_PREFIX = "solution.kernels."
 
@@ -45,8 +46,13 @@ def requested() -> bool:
     return os.environ.get(ENV, "0") == "1"
 
 
-def load_manifest(path: Path = MANIFEST) -> list[dict]:
+def manifest_path() -> Path:
+    return Path(os.environ.get(MANIFEST_ENV) or MANIFEST)
+
+
+def load_manifest(path: Path | None = None) -> list[dict]:
     """The manifest's entries ([] when there is none). Raises ValueError for a malformed file."""
+    path = manifest_path() if path is None else path
     if not path.exists():
         return []
     try:
@@ -117,7 +123,7 @@ def start(device: str, say=print) -> threading.Thread | None:
         say(f"{ENV}=1 ignored: {exc}")
         return None
     if not entries:
-        say(f"{ENV}=1: no recorded specializations for {arch} with Triton {version} in {MANIFEST.name}; "
+        say(f"{ENV}=1: no recorded specializations for {arch} with Triton {version} in {manifest_path()}; "
             "kernels compile at first use")
         return None
     STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[])
@@ -134,10 +140,11 @@ def wait(timeout: float | None = None) -> dict:
     return dict(STATE)
 
 
-def add_to_manifest(compile_log_json: Path, arch: str, triton_version: str, path: Path = MANIFEST) -> int:
+def add_to_manifest(compile_log_json: Path, arch: str, triton_version: str, path: Path | None = None) -> int:
     """Add our kernels' compiles from a compile log (bench/compile_log.py's .json) to the manifest,
     tagged with ``arch`` and ``triton_version``; duplicates are dropped. Returns how many were added."""
     log = json.loads(Path(compile_log_json).read_text(encoding="utf-8"))
+    path = manifest_path() if path is None else path
     entries = load_manifest(path)
     seen = {(e["arch"], e["triton"], e["kernel"], e["specialization_data"]) for e in entries}
     added = 0
@@ -163,7 +170,7 @@ def main(argv=None) -> int:
     add.add_argument("compile_log_json", type=Path)
     add.add_argument("--arch", help="GPU architecture it was recorded on, e.g. sm_75 (default: the log's)")
     add.add_argument("--triton", help="Triton version it was recorded with (default: the log's)")
-    add.add_argument("--manifest", type=Path, default=MANIFEST)
+    add.add_argument("--manifest", type=Path, default=None, help=f"default: ${MANIFEST_ENV} or {MANIFEST}")
     args = ap.parse_args(argv)
     log = json.loads(args.compile_log_json.read_text(encoding="utf-8"))
     arch = args.arch or log.get("summary", {}).get("arch")
@@ -172,7 +179,7 @@ def main(argv=None) -> int:
         print("error: the log does not say its architecture / Triton version; pass --arch and --triton")
         return 2
     n = add_to_manifest(args.compile_log_json, arch, version, args.manifest)
-    print(f"added {n} specializations ({arch}, Triton {version}) to {args.manifest}")
+    print(f"added {n} specializations ({arch}, Triton {version}) to {args.manifest or manifest_path()}")
     return 0
 
 
