@@ -65,20 +65,31 @@ class CompileLog:
             knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = self._previous
             self._previous = None
 
-    def _before(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 - Triton's names
-        self._started[str(key)] = time.perf_counter()
+    # Triton 3.6 calls the hooks with key, repr, fn, compile, is_manual_warmup, already_compiled
+    # (keywords). They take **kw and never raise: a diagnosis must not break a compile, whatever
+    # another Triton version passes.
+    def _before(self, **kw):
+        try:
+            self._started[str(kw.get("key"))] = time.perf_counter()
+        except Exception:  # noqa: BLE001
+            pass
         return None  # None: let Triton compile
 
-    def _after(self, *, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002
-        t0 = self._started.pop(str(key), None)
-        self.rows.append({
-            "step": self.step_of(),
-            "kernel": f"{getattr(fn.module, '__name__', fn.module)}.{fn.name}",
-            "repr": repr,
-            "seconds": None if t0 is None else time.perf_counter() - t0,
-            "warmup": bool(is_manual_warmup),
-            "specialization_data": compile.get("specialization_data"),
-        })
+    def _after(self, **kw):
+        try:
+            t0 = self._started.pop(str(kw.get("key")), None)
+            fn, compile_info = kw.get("fn"), kw.get("compile") or {}
+            module = getattr(fn, "module", "?")
+            self.rows.append({
+                "step": self.step_of(),
+                "kernel": f"{getattr(module, '__name__', module)}.{getattr(fn, 'name', '?')}",
+                "repr": kw.get("repr"),
+                "seconds": None if t0 is None else time.perf_counter() - t0,
+                "warmup": bool(kw.get("is_manual_warmup")),
+                "specialization_data": compile_info.get("specialization_data") if isinstance(compile_info, dict) else None,
+            })
+        except Exception:  # noqa: BLE001
+            pass
         return None
 
     def summary(self) -> dict:
