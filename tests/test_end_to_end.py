@@ -44,6 +44,9 @@ def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path):
     failed = [r for r in report["rules"] if r["ok"] is False]
     assert rc == 0 and not failed, failed
     assert (out / "report.md").is_file() and (out / "report.png").is_file()
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Against the project's targets (issue 5)" in md
+    assert "| GPU kernel time, steps 3-64 (s) | n/a | <= 1/3 | not measured |" in md  # no GPU profiler here
     assert report["baseline"]["steps"] == report["solution"]["steps"] == 2
     assert report["baseline"]["soup_complete_panel"] and report["solution"]["soup_complete_panel"]
     installed = set(report["solution"]["installed"])
