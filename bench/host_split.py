@@ -3,9 +3,9 @@
 On a fast GPU the step is host-bound: the Python side (Trainer, autograd, our launches) takes
 longer than the GPU work it queues, so the wall time of each phase is close to its host time.
 This wraps a few methods of the one Trainer instance, and the forward of the decoder stack and
-of each module class in its layers (at class level), with perf_counter timers; it never synchronizes the device and changes no computation, but it adds a
-few microseconds per wrapped call, so it runs in its own pass (`bench.run_one --host-split`),
-never in a timed run.
+of each module class in its layers (at class level), with perf_counter timers; it never
+synchronizes the device and changes no computation, but it adds a few microseconds per wrapped
+call, so it runs in its own pass (`bench.run_one --host-split`), never in a timed run.
 
 Phases (the wrapped call, in the order the Trainer makes them):
   batch        Trainer.get_batch_samples (data loader, collator, copy to the device)

@@ -80,23 +80,21 @@ for step in $steps; do
       # The cold start with and without solution/precompile.py: a solution run with an empty Triton
       # cache logs its compiles (pre0), they go into a scratch manifest, and a second solution run
       # with another empty cache preloads them in the background (pre1). Prints first-step times.
-      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
-      python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
       rm -rf /tmp/tcache0 /tmp/tcache1 "$OUT/manifest.json"
+      export SOLUTION_PRECOMPILE_MANIFEST="$OUT/manifest.json"
       for v in 0 1; do
-        TRITON_CACHE_DIR=/tmp/tcache$v SOLUTION_PRECOMPILE=$v SOLUTION_PRECOMPILE_MANIFEST="$OUT/manifest.json" \
-          timeout ${PRECOMPILE_TIMEOUT:-150} python3 -m bench.run_one --variant solution --model $M \
-          --data workload/data/kazakh_instructions.jsonl --workdir "$OUT/pre$v" --compile-log "$OUT/pre$v.md" \
-          > "$OUT/pre$v.log" 2>&1 || rc=1
-        if [ $v = 0 ]; then SOLUTION_PRECOMPILE_MANIFEST="$OUT/manifest.json" python3 -m solution.precompile add "$OUT/pre0.json"; fi
+        TRITON_CACHE_DIR=/tmp/tcache$v SOLUTION_PRECOMPILE=$v \
+          run_each pre$v --compile-log md ${PRECOMPILE_TIMEOUT:-150} 0 solution
+        if [ $v = 0 ]; then python3 -m solution.precompile add "$OUT/pre0-solution.json"; fi
       done
-      grep -h "precompil" "$OUT/pre1.log" | head -3
+      unset SOLUTION_PRECOMPILE_MANIFEST
+      grep -h "precompil" "$OUT/pre1-solution.log" | head -3
       python3 - "$OUT" <<'PY'
 import json, sys
 for v in ("0", "1"):
     try:
-        r = json.load(open(f"{sys.argv[1]}/pre{v}/result.json"))
-        c = json.load(open(f"{sys.argv[1]}/pre{v}.json"))["summary"]
+        r = json.load(open(f"{sys.argv[1]}/pre{v}-solution/result.json"))
+        c = json.load(open(f"{sys.argv[1]}/pre{v}-solution.json"))["summary"]
     except Exception as e:
         print(f"pre{v}: no result ({e})"); continue
     st = r["step_times_s"]

@@ -246,20 +246,11 @@ def test_report_says_by_how_much_a_target_is_missed():
 
 
 def _tiny_lora_model(device):
-    """(config dict, tiny Qwen2 with peft LoRA r=4 on q/v and dropout 0.05, in train mode)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """(config, test_unpad's tiny Qwen2 with peft LoRA r=4 on q/v, here with dropout 0.05, in train mode)."""
+    from tests.test_unpad import _lora_model
 
-    from workload.model_standin import standin_config
-
-    cfg = {k: v for k, v in standin_config("tiny").items() if k not in ("architectures", "model_type", "torch_dtype")}
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen2ForCausalLM(Qwen2Config(**cfg))
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.05, task_type="CAUSAL_LM",
-                                             target_modules=["q_proj", "v_proj"]))
-    return cfg, model.train()
+    model = _lora_model(device, dropout=0.05).train()
+    return model.config, model
 
 
 def _run_layer_step(model, cfg, device):
@@ -272,7 +263,7 @@ def _run_layer_step(model, cfg, device):
 
     decoder = model.base_model.model.model
     info = padding.make_unpadded([5, 3, 8], 8, torch.device(device))
-    h = torch.randn(1, info.n_tokens, cfg["hidden_size"], device=device)
+    h = torch.randn(1, info.n_tokens, cfg.hidden_size, device=device)
     pos = info.positions.unsqueeze(0)
     return layer_step(decoder, info, h, torch.randn_like(h), decoder.rotary_emb(h, pos), pos)()
 
@@ -290,7 +281,7 @@ def test_graph_experiment_steps_through_the_patched_layers(device):
         cfg, model = _tiny_lora_model(device)
         _launches.reset()
         y = _run_layer_step(model, cfg, device)
-        assert y.shape[-1] == cfg["hidden_size"]
+        assert y.shape[-1] == cfg.hidden_size
         assert _launches.LAUNCHES["_rope_qk_kernel"] > 0 and _launches.LAUNCHES["_add_rmsnorm_fwd_kernel"] > 0
         grads = [n for n, p in model.named_parameters() if p.grad is not None]
         assert grads and all("lora_" in n for n in grads)
@@ -317,9 +308,9 @@ def test_host_split_times_modules_without_turning_our_fused_paths_off(device):
         assert not [n for n, m in model.named_modules() if "forward" in m.__dict__]
         _launches.reset()
         _run_layer_step(model, cfg, device)
-        assert _launches.LAUNCHES["_add_rmsnorm_fwd_kernel"] == cfg["num_hidden_layers"]
-        assert split.calls[f"{MODULE}transformers Qwen2DecoderLayer"] == cfg["num_hidden_layers"]
-        assert split.calls[f"{MODULE}transformers Qwen2Attention"] == cfg["num_hidden_layers"]
+        assert _launches.LAUNCHES["_add_rmsnorm_fwd_kernel"] == cfg.num_hidden_layers
+        assert split.calls[f"{MODULE}transformers Qwen2DecoderLayer"] == cfg.num_hidden_layers
+        assert split.calls[f"{MODULE}transformers Qwen2Attention"] == cfg.num_hidden_layers
     finally:
         split.detach()
         solution.revert()

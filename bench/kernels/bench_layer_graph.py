@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -38,18 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from bench.kernels._common import bench_args  # noqa: E402
-from bench.kernels.bench_layer_host import LAYERS, LENGTHS, SEQLEN, build  # noqa: E402
-
-
-def timed_ms(fn, reps: int = 15) -> float:
-    times = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+from bench.kernels.bench_layer_host import LAYERS, LENGTHS, SEQLEN, build, wall_ms  # noqa: E402
 
 
 def layer_step(decoder, info, h, grad_out, position_embeddings, position_ids):
@@ -101,9 +89,7 @@ def main() -> None:
                 return step()
 
             stage = "eager"
-            for _ in range(3):
-                eager()
-            out["eager_ms"] = timed_ms(eager)
+            out["eager_ms"] = wall_ms(eager)  # 3 warm-up steps, then the median of 15
             torch.cuda.manual_seed(1234)
             y_eager = eager().detach().clone()
             grads_eager = {k: p.grad.detach().clone() for k, p in lora.items()}
@@ -127,9 +113,7 @@ def main() -> None:
             out["capture_ms"] = (time.perf_counter() - t0) * 1e3
 
             stage = "replay"
-            for _ in range(3):
-                graph.replay()
-            out["replay_ms"] = timed_ms(graph.replay)
+            out["replay_ms"] = wall_ms(graph.replay)
 
             stage = "same numbers"
             torch.cuda.manual_seed(1234)
