@@ -5,6 +5,7 @@ import importlib
 import logging
 import os
 
+from solution import decoder_graphs
 from solution.env import check_support, memory_policy
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
@@ -31,6 +32,7 @@ def apply(verbose: bool = True) -> dict[str, str]:
     if _installed:
         return dict(_installed)
     memory_policy()  # a bad $SOLUTION_MEMORY_POLICY is the user's error: raise before touching anything
+    decoder_graphs.check_settings()  # the same for $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
     support = check_support()
     if not support.ok:
         _say(f"falling back to the stock path: {support.reason}")

@@ -44,7 +44,10 @@ class Unpadded:
     lengths: real tokens per row (host ints).
     arange: int64 [N] on the device, 0..N-1 (the packed rows' own order; see ``packed_layout``).
     cu_seqlens: int32 [batch + 1] on the device, where each row starts among the packed tokens and
-    N at the end (the row offsets of variable-length attention)."""
+    N at the end (the row offsets of variable-length attention).
+    max_len_bound: when set, the longest row attention must allow for (``max_len``) instead of
+    max(lengths): a batch replayed from a CUDA graph (solution/decoder_graphs.py) keeps the
+    capture's host values, so it gives a bound that holds for every batch of its bucket."""
     idx: torch.Tensor
     positions: torch.Tensor
     src: torch.Tensor
@@ -53,10 +56,16 @@ class Unpadded:
     lengths: tuple[int, ...]
     arange: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
+    max_len_bound: int | None = None
 
     @property
     def n_tokens(self) -> int:
         return int(sum(self.lengths))
+
+    @property
+    def max_len(self) -> int:
+        """The longest row, as attention's grid must cover it (see max_len_bound)."""
+        return max(self.lengths) if self.max_len_bound is None else self.max_len_bound
 
 
 def packed_layout(info: Unpadded) -> Unpadded:
@@ -98,19 +107,64 @@ def right_padded_lengths(attention_mask: torch.Tensor) -> list[int] | None:
     return None if host[-1] else [int(v) for v in host[:-1]]
 
 
-def make_unpadded(lengths: list[int], seqlen: int, device: torch.device) -> Unpadded:
-    """Index tensors for a right-padded batch with these row lengths (built on the host, one copy)."""
+def make_unpadded(lengths: list[int], seqlen: int, device: torch.device, extra: int = 0) -> Unpadded:
+    """Index tensors for a right-padded batch with these row lengths (built on the host, one copy).
+
+    ``extra`` > 0 adds one more packed row of that many tokens after the real ones (a CUDA-graph
+    bucket's filler, solution/decoder_graphs.py): copies of the first ``extra`` tokens of the
+    longest real row (cyclically when it is shorter), at positions 0..extra-1 and with its own
+    ``cu_seqlens`` entry, so that it attends only to itself. Its tokens are taken from real
+    positions, so ``idx`` (and every gather through it: token ids, dropout masks) gives them real
+    values and they compute what that row's first tokens compute: finite whenever those are.
+    ``lengths`` then ends with ``extra``; ``src`` still maps each padded position to its real token
+    (the filler is nobody's)."""
     flat = torch.cat([torch.arange(b * seqlen, b * seqlen + n) for b, n in enumerate(lengths)])
     pos = torch.cat([torch.arange(n) for n in lengths])
     src = torch.full((len(lengths) * seqlen,), -1, dtype=torch.int64)
     src[flat] = torch.arange(flat.numel())
+    if extra > 0:
+        longest = max(range(len(lengths)), key=lambda b: lengths[b])
+        ar = torch.arange(extra)
+        flat = torch.cat([flat, longest * seqlen + ar % lengths[longest]])
+        pos = torch.cat([pos, ar])
+        lengths = list(lengths) + [extra]
     n = flat.numel()
     starts = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
     packed = torch.cat([flat, pos, src, torch.arange(n), starts]).to(device)  # one host-to-device copy
-    b = len(lengths)
-    return Unpadded(idx=packed[:n], positions=packed[n:2 * n], src=packed[2 * n:2 * n + b * seqlen], batch=b,
-                    seqlen=seqlen, lengths=tuple(lengths), arange=packed[2 * n + b * seqlen:3 * n + b * seqlen],
-                    cu_seqlens=packed[3 * n + b * seqlen:].to(torch.int32))
+    b, m = len(lengths) - (extra > 0), src.numel()  # batch: the padded batch's rows (the draws' shape)
+    return Unpadded(idx=packed[:n], positions=packed[n:2 * n], src=packed[2 * n:2 * n + m], batch=b,
+                    seqlen=seqlen, lengths=tuple(lengths), arange=packed[2 * n + m:3 * n + m],
+                    cu_seqlens=packed[3 * n + m:].to(torch.int32))
+
+
+class DropoutMaskSource:
+    """Where LoRA dropout takes its masks instead of drawing them (see ``dropout_masks_from``):
+    ``take(p, x)`` returns a bool mask shaped like x, filled by whoever owns the source."""
+
+    def take(self, p: float, x: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+_MASKS: contextvars.ContextVar[DropoutMaskSource | None] = contextvars.ContextVar("solution_dropout_masks",
+                                                                                  default=None)
+
+
+def dropout_mask_source() -> DropoutMaskSource | None:
+    """The mask source set by ``dropout_masks_from`` (None: LoRA dropout draws its own)."""
+    return _MASKS.get()
+
+
+@contextlib.contextmanager
+def dropout_masks_from(source: DropoutMaskSource):
+    """Within this block, LoRA dropout on CUDA (solution/kernels/lora_nf4.lora_dropout) takes its
+    masks from ``source``, in call order, and draws nothing: a CUDA graph cannot redraw stock's
+    masks (their shape changes every step), so the graph runner draws them before each replay
+    exactly as stock would and the captured layers read them (solution/decoder_graphs.py)."""
+    token = _MASKS.set(source)
+    try:
+        yield source
+    finally:
+        _MASKS.reset(token)
 
 
 def pad_rows(rows: torch.Tensor, info: Unpadded) -> torch.Tensor:

@@ -277,6 +277,25 @@ def test_sft_trainer_logs_match_stock_with_packed_batches(device, tmp_path, monk
             assert abs(o[key] - s[key]) <= 1e-5 * max(1.0, abs(s[key])), (key, o[key], s[key])
 
 
+def qlora_tiny_model(model_dir):
+    """The workload's stack on the tiny stand-in, on the GPU: NF4 double-quant weights
+    (bitsandbytes, fp16 compute), prepare_model_for_kbit_training without checkpointing, peft LoRA
+    r=16 alpha=32 on q/v with dropout 0.05 (LoRA A drawn after torch.manual_seed(1234): the same A
+    in every run), in train mode."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=torch.float16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=torch.float16,
+                                                 device_map={"": 0})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1234)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                             target_modules=["q_proj", "v_proj"]))
+    return model.train()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["padded", "varlen", "triton"])
 def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, attention):
@@ -290,9 +309,6 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
     Triton kernel (solution/kernels/attn_triton.py)."""
     if device != "cuda":
         pytest.skip("bitsandbytes 4-bit needs CUDA")
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
     import solution
     from solution.kernels import _launches
     from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
@@ -308,15 +324,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
         if patched:
             assert "qwen2_unpad" in solution.apply(verbose=False)
         try:
-            q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                   bnb_4bit_compute_dtype=torch.float16)
-            model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=torch.float16,
-                                                         device_map={"": 0})
-            model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-            torch.manual_seed(1234)  # LoRA A init draws from the global RNG: the same A in both runs
-            model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
-                                                     target_modules=["q_proj", "v_proj"]))
-            model.train()
+            model = qlora_tiny_model(model_dir)
             torch.manual_seed(0)
             torch.cuda.manual_seed(0)
             with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():

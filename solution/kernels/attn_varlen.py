@@ -98,6 +98,6 @@ def varlen_causal_attention(q, k, v, info, scale) -> torch.Tensor:
     """Causal attention of each packed row on its own. q, k, v [1, N, H, D] contiguous, same dtype;
     ``info`` the batch's ``Unpadded`` (row lengths, offsets). Returns [1, N, H, D]."""
     if q.device.type == "cuda":
-        return VarlenCausalAttention.apply(q, k, v, info.cu_seqlens, max(info.lengths), scale)
+        return VarlenCausalAttention.apply(q, k, v, info.cu_seqlens, info.max_len, scale)
     record("attention_rows_reference", ours=False)
     return rows_reference(q, k, v, list(info.lengths), scale)

@@ -163,6 +163,15 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
     if isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0:
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
+    source = padding.dropout_mask_source()
+    if source is not None and _dropout_is_native(x):
+        # Layers replayed from a CUDA graph (solution/decoder_graphs.py): the mask was drawn before
+        # the replay, over stock's padded shape, exactly as below; take it, draw nothing.
+        mask = source.take(p, x)
+        with torch.no_grad():
+            xd = (_Deferred(_native_dropout_scale(p)) if defer and _fusable(x)
+                  else x * mask * _native_dropout_scale(p))
+        return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
     # Packed real tokens of a right-padded batch (solution/padding.py): draw over stock's padded
     # shape, keep the real rows, so the random numbers are stock's.
     padded_shape = padding.padded_draw_shape(x)

@@ -147,20 +147,25 @@ def _unpadded_forward(model, input_ids, info, kwargs):
 
     from solution import padding
 
-    ids = padding.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
-    hidden_states = model.embed_tokens(ids)
-    position_ids = info.positions.unsqueeze(0)
-    position_embeddings = model.rotary_emb(hidden_states, position_ids)
-    with padding.running_unpadded(info):
-        for decoder_layer in model.layers[: model.config.num_hidden_layers]:
-            hidden_states = decoder_layer(
-                hidden_states,
-                attention_mask=info,
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                use_cache=False,
-                **kwargs,
-            )
+    from solution import decoder_graphs
+
+    # the layers replayed from CUDA graphs ($SOLUTION_CUDA_GRAPHS=1, solution/decoder_graphs.py), or eagerly
+    hidden_states = decoder_graphs.decoder_forward(model, input_ids, info, kwargs)
+    if hidden_states is None:
+        ids = padding.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
+        hidden_states = model.embed_tokens(ids)
+        position_ids = info.positions.unsqueeze(0)
+        position_embeddings = model.rotary_emb(hidden_states, position_ids)
+        with padding.running_unpadded(info):
+            for decoder_layer in model.layers[: model.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    attention_mask=info,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    **kwargs,
+                )
     hidden_states = model.norm(hidden_states)
     sink = _PACKED_SINK.get()
     if sink is not None:
@@ -205,9 +210,13 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
                 except torch.cuda.OutOfMemoryError:
                     raise  # not a refusal of the kernel: the padded layout would need more memory
                 except RuntimeError as exc:  # e.g. a PyTorch build or GPU without the varlen mode
+                    if _in_graph(info):
+                        raise  # a failed CUDA-graph capture, not a refusal of the kernel: the runner falls back
                     _varlen_failed(exc)
             return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
     b, s = info.batch, info.seqlen
+    if _in_graph(info):  # its idx / src would be captured once: wrong for the next batch of the bucket
+        raise RuntimeError("attention on the padded layout cannot run inside a decoder CUDA graph")
 
     def to_padded(t):  # [1, h, N, D] -> [b, h, s, D] (a transposed view of [b, s, h, D], like stock's)
         rows = padding.pad_rows(t[0].transpose(0, 1), info)
@@ -278,7 +287,7 @@ def _sdpa_triton(query, key, value, info, scaling):
                for t in (query, key, value))
     if scaling is None:
         scaling = query.shape[-1] ** -0.5  # SDPA's default
-    out = attn_triton.triton_varlen_attention(q, k, v, info.cu_seqlens, max(info.lengths), scaling)
+    out = attn_triton.triton_varlen_attention(q, k, v, info.cu_seqlens, info.max_len, scaling)
     return out.unsqueeze(0), None
 
 
@@ -314,7 +323,15 @@ def _layout_qkv(module, query, key, value, layout, dtype):
                  for t, rep in ((query, 1), (key, groups), (value, groups)))
 
 
+def _in_graph(info) -> bool:
+    """Layers captured into a CUDA graph (solution/decoder_graphs.py) or being captured: only the
+    packed-row attention paths (cu_seqlens, a fixed row bound) are valid there."""
+    return info.max_len_bound is not None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype):
+    if _in_graph(info):
+        raise RuntimeError("attention on the padded layout cannot run inside a decoder CUDA graph")
     """sdpa_unpadded with the layout moves in our kernels: one launch pads q, one pads and repeats
     k, one v (cast in the same pass to ``dtype``, the cast autocast would make for SDPA), one
     gathers the output's real rows."""

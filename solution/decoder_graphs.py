@@ -1,0 +1,471 @@
+"""CUDA graphs over the decoder layers (issue 5.4: Python and launch overhead), $SOLUTION_CUDA_GRAPHS.
+
+1. What it replaces. The eager loop over Qwen2's 28 decoder layers in the packed forward
+   (solution/patches/qwen2_unpad.py) and autograd's walk back through them: every op of every
+   layer is a Python call and a kernel launch, ~40 launches a layer each way.
+2. Why that is slow. On a fast GPU the step is bound by that host work, not by the kernels: the
+   host split on the H200 (docs/PERFORMANCE.md) puts ~85% of the step in Python and launch work
+   inside the layers, ~6 ms a layer against ~0.9 ms of GPU work a layer.
+3. What it does instead. For each bucket of token counts it records the layers' forward and
+   backward once in two CUDA graphs (torch.cuda.CUDAGraph) and from then on replays them: two
+   host calls a step for all 28 layers. A graph replays fixed shapes and fixed host values, so:
+   - token count: the packed tokens (N) are padded to the bucket size (a multiple of
+     $SOLUTION_GRAPH_BUCKET, 128 by default, at least one token more than N) by one extra packed
+     row (padding.make_unpadded(extra=...)): copies of the first tokens of the longest row, with
+     their own attention row, so they never touch a real token and get a zero gradient;
+   - attention's longest row: the bucket size is passed as the bound (Unpadded.max_len_bound);
+     the kernel reads each row's true extent from cu_seqlens, which is copied in every step;
+   - dropout: stock draws each LoRA mask over the padded [batch, longest row, hidden] shape,
+     which changes every step, so the masks cannot be drawn inside a graph. They are drawn
+     before each replay, in the layers' call order, with the very calls stock makes
+     (``_MaskSlots.draw``), into buffers the captured layers read (padding.dropout_masks_from):
+     the generator advances exactly as in the eager run, and the graphs themselves draw nothing
+     (checked: the number of masks taken and the generator's offset around the first replay);
+   - memory: all graphs share one memory pool (torch.cuda.graph_pool_handle) and are replayed one
+     bucket at a time (forward then backward), so the activations of one bucket reuse those of
+     another; the inputs, outputs and gradients live in buffers shared by every bucket (``_Arena``).
+   Embedding, RoPE's cos/sin, the final norm, the LM head and loss, GradScaler and the optimizer
+   stay eager.
+4. Correctness risks. (a) Anything inside the layers that depends on host values captured once:
+   only the token count and attention's row bound do, both fixed per bucket. (b) Random numbers:
+   see dropout above; a model whose layers would draw anything else keeps the eager path (the
+   unpad patch already refuses other dropouts; the take count and offset checks catch the rest).
+   (c) Module hooks on the layers would run only at capture: such a model keeps the eager path.
+   (d) Values: the filler row changes the token dimension of every matmul, so cuBLAS may pick
+   other tile orders than at N: results agree with the eager run to fp16 rounding, not bit for
+   bit (the filler's own contribution to every weight gradient is exactly zero). (e) Memory: the
+   activations live in the graph pool, which torch.cuda.max_memory_allocated does not count
+   during replays: compare peak *reserved* memory for runs with graphs (the report shows both).
+   (f) Captures cost time: one per bucket, each about one eager step.
+5. How it was measured: see docs/cuda_graphs.md (GPU tests: tests/test_decoder_graphs.py).
+"""
+from __future__ import annotations
+
+import os
+import time
+import weakref
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from solution import padding
+
+ENV = "SOLUTION_CUDA_GRAPHS"
+BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
+DEFAULT_BUCKET = 128
+MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
+
+
+def enabled() -> bool:
+    """On by default since the H200 measurement of 2026-11-30 (~06:4x UTC; docs/cuda_graphs.md);
+    $SOLUTION_CUDA_GRAPHS=0 runs the layers eagerly."""
+    return os.environ.get(ENV, "1") == "1"
+
+
+def bucket_size() -> int:
+    """Token bucket of the graphs ($SOLUTION_GRAPH_BUCKET, default 128); ValueError when invalid."""
+    raw = os.environ.get(BUCKET_ENV, "").strip()
+    if not raw:
+        return DEFAULT_BUCKET
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1 or value > 4096:
+        raise ValueError(f"${BUCKET_ENV} must be an integer from 1 to 4096 tokens, got {raw!r}")
+    return value
+
+
+def check_settings() -> None:
+    """Raise ValueError for an invalid setting (apply() calls it before installing anything)."""
+    value = os.environ.get(ENV)
+    if value is not None and value not in ("0", "1"):
+        raise ValueError(f"${ENV} must be 0 or 1, got {value!r}")
+    bucket_size()
+
+
+def bucketed_tokens(n: int, bucket: int) -> int:
+    """The bucket a batch of n packed tokens is replayed in: the next multiple of ``bucket`` above
+    n (always at least one filler token, so every bucket has the same number of attention rows)."""
+    return (n // bucket + 1) * bucket
+
+
+def _say(msg: str) -> None:
+    print(f"[solution] {msg}", flush=True)
+
+
+class _MaskSlots(padding.DropoutMaskSource):
+    """The LoRA dropout masks of one step: one bool buffer [capacity, hidden] per dropout call of
+    the layers, in call order. ``take`` (inside the layers) hands out the first n rows; ``draw``
+    (before a replay) fills them as stock's draws would be."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.specs: list[tuple[float, torch.dtype, int]] = []
+        self.buffers: list[torch.Tensor] = []
+        self._n = self._i = 0
+
+    def begin(self, n_tokens: int) -> None:
+        self._n, self._i = n_tokens, 0
+
+    def calls(self) -> int:
+        return self._i
+
+    def take(self, p: float, x: torch.Tensor) -> torch.Tensor:
+        i, spec = self._i, (float(p), x.dtype, int(x.shape[-1]))
+        self._i += 1
+        if x.shape[:-1].numel() != self._n:
+            raise RuntimeError(f"dropout input of {x.shape[:-1].numel()} tokens in a graph of {self._n}")
+        if i == len(self.specs):
+            self.specs.append(spec)
+            self.buffers.append(torch.zeros((self.capacity, spec[2]), dtype=torch.bool, device=x.device))
+        elif self.specs[i] != spec:
+            raise RuntimeError(f"dropout call {i} is {spec}, recorded as {self.specs[i]}")
+        return self.buffers[i][: self._n].view(x.shape)
+
+    def draw(self, info: padding.Unpadded) -> None:
+        """Each mask as lora_nf4.lora_dropout draws it eagerly (over stock's padded shape, the same
+        kernel on the same shape and dtype, so the same random numbers), in the same order, and the
+        rows of the bucket's tokens kept (filler rows: copies of real rows' masks)."""
+        rows, n = info.batch * info.seqlen, info.n_tokens
+        with torch.no_grad():
+            for (p, dtype, hidden), buf in zip(self.specs, self.buffers):
+                _, mask = torch.native_dropout(torch.empty((rows, hidden), dtype=dtype, device=buf.device), p, True)
+                torch.index_select(mask, 0, info.idx, out=buf[:n])
+
+
+class _Arena:
+    """Inputs, outputs and their gradients of the layers for up to ``capacity`` tokens, shared by
+    every graph of a runner (a bucket of n tokens uses the first n), plus the dropout masks."""
+
+    def __init__(self, capacity: int, h: torch.Tensor, cos: torch.Tensor):
+        self.capacity = capacity
+        dev, hid = h.device, h.shape[-1]
+        self.h = torch.zeros((1, capacity, hid), dtype=h.dtype, device=dev)
+        self.out = torch.zeros_like(self.h)
+        self.grad_out = torch.zeros_like(self.h)
+        self.grad_h = torch.zeros_like(self.h)
+        self.cos = torch.zeros((1, capacity, cos.shape[-1]), dtype=cos.dtype, device=dev)
+        self.sin = torch.zeros_like(self.cos)
+        self.pos = torch.zeros((1, capacity), dtype=torch.int64, device=dev)
+        self.masks = _MaskSlots(capacity)
+
+    def fits(self, h: torch.Tensor, cos: torch.Tensor) -> bool:
+        return (h.shape[1] <= self.capacity and h.dtype == self.h.dtype and h.shape[-1] == self.h.shape[-1]
+                and cos.dtype == self.cos.dtype and cos.shape[-1] == self.cos.shape[-1])
+
+
+class _LayerGraphs:
+    """The forward and backward graphs of one bucket, and the views of the arena they use."""
+
+    def __init__(self, arena: _Arena, n: int, rows: int, needs_input_grad: bool, device):
+        self.arena, self.n, self.needs_input_grad = arena, n, needs_input_grad
+        self.h, self.out = arena.h[:, :n], arena.out[:, :n]
+        self.grad_out, self.grad_h = arena.grad_out[:, :n], arena.grad_h[:, :n]
+        self.cos, self.sin, self.pos = arena.cos[:, :n], arena.sin[:, :n], arena.pos[:, :n]
+        self.cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
+        self.arange = torch.arange(n, device=device)
+        self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        self.param_grads: list[torch.Tensor] = []  # the runner's buffers, shared by its graphs
+        self.has_grad: list[bool] = []
+        self.rng_checked = False
+
+    def info(self, capture: padding.Unpadded) -> padding.Unpadded:
+        """The Unpadded the captured layers see: this graph's buffers; the row bound is the bucket."""
+        return padding.Unpadded(idx=self.arange, positions=self.pos[0], src=self.arange, batch=capture.batch,
+                                seqlen=capture.seqlen, lengths=capture.lengths, arange=self.arange,
+                                cu_seqlens=self.cu_seqlens, max_len_bound=self.n)
+
+    def load(self, info: padding.Unpadded, h, cos, sin) -> None:
+        """This step's inputs into the graph's buffers (h's values; its autograd edge stays with
+        the replay Function)."""
+        with torch.no_grad():
+            self.h.copy_(h)
+            self.cos.copy_(cos)
+            self.sin.copy_(sin)
+            self.pos[0].copy_(info.positions)
+            self.cu_seqlens.copy_(info.cu_seqlens)
+
+
+class _ReplayDecoderLayers(torch.autograd.Function):
+    """The decoder layers as one autograd node: forward replays the forward graph, backward copies
+    the incoming gradient in, replays the backward graph and hands out copies of its gradients
+    (the graph's buffers are overwritten by the next replay; autograd may keep what it is given)."""
+
+    @staticmethod
+    def forward(ctx, graphs: _LayerGraphs, h, *params):
+        gen = _cuda_generator(h.device) if not graphs.rng_checked else None
+        before = gen.get_offset() if gen is not None else None
+        graphs.fwd.replay()
+        if gen is not None:
+            graphs.rng_checked = True
+            if gen.get_offset() != before:
+                raise RuntimeError("the decoder-layer CUDA graph consumed random numbers: its dropout would "
+                                   "differ from stock's; set SOLUTION_CUDA_GRAPHS=0")
+        ctx.graphs = graphs
+        return graphs.out.detach()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        g = ctx.graphs
+        g.grad_out.copy_(grad_out)
+        g.bwd.replay()
+        grad_h = g.grad_h.clone() if g.needs_input_grad else None
+        grads = [buf.clone() if has else None for buf, has in zip(g.param_grads, g.has_grad)]
+        return (None, grad_h, *grads)
+
+
+def _cuda_generator(device: torch.device):
+    try:
+        gen = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        gen.get_offset()
+        return gen
+    except Exception:  # noqa: BLE001 - a torch without get_offset: the take count still checks
+        return None
+
+
+def run_layers(layers, h, info, cos, sin, pos):
+    """The decoder loop of qwen2_unpad on packed rows (no KV cache, no extra arguments)."""
+    x = h
+    with padding.running_unpadded(info):
+        for layer in layers:
+            x = layer(x, attention_mask=info, position_embeddings=(cos, sin), position_ids=pos, use_cache=False)
+    return x
+
+
+def _hooked(layers) -> bool:
+    from torch.nn.modules import module as nn_module
+
+    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+            or getattr(nn_module, "_global_backward_hooks", None) or getattr(nn_module, "_global_backward_pre_hooks", None)):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None)
+               for layer in layers for m in layer.modules())
+
+
+class DecoderGraphs:
+    """The graphs of one Qwen2Model (created on its first packed training forward)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device=device)
+        self.graphs: dict[tuple, _LayerGraphs] = {}
+        self.arena: _Arena | None = None
+        self.params: list[torch.nn.Parameter] | None = None
+        self.grads: list[torch.Tensor] | None = None
+        self.expected_masks: int | None = None
+        self.warmed = False
+        self.failed: str | None = None
+        self.full_said = False
+        self.captures: list[tuple[int, float]] = []  # (bucket tokens, seconds) of each capture
+
+    # -- parameters ---------------------------------------------------------------------------
+    def _trainable(self, layers) -> list[torch.nn.Parameter]:
+        params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        if self.params is None or len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
+            self.params, self.graphs, self.grads = params, {}, [torch.zeros_like(p) for p in params]
+            self.expected_masks = None
+        return params
+
+    # -- capture ------------------------------------------------------------------------------
+    def _graphs_for(self, layers, binfo, h, cos, sin) -> _LayerGraphs | None:
+        n = h.shape[1]
+        autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        key = (n, binfo.batch, len(binfo.lengths), h.dtype, cos.dtype, h.requires_grad, autocast)
+        g = self.graphs.get(key)
+        if g is not None:
+            return g
+        if len(self.graphs) >= MAX_GRAPHS:
+            if not self.full_said:
+                self.full_said = True
+                _say(f"{MAX_GRAPHS} decoder graphs captured: new batch sizes run eagerly")
+            return None
+        if self.arena is None or not self.arena.fits(h, cos):
+            capacity = max(n, bucketed_tokens(binfo.batch * binfo.seqlen, bucket_size()))
+            self.arena = _Arena(capacity, h, cos)
+        g = _LayerGraphs(self.arena, n, len(binfo.lengths), h.requires_grad, self.device)
+        g.load(binfo, h, cos, sin)
+        g.param_grads = self.grads
+        t0 = time.perf_counter()
+        self._capture(g, layers, binfo, autocast)
+        seconds = time.perf_counter() - t0
+        self.captures.append((n, seconds))
+        CAPTURES.append({"tokens": n, "seconds": seconds, "t": t0})
+        _say(f"captured the decoder layers' CUDA graphs for {n} tokens in {seconds * 1e3:.0f} ms "
+             f"({len(self.graphs) + 1} buckets)")
+        self.graphs[key] = g
+        return g
+
+    def _capture(self, g: _LayerGraphs, layers, binfo, autocast) -> None:
+        masks = g.arena.masks
+        info = g.info(binfo)
+        params = self.params
+        inputs_from = 1 if g.needs_input_grad else 0
+
+        def forward():
+            x_in = g.h.detach().requires_grad_(g.needs_input_grad)
+            masks.begin(g.n)
+            with torch.autocast("cuda", enabled=autocast[0], dtype=autocast[1], cache_enabled=False), \
+                    padding.dropout_masks_from(masks):
+                out = run_layers(layers, x_in, info, g.cos, g.sin, g.pos)
+            return ([x_in] if g.needs_input_grad else []) + params, out
+
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            if not self.warmed:  # lazy initialisations (cuBLAS, autograd's device thread) outside a capture
+                inputs, out = forward()
+                torch.autograd.grad(out, inputs, grad_outputs=g.grad_out, allow_unused=True)
+                del inputs, out
+                # the warm-up's activations sit in the eager pool; the graphs keep theirs in the graph
+                # pool: give the eager pool's copy back (measured: peak reserved 7.78 GiB without)
+                self.stream.synchronize()
+                torch.cuda.empty_cache()
+                self.warmed = True
+            g.fwd.capture_begin(pool=self.pool)
+            try:
+                inputs, out = forward()
+                g.out.copy_(out)
+            finally:
+                g.fwd.capture_end()
+            taken = masks.calls()
+            g.bwd.capture_begin(pool=self.pool)
+            try:
+                grads = torch.autograd.grad(out, inputs, grad_outputs=g.grad_out, allow_unused=True)
+                if g.needs_input_grad:
+                    g.grad_h.copy_(grads[0])
+                pairs = [(buf, gr) for buf, gr in zip(self.grads, grads[inputs_from:]) if gr is not None]
+                if pairs:
+                    torch._foreach_copy_([b for b, _ in pairs], [gr for _, gr in pairs])
+            finally:
+                g.bwd.capture_end()
+            g.has_grad = [gr is not None for gr in grads[inputs_from:]]
+            del inputs, out, grads, pairs
+        current.wait_stream(self.stream)
+        if self.expected_masks is None:
+            self.expected_masks = _lora_dropout_calls(layers)
+        if taken != self.expected_masks or len(masks.specs) != taken:
+            raise RuntimeError(f"the captured layers took {taken} dropout masks, expected {self.expected_masks} "
+                               "(one per LoRA dropout): some dropout would draw inside the graph")
+
+    # -- a step -------------------------------------------------------------------------------
+    def forward(self, model, layers, input_ids, info) -> torch.Tensor | None:
+        """The layers' output [1, N, H] on the packed real tokens (pre final norm), replayed from a
+        graph; None when this step cannot run in one (the caller runs the eager loop)."""
+        n = info.n_tokens
+        nb = bucketed_tokens(n, bucket_size())
+        binfo = padding.make_unpadded(list(info.lengths), info.seqlen, input_ids.device, extra=nb - n)
+        ids = padding.unpad_rows(input_ids.reshape(-1), binfo).unsqueeze(0)  # [1, nb]
+        h = model.embed_tokens(ids)
+        pos = binfo.positions.unsqueeze(0)
+        cos, sin = model.rotary_emb(h, pos)
+        params = self._trainable(layers)
+        try:
+            g = self._graphs_for(layers, binfo, h, cos, sin)
+        except Exception as exc:  # noqa: BLE001 - a refused capture: eager from now on, said once
+            self.failed = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            FAILURES.append(self.failed)
+            self.graphs.clear()
+            _say(f"decoder CUDA graphs disabled ({self.failed}); the layers run eagerly")
+            g = None
+        if g is None:
+            # the caller's eager loop on the real tokens only: on the padded attention layout a
+            # filler row would alias real positions and take their gradients (nothing random was
+            # drawn yet: the masks are drawn after a capture)
+            return None
+        g.load(binfo, h, cos, sin)
+        g.arena.masks.draw(binfo)
+        out = _ReplayDecoderLayers.apply(g, h, *params)
+        return out[:, :n]
+
+
+def _lora_dropout_calls(layers) -> int:
+    """LoRA dropouts with p > 0 in training mode inside the layers: the masks one forward takes."""
+    try:
+        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+    except Exception:  # noqa: BLE001
+        return 0
+    calls = 0
+    for layer in layers:
+        for mod in layer.modules():
+            if isinstance(mod, LoraLinear4bit):
+                for d in mod.lora_dropout.modules():
+                    if isinstance(d, torch.nn.Dropout) and d.training and d.p > 0:
+                        calls += 1
+    return calls
+
+
+_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_REFUSALS_SAID: set[str] = set()
+
+# Every capture and failure in this process, for the measurement harness (bench/run_one.py):
+# {"tokens", "seconds", "t": time.perf_counter() at its start}, and the failure reasons.
+CAPTURES: list[dict] = []
+FAILURES: list[str] = []
+
+
+def stats() -> dict:
+    """Captures and failures so far (copies), plus the refusals said."""
+    return {"captures": [dict(c) for c in CAPTURES], "failed": list(FAILURES), "refused": sorted(_REFUSALS_SAID)}
+
+# Forward arguments that reach the layers but no op inside them reads: the Trainer's loss
+# normaliser (transformers passes its **kwargs down to every layer; Qwen2's attention and MLP
+# ignore it, so the eager loop and a replay compute the same).
+IGNORED_KWARGS = frozenset({"num_items_in_batch"})
+
+
+NOT_CUDA = "not on CUDA"
+
+
+def arguments_refusal(kwargs) -> str | None:
+    """The forward's extra arguments a replay cannot honour (None: all None or ignored)."""
+    extra = [k for k, v in (kwargs or {}).items() if v is not None and k not in IGNORED_KWARGS]
+    return f"extra forward arguments ({', '.join(sorted(extra))})" if extra else None
+
+
+def refusal(model, input_ids, kwargs) -> str | None:
+    """Why this packed forward cannot replay graphs (None: it can)."""
+    from solution.kernels import attn_triton
+    from solution.patches import qwen2_unpad
+
+    if not enabled():
+        return f"${ENV} is not 1"
+    if input_ids.device.type != "cuda":
+        return NOT_CUDA
+    runner = _RUNNERS.get(model)
+    if runner is not None and runner.failed:
+        return runner.failed
+    reason = arguments_refusal(kwargs)
+    if reason is not None:
+        return reason
+    if torch.cuda.is_current_stream_capturing():
+        return "already inside a CUDA graph capture"
+    if not (qwen2_unpad.layout_kernels_enabled() and (qwen2_unpad.varlen_enabled() or attn_triton.enabled())):
+        return "attention on the padded layout (host-dependent indices)"
+    if _hooked(model.layers):
+        return "hooks on the decoder layers (they would run only at capture)"
+    return None
+
+
+def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
+    """The packed decoder layers' output [1, N, H] from CUDA graphs, or None (run them eagerly)."""
+    reason = refusal(model, input_ids, kwargs)
+    if reason is not None:
+        if enabled() and reason not in _REFUSALS_SAID:  # asked for, not possible: say why, once
+            _REFUSALS_SAID.add(reason)
+            if reason != NOT_CUDA:  # without CUDA there is nothing to say: graphs are a CUDA feature
+                _say(f"decoder CUDA graphs not used for this forward: {reason}; the layers run eagerly")
+        return None
+    runner = _RUNNERS.get(model)
+    if runner is None:
+        from solution import precompile
+
+        precompile.wait()  # a background compile must not load modules while a graph is captured
+        runner = _RUNNERS[model] = DecoderGraphs(input_ids.device)
+    return runner.forward(model, model.layers[: model.config.num_hidden_layers], input_ids, info)
+
+
+def runner_of(model) -> DecoderGraphs | None:
+    return _RUNNERS.get(model)

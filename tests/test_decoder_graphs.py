@@ -1,0 +1,217 @@
+"""CUDA graphs over the decoder layers (solution/decoder_graphs.py).
+
+On the CPU: the pieces a graph depends on (the filler row of a bucket, the mask slots, the
+settings, the refusals), and that running the layers on a bucket (real tokens + filler row)
+gives the real tokens exactly the outputs and gradients of the unbucketed run. On the GPU: the
+whole QLoRA stack (bitsandbytes NF4, peft LoRA with dropout, fp16 autocast, every patch) trained
+for several steps with graphs and without, on the same seeds: the same random numbers consumed,
+losses and LoRA gradients equal to fp16 rounding, gradient accumulation across replays.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from solution import decoder_graphs, padding
+from tests.conftest import rel_err
+from tests.test_unpad import _lora_model, _right_padded_batch
+
+
+def test_make_unpadded_with_a_filler_row():
+    info = padding.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=4)
+    assert info.lengths == (3, 5, 2, 4) and info.batch == 3 and info.seqlen == 5 and info.n_tokens == 14
+    # the filler: the longest row's (row 1, flat 5..9) first tokens at positions 0..3, its own row
+    assert info.idx.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]
+    assert info.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3]
+    assert info.cu_seqlens.tolist() == [0, 3, 8, 10, 14] and info.cu_seqlens.dtype == torch.int32
+    plain = padding.make_unpadded([3, 5, 2], 5, torch.device("cpu"))
+    assert torch.equal(info.src, plain.src) and info.arange.tolist() == list(range(14))
+    assert info.max_len == 5 and plain.max_len == 5
+    longer = padding.make_unpadded([3, 2], 4, torch.device("cpu"), extra=7)  # longer than any row: cyclic
+    assert longer.idx.tolist()[5:] == [0, 1, 2, 0, 1, 2, 0] and longer.positions.tolist()[5:] == list(range(7))
+
+
+def test_max_len_bound():
+    info = padding.make_unpadded([3, 5], 5, torch.device("cpu"))
+    bounded = padding.Unpadded(idx=info.idx, positions=info.positions, src=info.src, batch=2, seqlen=5,
+                               lengths=info.lengths, max_len_bound=64)
+    assert bounded.max_len == 64 and bounded.n_tokens == 8
+
+
+@pytest.mark.parametrize("n,bucket,expected", [(1, 64, 64), (63, 64, 64), (64, 64, 128), (1009, 64, 1024),
+                                                (1009, 128, 1024), (1024, 128, 1152), (5, 1, 6)])
+def test_bucketed_tokens(n, bucket, expected):
+    assert decoder_graphs.bucketed_tokens(n, bucket) == expected
+
+
+def test_settings_are_checked(monkeypatch):
+    import solution
+
+    monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "0")
+    with pytest.raises(ValueError, match="SOLUTION_GRAPH_BUCKET"):
+        decoder_graphs.check_settings()
+    monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "sixty")
+    with pytest.raises(ValueError, match="SOLUTION_GRAPH_BUCKET"):
+        solution.apply(verbose=False)  # refused before anything is installed
+    assert solution.installed() == {}
+    monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "128")
+    monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="SOLUTION_CUDA_GRAPHS"):
+        decoder_graphs.check_settings()
+    monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
+    decoder_graphs.check_settings()
+    assert decoder_graphs.bucket_size() == 128 and decoder_graphs.enabled()
+
+
+def test_mask_slots_record_and_check():
+    slots = decoder_graphs._MaskSlots(capacity=10)
+    slots.begin(6)
+    x = torch.zeros(1, 6, 4)
+    m0, m1 = slots.take(0.1, x), slots.take(0.1, x)
+    assert m0.shape == x.shape and m0.dtype == torch.bool and slots.calls() == 2 and len(slots.buffers) == 2
+    assert m0.data_ptr() == slots.buffers[0].data_ptr() and m1.data_ptr() == slots.buffers[1].data_ptr()
+    slots.begin(6)
+    assert slots.take(0.1, x).data_ptr() == m0.data_ptr()  # the same buffer at the same call
+    with pytest.raises(RuntimeError, match="recorded"):
+        slots.take(0.2, x)  # call 1 recorded with p 0.1
+    slots.begin(5)
+    with pytest.raises(RuntimeError, match="tokens"):
+        slots.take(0.1, x)
+
+
+def test_mask_slots_draw_as_the_eager_dropout():
+    """draw() makes the eager path's calls: the same masks for the same seed, filler rows copied."""
+    info = padding.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=6)
+    slots = decoder_graphs._MaskSlots(capacity=20)
+    slots.begin(info.n_tokens)
+    x = torch.zeros(1, info.n_tokens, 8)
+    slots.take(0.3, x)
+    slots.take(0.5, x)
+    torch.manual_seed(7)
+    slots.draw(info)
+    torch.manual_seed(7)
+    for p, buf in zip((0.3, 0.5), slots.buffers):
+        _, ref = torch.native_dropout(torch.empty(15, 8), p, True)
+        assert torch.equal(buf[: info.n_tokens], ref.index_select(0, info.idx))
+
+
+def test_refused_without_cuda_or_setting(monkeypatch):
+    model = _lora_model("cpu").base_model.model.model
+    ids, mask, _ = _right_padded_batch([5, 3], 6)
+    info = padding.make_unpadded([5, 3], 6, torch.device("cpu"))
+    monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "0")
+    assert "SOLUTION_CUDA_GRAPHS" in decoder_graphs.refusal(model, ids, {})
+    assert decoder_graphs.decoder_forward(model, ids, info, {}) is None
+    monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
+    assert decoder_graphs.refusal(model, ids, {}) == "not on CUDA"
+    assert decoder_graphs.decoder_forward(model, ids, info, {}) is None
+
+
+def test_layer_arguments_the_graph_may_ignore():
+    """The Trainer's num_items_in_batch reaches the layers (nothing there reads it); any other
+    argument refuses the graph, since a replay would not see it."""
+    assert decoder_graphs.arguments_refusal({"num_items_in_batch": torch.tensor(3), "cache_position": None}) is None
+    reason = decoder_graphs.arguments_refusal({"num_items_in_batch": torch.tensor(3), "foo": 1})
+    assert reason is not None and "foo" in reason
+
+
+@pytest.mark.parametrize("extra", [1, 7, 30])
+def test_filler_row_leaves_real_tokens_unchanged(device, extra):
+    """The layers on real tokens + a filler row (a bucket) give the real tokens the unbucketed
+    outputs, the same LoRA gradients (the filler's are exactly zero), a zero input gradient on
+    the filler. fp32, packed attention (varlen on the GPU, row by row in the interpreter)."""
+    from solution.patches import qwen2_unpad
+    from solution.patches._base import Swaps
+
+    swaps = Swaps()
+    qwen2_unpad.install(swaps)
+    try:
+        model = _lora_model(device)
+        model.train()
+        dec = model.base_model.model.model
+        layers = dec.layers
+        lengths, seqlen = [9, 4, 13], 13
+        ids, _, _ = _right_padded_batch(lengths, seqlen, device=device)
+        n = sum(lengths)
+        g = torch.Generator().manual_seed(3)
+        grad = (torch.randn(1, n, dec.config.hidden_size, generator=g) * 0.1).to(device)
+
+        def run(info):
+            h = dec.embed_tokens(padding.unpad_rows(ids.reshape(-1), info).unsqueeze(0)).detach().requires_grad_()
+            pos = info.positions.unsqueeze(0)
+            cos, sin = dec.rotary_emb(h, pos)
+            out = decoder_graphs.run_layers(layers, h, info, cos, sin, pos)
+            model.zero_grad(set_to_none=True)
+            out[:, :n].backward(grad)
+            grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+            return out[:, :n].detach(), h.grad, grads
+
+        out_a, hg_a, grads_a = run(padding.make_unpadded(lengths, seqlen, torch.device(device)))
+        out_b, hg_b, grads_b = run(padding.make_unpadded(lengths, seqlen, torch.device(device), extra=extra))
+    finally:
+        swaps.restore()
+    assert rel_err(out_b, out_a) < 1e-5
+    assert rel_err(hg_b[:, :n], hg_a) < 1e-5 and torch.all(hg_b[:, n:] == 0)
+    assert set(grads_a) == set(grads_b) and any("lora_B" in k for k in grads_a)
+    for k, g_ref in grads_a.items():
+        assert rel_err(grads_b[k], g_ref) < 1e-5, k
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bucket", ["64", "16"])
+def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket):
+    """The workload's stack on a tiny model (NF4 double quant, LoRA r=16 on q/v, dropout 0.05,
+    fp16 autocast, every patch): four forward/backward steps on batches of different lengths
+    (two in one bucket, a new bucket, and a gradient accumulation of two batches), with graphs and
+    eagerly, the same seeds. After every step the CUDA generator must be at the same offset (the
+    same random numbers consumed); losses within rel 1e-3 and LoRA gradients within rel 3e-2 (the
+    filler rows change the GEMMs' token dimension: other cuBLAS tiles, fp16 sums)."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from tests.test_unpad import qlora_tiny_model
+    from workload.model_standin import write_standin
+
+    monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", bucket)
+    model_dir = write_standin(tmp_path / "tiny", size="tiny")
+    batches = [_right_padded_batch(lens, 64, vocab=100, seed=i, device="cuda")
+               for i, lens in enumerate([[40, 17, 64, 9], [38, 20, 64, 9], [12, 30, 5, 60], [64, 64, 64, 1]])]
+    plan = [(0, True), (1, True), (2, True), (3, False)]  # (batch, zero_grad first): the last accumulates
+
+    def run(graphs: bool):
+        monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1" if graphs else "0")
+        solution.revert()
+        assert "qwen2_unpad" in solution.apply(verbose=False)
+        try:
+            model = qlora_tiny_model(model_dir)
+            torch.manual_seed(0)
+            torch.cuda.manual_seed(0)
+            steps = []
+            for b, zero in plan:
+                ids, mask, labels = batches[b]
+                if zero:
+                    model.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
+                    # num_items_in_batch: the Trainer passes it; transformers hands it to every layer
+                    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
+                                num_items_in_batch=torch.tensor(50, device="cuda"))
+                out.loss.backward()
+                grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+                steps.append((out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()))
+            runner = decoder_graphs.runner_of(model.base_model.model.model)
+            return steps, (None if runner is None else (len(runner.graphs), runner.failed))
+        finally:
+            solution.revert()
+
+    eager, none = run(False)
+    graphed, state = run(True)
+    assert none is None
+    assert state is not None and state[1] is None, state
+    assert state[0] == len({decoder_graphs.bucketed_tokens(int(m.sum()), int(bucket)) for _, m, _ in batches})
+    for i, ((loss_e, grads_e, off_e), (loss_g, grads_g, off_g)) in enumerate(zip(eager, graphed)):
+        assert off_g == off_e, f"step {i}: the generator moved differently"
+        assert rel_err(loss_g, loss_e) < 1e-3, i
+        assert set(grads_g) == set(grads_e) and any("lora_B" in n for n in grads_e)
+        for name, g in grads_e.items():
+            assert rel_err(grads_g[name], g) < 3e-2, (i, name)
