@@ -88,6 +88,7 @@ def summary_table(rep: dict) -> str:
     share = rep.get("own_kernel_share")
     lines.append(f"own-kernel share of training time (excl. first 2): "
                  f"{'n/a' if share is None else f'{share:.1%}'}")
+    lines += [ln for ln in _cuda_graph_lines(rep) if ln]
     return "\n".join(lines)
 
 
@@ -106,6 +107,28 @@ def _share_context(rep: dict) -> list[str]:
     return [f"(our kernels: {own:.3f} s = {own / gpu:.1%} of the solution's GPU kernel time; "
             f"GPU kernel time {gpu:.2f} s over {wall:.1f} s of wall time = {busy:.1%} busy: "
             f"{'host-bound' if busy < 0.5 else 'GPU-bound'} steps)"]
+
+
+def _cuda_graph_lines(rep: dict) -> list[str]:
+    """The solution's decoder CUDA graphs (timed run): captures, their seconds inside the timed
+    steps, failures; and why peak allocated memory undercounts with graphs."""
+    g = rep["solution"].get("cuda_graphs")
+    if not g:
+        return []
+    caps = g.get("captures") or []
+    if not caps:
+        why = "; ".join(g.get("failed") or g.get("refused") or []) or "no packed training forward"
+        return [f"CUDA graphs over the decoder layers: not used ({why}).", ""]
+    early = sum(1 for c in caps if c["step"] <= 2)
+    total = sum(c["seconds"] for c in caps)
+    lines = [f"CUDA graphs over the decoder layers: {len(caps)} captures ({early} in the first two steps), "
+             f"{total:.2f} s in all, {g.get('capture_s_excl_first2', 0.0):.2f} s of them inside the timed steps; "
+             f"buckets (tokens): {', '.join(str(c['tokens']) for c in caps)}."]
+    if g.get("failed"):
+        lines.append(f"Graph failures (eager from then on): {'; '.join(g['failed'])}.")
+    lines.append("With graphs the layers' activations live in the graph's memory pool, which peak *allocated* "
+                 "memory does not count during replays: compare peak *reserved* memory.")
+    return lines + [""]
 
 
 def _host_split_section(rep: dict) -> list[str]:
@@ -171,6 +194,7 @@ def markdown(rep: dict) -> str:
             + ("" if share is not None else f" ({rep.get('own_kernel_share_note')})")]
     out += _share_context(rep)
     out += [f"Own kernels that ran: {', '.join(rep.get('own_kernels_ran') or []) or 'none'}", ""]
+    out += _cuda_graph_lines(rep)
     out += _targets_section(rep)
     for variant in ("baseline", "solution"):
         ks = rep["kernel_split"][variant]

@@ -167,6 +167,20 @@ def install_clock(clock: StepClock):
     return uninstall
 
 
+def cuda_graph_summary(step_ends: list[float]) -> dict:
+    """The solution's decoder CUDA-graph captures (solution/decoder_graphs.py) with the training
+    step each fell in (1-based, from the step clock's end times), and their seconds in the steps
+    that the timed figures count (after the first SKIP_STEPS)."""
+    from solution import decoder_graphs
+
+    st = decoder_graphs.stats()
+    for c in st["captures"]:
+        start = c.pop("t")
+        c["step"] = 1 + sum(1 for t in step_ends if t <= start)
+    st["capture_s_excl_first2"] = sum(c["seconds"] for c in st["captures"] if c["step"] > SKIP_STEPS)
+    return st
+
+
 def read_tracker(db_path: Path) -> dict:
     if not db_path.exists():
         return {"error": f"tracker database missing: {db_path}"}
@@ -341,6 +355,7 @@ def main(argv=None) -> int:
         "profile": None,
         "host_split": host_split,
         "compile_log": compile_log.summary() if compile_log is not None else None,
+        "cuda_graphs": cuda_graph_summary(clock.step_ends) if "qwen2_unpad" in installed else None,
     }
     if args.profile and clock.kernel_times:
         result["profile"] = {

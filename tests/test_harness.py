@@ -245,6 +245,34 @@ def test_report_says_by_how_much_a_target_is_missed():
     assert "| GPU kernel time, steps 3-64 (s) | 0.300 | <= 1/3 | met |" in text
 
 
+def test_report_lists_the_cuda_graph_captures():
+    """The report says how many decoder-graph captures ran, how much of their time is inside the
+    timed steps, and that peak allocated memory does not count the graph pool; or why no graph ran."""
+    from bench.report import _cuda_graph_lines
+
+    caps = [{"tokens": 1152, "seconds": 1.0, "step": 1}, {"tokens": 1408, "seconds": 0.2, "step": 2},
+            {"tokens": 896, "seconds": 0.18, "step": 5}]
+    rep = {"solution": {"cuda_graphs": {"captures": caps, "failed": [], "capture_s_excl_first2": 0.18}}}
+    text = "\n".join(_cuda_graph_lines(rep))
+    assert "3 captures (2 in the first two steps), 1.38 s in all, 0.18 s of them inside the timed steps" in text
+    assert "1152, 1408, 896" in text and "peak *reserved*" in text
+    rep = {"solution": {"cuda_graphs": {"captures": [], "failed": [], "refused": ["$SOLUTION_CUDA_GRAPHS is not 1"]}}}
+    assert "not used ($SOLUTION_CUDA_GRAPHS is not 1)" in _cuda_graph_lines(rep)[0]
+    assert _cuda_graph_lines({"solution": {}}) == []
+
+
+def test_cuda_graph_captures_are_placed_in_their_steps(monkeypatch):
+    from bench import run_one
+    from solution import decoder_graphs
+
+    monkeypatch.setattr(decoder_graphs, "CAPTURES", [{"tokens": 128, "seconds": 0.5, "t": 0.5},
+                                                     {"tokens": 256, "seconds": 0.25, "t": 2.5},
+                                                     {"tokens": 384, "seconds": 0.125, "t": 3.5}])
+    st = run_one.cuda_graph_summary([1.0, 2.0, 3.0, 4.0])  # step ends
+    assert [c["step"] for c in st["captures"]] == [1, 3, 4]
+    assert st["capture_s_excl_first2"] == 0.375 and "t" not in st["captures"][0]
+
+
 def _tiny_lora_model(device):
     """(config, test_unpad's tiny Qwen2 with peft LoRA r=4 on q/v, here with dropout 0.05, in train mode)."""
     from tests.test_unpad import _lora_model
