@@ -107,6 +107,25 @@ def test_refused_without_cuda_or_setting(monkeypatch):
     assert decoder_graphs.decoder_forward(model, ids, info, {}) is None
 
 
+def test_scan_finds_hooks_and_active_lora_dropouts(monkeypatch):
+    """_scan counts the LoRA dropouts a forward draws from (p > 0, training mode) and sees hooks
+    anywhere in the layers. The tiny model's LoRA layers are peft's plain Linear; the scan is
+    pointed at that class in place of the bnb 4-bit one."""
+    import peft.tuners.lora.bnb as lora_bnb
+    from peft.tuners.lora.layer import Linear as LoraLinear
+
+    monkeypatch.setattr(lora_bnb, "Linear4bit", LoraLinear, raising=False)
+    model = _lora_model("cpu", dropout=0.1).train()
+    layers = model.base_model.model.model.layers
+    assert decoder_graphs._scan(layers) == (False, 4)  # 2 layers x (q, v)
+    layers[0].self_attn.q_proj.lora_dropout["default"].eval()
+    assert decoder_graphs._scan(layers) == (False, 3)
+    handle = layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert decoder_graphs._scan(layers) == (True, 3)
+    handle.remove()
+    assert decoder_graphs._scan(_lora_model("cpu", dropout=0.0).base_model.model.model.layers) == (False, 0)
+
+
 def test_layer_arguments_the_graph_may_ignore():
     """The Trainer's num_items_in_batch reaches the layers (nothing there reads it); any other
     argument refuses the graph, since a replay would not see it."""
