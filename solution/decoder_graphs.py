@@ -272,7 +272,6 @@ class DecoderGraphs:
         self.warmed = False
         self.failed: str | None = None
         self.full_said = False
-        self.captures: list[tuple[int, float]] = []  # (bucket tokens, seconds) of each capture
 
     # -- parameters ---------------------------------------------------------------------------
     def _trainable(self, layers) -> list[torch.nn.Parameter]:
@@ -304,7 +303,6 @@ class DecoderGraphs:
         t0 = time.perf_counter()
         self._capture(g, layers, binfo, autocast, dropouts)
         seconds = time.perf_counter() - t0
-        self.captures.append((n, seconds))
         CAPTURES.append({"tokens": n, "seconds": seconds, "t": t0})
         _say(f"captured the decoder layers' CUDA graphs for {n} tokens in {seconds * 1e3:.0f} ms "
              f"({len(self.graphs) + 1} buckets)")

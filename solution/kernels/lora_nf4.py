@@ -163,22 +163,19 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
     if isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0:
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
-    source = padding.dropout_mask_source()
-    if source is not None and _dropout_is_native(x):
-        # Layers replayed from a CUDA graph (solution/decoder_graphs.py): the mask was drawn before
-        # the replay, over stock's padded shape, exactly as below; take it, draw nothing.
-        mask = source.take(p, x)
-        with torch.no_grad():
-            xd = (_Deferred(_native_dropout_scale(p)) if defer and _fusable(x)
-                  else x * mask * _native_dropout_scale(p))
-        return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
     # Packed real tokens of a right-padded batch (solution/padding.py): draw over stock's padded
     # shape, keep the real rows, so the random numbers are stock's.
     padded_shape = padding.padded_draw_shape(x)
+    source = padding.dropout_mask_source()
     with torch.no_grad():  # our Function owns the whole input gradient, dropout's part included
         if _dropout_is_native(x):
-            if padded_shape is None:
+            if source is not None:
+                # Layers replayed from a CUDA graph (solution/decoder_graphs.py): the mask was drawn
+                # before the replay, over stock's padded shape, exactly as below; take it, draw nothing.
+                mask = source.take(p, x)
+            elif padded_shape is None:
                 xd, mask = torch.native_dropout(x, p, True)
+                return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
             else:
                 # The mask depends only on the random numbers (the kernel keeps an element when its
                 # uniform draw is below 1 - p), never on the input's values: an uninitialized input
@@ -188,11 +185,11 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
                 # draw over the real padded tensor, and passes on the H200).
                 _, mask = torch.native_dropout(torch.empty(padded_shape, dtype=x.dtype, device=x.device), p, True)
                 mask = padding.unpad_rows(mask, padding.active()).view(x.shape)
-                # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
-                if defer and _fusable(x):
-                    xd = _Deferred(_native_dropout_scale(p))
-                else:
-                    xd = x * mask * _native_dropout_scale(p)
+            # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
+            if defer and _fusable(x):
+                xd = _Deferred(_native_dropout_scale(p))
+            else:
+                xd = x * mask * _native_dropout_scale(p)
             return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
         if padded_shape is None:
             noise = torch.empty_like(x).bernoulli_(1 - p)

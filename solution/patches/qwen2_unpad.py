@@ -215,8 +215,7 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
                     _varlen_failed(exc)
             return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
     b, s = info.batch, info.seqlen
-    if _in_graph(info):  # its idx / src would be captured once: wrong for the next batch of the bucket
-        raise RuntimeError("attention on the padded layout cannot run inside a decoder CUDA graph")
+    _refuse_padded_layout_in_graph(info)
 
     def to_padded(t):  # [1, h, N, D] -> [b, h, s, D] (a transposed view of [b, s, h, D], like stock's)
         rows = padding.pad_rows(t[0].transpose(0, 1), info)
@@ -329,12 +328,18 @@ def _in_graph(info) -> bool:
     return info.max_len_bound is not None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype):
+def _refuse_padded_layout_in_graph(info) -> None:
+    """The padded layout's idx / src would be captured once: wrong for the next batch of the bucket.
+    Raising makes the graph runner fall back to the eager layers."""
     if _in_graph(info):
         raise RuntimeError("attention on the padded layout cannot run inside a decoder CUDA graph")
+
+
+def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype):
     """sdpa_unpadded with the layout moves in our kernels: one launch pads q, one pads and repeats
     k, one v (cast in the same pass to ``dtype``, the cast autocast would make for SDPA), one
     gathers the output's real rows."""
+    _refuse_padded_layout_in_graph(info)
     q, k, v = _layout_qkv(module, query, key, value, info, dtype)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout,
                                                            scale=scaling, is_causal=True)
