@@ -148,8 +148,14 @@ def _run(model, ids, mask, labels, fused):
     return out, grads
 
 
+# batch kinds: padded rows; a one-token row; no padding at all (rows of equal length, as when every
+# row is truncated at max_length); one row longer than the rest; a batch of one row (with and
+# without padding). Every one of them takes the packed path.
+BATCH_KINDS = [([9, 4, 13], 13), ([1, 6], 8), ([8, 8, 8], 8), ([3, 3, 11, 3], 11), ([7], 7), ([5], 9)]
+
+
 @pytest.mark.parametrize("attention", ["torch", "layout_kernels", "varlen"])
-@pytest.mark.parametrize("lengths,seqlen", [([9, 4, 13], 13), ([1, 6], 8)])
+@pytest.mark.parametrize("lengths,seqlen", BATCH_KINDS)
 def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen, attention):
     from trl.trainer.sft_trainer import entropy_from_logits
 
@@ -189,18 +195,19 @@ def test_packed_path_is_taken_only_when_it_applies(device, unpad_patched, monkey
     ids, mask, labels = _right_padded_batch([5, 3], 6, device=device)
     _run(model, ids, mask, labels, fused=True)
     assert len(calls) == 1
-    _run(model, ids, torch.ones_like(mask), labels, fused=True)  # no padding: nothing to skip
+    _run(model, ids, torch.ones_like(mask), labels, fused=True)  # no padding: packed too (zero pads)
+    assert len(calls) == 2
     _run(model, ids, mask.flip(1), labels, fused=True)  # left padding
     with unpad_patched_request():
         model(input_ids=ids, attention_mask=mask, labels=labels)  # use_cache unset: config's True -> stock
     model.eval()
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)  # eval / no grad
-    assert len(calls) == 1
+    assert len(calls) == 2
     # a LoRA dropout our LoRA kernel does not own (plain peft Linear): the RNG would differ -> stock
     dropped = _lora_model(device, dropout=0.1)
     _run(dropped, ids, mask, labels, fused=True)
-    assert len(calls) == 1
+    assert len(calls) == 2
 
 
 def test_check_and_revert():

@@ -10,9 +10,11 @@ Two swaps:
    the final norm and scatters the result back to [batch, seqlen, H] (zeros at pad positions).
    The CausalLM head patch (qwen2_lm_head_loss) can take the packed rows directly
    (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
-   generation, a cache, position_ids given, left padding, no padding at all, hidden states or
+   generation, a cache, position_ids given, left padding, hidden states or
    attentions requested, gradient checkpointing, sliding-window layers, attention dropout,
-   another attention implementation) runs the stock forward unchanged.
+   another attention implementation) runs the stock forward unchanged. A batch without padding
+   (rows of equal length, every row truncated at max_length, one row) is a right-padded batch
+   with zero pads: it takes the same packed path.
 2. ``AttentionInterface._global_mapping["sdpa"]``: when the mask argument is an ``Unpadded``,
    attention runs on the packed rows by default: PyTorch's memory-efficient kernel in its
    variable-length mode (``cu_seqlens``, causal within each row; solution/kernels/attn_varlen.py),
@@ -135,10 +137,12 @@ def _plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cac
             or not _dropouts_ok(model)):
         return None
     lengths = padding.right_padded_lengths(attention_mask)
-    seqlen = input_ids.shape[1]
-    if lengths is None or min(lengths) < 1 or sum(lengths) == len(lengths) * seqlen:
-        return None  # not right padding, an empty row, or no padding at all: nothing to skip
-    return padding.make_unpadded(lengths, seqlen, input_ids.device)
+    if lengths is None or min(lengths) < 1:
+        return None  # not right padding (left padding, holes, not 0/1), or an empty row
+    # Any right-padded batch, also one with no padding at all (rows of equal length, rows truncated
+    # at max_length, a batch of one row): the packed layout with cu_seqlens is exact for all of them,
+    # so every training batch takes the same path (packed kernels, CUDA graphs).
+    return padding.make_unpadded(lengths, input_ids.shape[1], input_ids.device)
 
 
 def _unpadded_forward(model, input_ids, info, kwargs):
@@ -156,7 +160,8 @@ def _unpadded_forward(model, input_ids, info, kwargs):
         hidden_states = model.embed_tokens(ids)
         position_ids = info.positions.unsqueeze(0)
         position_embeddings = model.rotary_emb(hidden_states, position_ids)
-        with padding.running_unpadded(info):
+        # timed while $SOLUTION_CUDA_GRAPHS=auto is still measuring whether graphs pay here
+        with padding.running_unpadded(info), decoder_graphs.eager_timing(model, input_ids.device):
             for decoder_layer in model.layers[: model.config.num_hidden_layers]:
                 hidden_states = decoder_layer(
                     hidden_states,
