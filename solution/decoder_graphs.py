@@ -41,6 +41,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
@@ -56,10 +57,19 @@ DEFAULT_BUCKET = 128
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
 
 
+MODES = ("auto", "0", "1")
+
+
+def mode() -> str:
+    """$SOLUTION_CUDA_GRAPHS: "auto" (default: graphs only where the eager step is measured to be
+    host-bound, see ``decide``), "1" (always, from the first step), "0" (never)."""
+    return os.environ.get(ENV, "auto").strip().lower() or "auto"
+
+
 def enabled() -> bool:
-    """On by default since the H200 measurement of 2026-11-30 (~06:4x UTC; docs/cuda_graphs.md);
-    $SOLUTION_CUDA_GRAPHS=0 runs the layers eagerly."""
-    return os.environ.get(ENV, "1") == "1"
+    """Graphs may be used ($SOLUTION_CUDA_GRAPHS is not 0); in "auto" mode only after the measured
+    decision (``decide``) says so."""
+    return mode() != "0"
 
 
 def bucket_size() -> int:
@@ -78,9 +88,8 @@ def bucket_size() -> int:
 
 def check_settings() -> None:
     """Raise ValueError for an invalid setting (apply() calls it before installing anything)."""
-    value = os.environ.get(ENV)
-    if value is not None and value not in ("0", "1"):
-        raise ValueError(f"${ENV} must be 0 or 1, got {value!r}")
+    if mode() not in MODES:
+        raise ValueError(f"${ENV} must be auto, 0 or 1, got {os.environ.get(ENV)!r}")
     bucket_size()
 
 
@@ -92,6 +101,80 @@ def bucketed_tokens(n: int, bucket: int) -> int:
 
 def _say(msg: str) -> None:
     print(f"[solution] {msg}", flush=True)
+
+
+# -- the measured decision ("auto" mode) --------------------------------------------------------
+# A graph replay removes host work (Python and launches), never GPU work: it pays only where the
+# eager layers keep the GPU waiting for the host. On a GPU-bound machine (a T4 may be one) a
+# capture is pure cost and the bucket's filler tokens add GPU work. So in "auto" mode the first
+# PROBE_STEPS packed training forwards run eagerly and are timed: host time from the first layer
+# call to the last layer's return (time.perf_counter), GPU time between two CUDA events recorded
+# at the same two points (read a step later, when the step's own synchronisation has completed
+# them: no extra sync). If the GPU finished the layers' work within GPU_BOUND_RATIO of the host's
+# time, the GPU was waiting for the host (host-bound): graphs from the next step on. Otherwise it
+# was still busy after the host had issued everything (GPU-bound): no graphs. Step 1 pays the cold
+# compile and lazy initialisations on the host, which makes any machine look host-bound: only a
+# GPU-bound verdict is taken from it; the host-bound verdict needs step 2.
+PROBE_STEPS = 2
+GPU_BOUND_RATIO = 1.15
+
+
+def decide(samples: list[tuple[float, float]]) -> tuple[bool | None, str]:
+    """(use graphs?, why) from the probe samples so far, (host seconds, GPU seconds) of the eager
+    layers' forward per step in order; None while undecided. Pure: tested with fake timings."""
+    for i, (host, gpu) in enumerate(samples):
+        ratio = gpu / host if host > 0 else float("inf")
+        figures = f"step {i + 1}: host {host * 1e3:.1f} ms, GPU {gpu * 1e3:.1f} ms ({ratio:.2f}x)"
+        if ratio > GPU_BOUND_RATIO:
+            return False, (f"GPU-bound ({figures}): a replay saves host time only, and its filler "
+                           "tokens add GPU work")
+        if i + 1 >= PROBE_STEPS:
+            return True, f"host-bound ({figures}): the GPU waits for the host's launches"
+    return None, "measuring"
+
+
+class _Probe:
+    """The eager steps of one model timed for ``decide`` (see above)."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self.pending: list[tuple[float, object, object]] = []  # (host s, start event, end event)
+        self.verdict: bool | None = None
+        self.reason = "measuring"
+
+    def collect(self) -> None:
+        """Read the events of earlier steps that have completed, then decide if possible."""
+        while self.pending and self.pending[0][2].query():
+            host, start, end = self.pending.pop(0)
+            self.samples.append((host, start.elapsed_time(end) / 1e3))
+        if self.verdict is None:
+            self.verdict, self.reason = decide(self.samples)
+            if self.verdict is not None:
+                DECISIONS.append({"graphs": self.verdict, "reason": self.reason, "samples": list(self.samples)})
+                _say(f"decoder CUDA graphs {'on' if self.verdict else 'off'}: {self.reason}")
+
+    @contextlib.contextmanager
+    def timing(self, device):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(torch.cuda.current_stream(device))
+        t0 = time.perf_counter()
+        yield
+        host = time.perf_counter() - t0
+        end.record(torch.cuda.current_stream(device))
+        if len(self.samples) + len(self.pending) < PROBE_STEPS:
+            self.pending.append((host, start, end))
+
+
+_PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def eager_timing(model, device: torch.device):
+    """A context for the caller's eager layer loop: times it while "auto" mode is still measuring
+    this model (a no-op otherwise)."""
+    probe = _PROBES.get(model)
+    if probe is None or probe.verdict is not None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return probe.timing(device)
 
 
 class _MaskSlots(padding.DropoutMaskSource):
@@ -397,11 +480,13 @@ _REFUSALS_SAID: set[str] = set()
 # {"tokens", "seconds", "t": time.perf_counter() at its start}, and the failure reasons.
 CAPTURES: list[dict] = []
 FAILURES: list[str] = []
+DECISIONS: list[dict] = []  # "auto" mode: {"graphs", "reason", "samples"} per model decided
 
 
 def stats() -> dict:
-    """Captures and failures so far (copies), plus the refusals said."""
-    return {"captures": [dict(c) for c in CAPTURES], "failed": list(FAILURES), "refused": sorted(_REFUSALS_SAID)}
+    """Captures, failures and "auto" decisions so far (copies), plus the refusals said."""
+    return {"captures": [dict(c) for c in CAPTURES], "failed": list(FAILURES), "refused": sorted(_REFUSALS_SAID),
+            "decisions": [dict(d) for d in DECISIONS]}
 
 # Forward arguments that reach the layers but no op inside them reads: the Trainer's loss
 # normaliser (transformers passes its **kwargs down to every layer; Qwen2's attention and MLP
@@ -424,7 +509,7 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
     from solution.patches import qwen2_unpad
 
     if not enabled():
-        return f"${ENV} is not 1"
+        return f"${ENV} is 0"
     if input_ids.device.type != "cuda":
         return NOT_CUDA
     runner = _RUNNERS.get(model)
@@ -447,6 +532,13 @@ def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
     layers = model.layers[: model.config.num_hidden_layers]
     hooked, dropouts = _scan(layers) if enabled() and input_ids.device.type == "cuda" else (False, 0)
     reason = refusal(model, input_ids, kwargs, hooked)
+    if reason is None and mode() == "auto":
+        probe = _PROBES.get(model)
+        if probe is None:
+            probe = _PROBES[model] = _Probe()
+        probe.collect()
+        if not probe.verdict:
+            return None  # still measuring (the caller's eager loop is timed), or decided off (said once)
     if reason is not None:
         if enabled() and reason not in _REFUSALS_SAID:  # asked for, not possible: say why, once
             _REFUSALS_SAID.add(reason)

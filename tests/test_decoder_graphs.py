@@ -61,6 +61,55 @@ def test_settings_are_checked(monkeypatch):
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
     decoder_graphs.check_settings()
     assert decoder_graphs.bucket_size() == 128 and decoder_graphs.enabled()
+    monkeypatch.delenv("SOLUTION_CUDA_GRAPHS")
+    decoder_graphs.check_settings()
+    assert decoder_graphs.mode() == "auto" and decoder_graphs.enabled()  # the default: measured
+    monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "0")
+    assert not decoder_graphs.enabled()
+
+
+@pytest.mark.parametrize("samples,verdict,words", [
+    ([], None, "measuring"),
+    ([(0.200, 0.205)], None, "measuring"),  # step 1 looks host-bound: not trusted (cold compile)
+    ([(0.200, 0.205), (0.090, 0.092)], True, "host-bound"),  # an H200: the GPU waits for the host
+    ([(0.300, 0.900)], False, "GPU-bound"),  # GPU-bound already at step 1: final
+    ([(5.0, 5.1), (0.300, 0.420)], False, "GPU-bound"),  # step 1 cold, step 2 GPU-bound (a T4)
+    ([(0.100, 0.114), (0.100, 0.110)], True, "host-bound"),  # within the 1.15 margin
+    ([(0.100, 0.0), (0.0, 0.1)], False, "GPU-bound"),  # a zero host time cannot say host-bound
+])
+def test_graph_decision_from_fake_timings(samples, verdict, words):
+    """decide(): graphs only where the eager layers' GPU time stays within GPU_BOUND_RATIO of
+    their host time; a host-bound verdict needs step 2 (step 1 pays the cold compile)."""
+    got, why = decoder_graphs.decide(samples)
+    assert got is verdict and words in why
+    if samples and verdict is not None:
+        assert "ms" in why  # the figures are said
+
+
+def test_probe_decides_once_from_completed_events():
+    """_Probe.collect reads only completed events (no sync), decides once, and records it."""
+    class Ev:
+        def __init__(self, t, done=True):
+            self.t, self.done = t, done
+
+        def query(self):
+            return self.done
+
+        def elapsed_time(self, other):
+            return (other.t - self.t) * 1e3
+
+    decoder_graphs.DECISIONS.clear()
+    probe = decoder_graphs._Probe()
+    probe.pending = [(0.2, Ev(0.0), Ev(0.21)), (0.1, Ev(1.0), Ev(1.3, done=False))]
+    probe.collect()
+    assert probe.verdict is None and len(probe.samples) == 1 and len(probe.pending) == 1
+    probe.pending[0][2].done = True
+    probe.collect()
+    assert probe.verdict is False and "GPU-bound" in probe.reason
+    assert decoder_graphs.stats()["decisions"][0]["graphs"] is False
+    probe.collect()
+    assert len(decoder_graphs.DECISIONS) == 1
+    decoder_graphs.DECISIONS.clear()
 
 
 def test_mask_slots_record_and_check():
@@ -100,7 +149,7 @@ def test_refused_without_cuda_or_setting(monkeypatch):
     ids, mask, _ = _right_padded_batch([5, 3], 6)
     info = padding.make_unpadded([5, 3], 6, torch.device("cpu"))
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "0")
-    assert "SOLUTION_CUDA_GRAPHS" in decoder_graphs.refusal(model, ids, {})
+    assert "SOLUTION_CUDA_GRAPHS is 0" in decoder_graphs.refusal(model, ids, {})
     assert decoder_graphs.decoder_forward(model, ids, info, {}) is None
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
     assert decoder_graphs.refusal(model, ids, {}) == "not on CUDA"
