@@ -181,6 +181,18 @@ def cuda_graph_summary(step_ends: list[float]) -> dict:
     return st
 
 
+def precompile_summary(clock) -> dict:
+    """The solution's background precompile (solution/precompile.py): entries, done, failed, its
+    seconds, and whether it had finished when training began."""
+    from solution import precompile
+
+    st = precompile.wait(timeout=0)
+    finished = st.get("finished_t")
+    st["finished_before_training"] = (None if finished is None or clock.t_begin is None
+                                      else finished <= clock.t_begin)
+    return st
+
+
 def read_tracker(db_path: Path) -> dict:
     if not db_path.exists():
         return {"error": f"tracker database missing: {db_path}"}
@@ -356,6 +368,7 @@ def main(argv=None) -> int:
         "host_split": host_split,
         "compile_log": compile_log.summary() if compile_log is not None else None,
         "cuda_graphs": cuda_graph_summary(clock.step_ends) if "qwen2_unpad" in installed else None,
+        "precompile": precompile_summary(clock) if installed else None,
     }
     if args.profile and clock.kernel_times:
         result["profile"] = {

@@ -5,7 +5,7 @@ import importlib
 import logging
 import os
 
-from solution import decoder_graphs
+from solution import decoder_graphs, precompile
 from solution.env import check_support, memory_policy
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
@@ -33,6 +33,7 @@ def apply(verbose: bool = True) -> dict[str, str]:
         return dict(_installed)
     memory_policy()  # a bad $SOLUTION_MEMORY_POLICY is the user's error: raise before touching anything
     decoder_graphs.check_settings()  # the same for $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
+    precompile.check_settings()  # and $SOLUTION_PRECOMPILE
     support = check_support()
     if not support.ok:
         _say(f"falling back to the stock path: {support.reason}")
@@ -57,9 +58,7 @@ def apply(verbose: bool = True) -> dict[str, str]:
         if verbose:
             _say(f"installed {module.NAME}: {desc}")
     if _installed:
-        from solution import precompile
-
-        precompile.start(support.device, say=_say)  # only with $SOLUTION_PRECOMPILE=1 (off by default)
+        precompile.start(support.device, say=_say)  # on CUDA unless $SOLUTION_PRECOMPILE=0
     if _installed and support.device == "cuda" and _set_expandable_segments(True):
         _installed[ALLOCATOR] = ("CUDA caching allocator with expandable segments: batches of varying "
                                  "length no longer fragment reserved memory")

@@ -1,28 +1,34 @@
 """Compile our Triton kernels before their first launch, in a background thread that apply()
-starts, from specializations recorded earlier on the same GPU architecture with the same Triton.
+starts, from specializations recorded earlier with the same Triton version on any GPU.
 
-What it replaces: today Triton compiles each of our kernels the first time training launches it,
-one after the other inside the first step (~9 s on the H200 from a cold cache, against the
-baseline's ~0.9 s first step; docs/PERFORMANCE.md). Soup spends several seconds loading and
-quantizing the model after apply() and before that first step.
+What it replaces: without it Triton compiles each of our kernels the first time training launches
+it, one after the other inside the first step (docs/PERFORMANCE.md gives the measured cold first
+step). Soup spends several seconds importing its libraries and loading and quantizing the model
+after apply() and before that first step: the compiles can run meanwhile.
 
 What it does instead: ``bench.run_one --compile-log`` records, through Triton's compile hooks,
 Triton's own serialized specialization of every compile of a run (argument types, alignment
 attributes, constexprs, options and the JIT cache key). ``python -m solution.precompile add
 compiles.json`` keeps those of our kernels in ``solution/kernels/compile_manifest.json``, tagged
-with the GPU architecture and Triton version they were recorded with. With
-$SOLUTION_PRECOMPILE=1, apply() starts a daemon thread that calls Triton's
-``JITFunction.preload(data)`` for every entry of this machine's architecture and Triton version:
-the kernel is compiled into the JIT's cache under the recorded key, so the first launch finds it.
-No tensors, no launches, no random numbers, no GPU memory: only compilation.
+with the GPU architecture and Triton version they were recorded with. On CUDA (unless
+$SOLUTION_PRECOMPILE=0), apply() starts a daemon thread that calls Triton's
+``JITFunction.preload(data)`` for every entry of this Triton version, **retargeted to this GPU**
+(``retarget``): the recorded options that belong to the machine it was recorded on (its
+architecture, its fp8 types, the path of its libdevice) are dropped, so Triton's backend fills in
+this GPU's. The kernel is compiled into the JIT's cache under the recorded key, so the first launch
+finds it. No tensors, no launches, no random numbers, no GPU memory: only compilation.
 
-Risks: an entry recorded elsewhere (another architecture, Triton version or launch configuration)
-compiles something the run never launches: wasted background CPU, nothing else (entries are
-filtered by architecture and version first). A preload that fails is counted and reported, never
-raised. The thread competes with Soup's model loading for the CPU (Python parts of the compile
-hold the GIL). If training reaches a kernel before the thread did, Triton compiles it as today.
+Why a record from another GPU fits: our launchers choose block sizes and warps from the tensors'
+shapes and dtypes only (none asks the device; the sizes that vary per batch, the token counts, are
+``do_not_specialize``), so a run on a T4 launches the same specializations as a run on the H200
+with the same model and Triton. The JIT cache key holds no architecture either.
 
-Off by default and not measured yet: the manifest has to be recorded on a GPU first (docs/NOTES.md).
+Risks: an entry recorded with another launch configuration compiles something the run never
+launches: wasted background CPU, nothing else. A preload that fails is counted and reported,
+never raised. The thread competes with Soup's model loading for the CPU (Python parts of the
+compile hold the GIL). If training reaches a kernel before the thread did, Triton compiles it as
+without this module. A CUDA-graph capture waits for the thread first (``wait``): a module load
+during a capture is not allowed.
 """
 from __future__ import annotations
 
@@ -38,12 +44,22 @@ MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurem
 MANIFEST = Path(__file__).resolve().parent / "kernels" / "compile_manifest.json"
 OWN_PREFIX = "solution.kernels."
 
-STATE: dict = {"started": False, "entries": 0, "done": 0, "failed": 0, "seconds": None, "errors": []}
+# finished_t: time.perf_counter() when the thread ended (None while it runs or never started)
+STATE: dict = {"started": False, "entries": 0, "done": 0, "failed": 0, "seconds": None, "errors": [],
+               "finished_t": None}
 _thread: threading.Thread | None = None
 
 
 def requested() -> bool:
-    return os.environ.get(ENV, "0") == "1"
+    """On by default; $SOLUTION_PRECOMPILE=0 turns it off (check_settings rejects other values)."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+def check_settings() -> None:
+    """Raise ValueError for an invalid $SOLUTION_PRECOMPILE (apply() calls it before installing)."""
+    value = os.environ.get(ENV)
+    if value is not None and value not in ("0", "1"):
+        raise ValueError(f"${ENV} must be 0 or 1, got {value!r}")
 
 
 def manifest_path() -> Path:
@@ -66,9 +82,44 @@ def load_manifest(path: Path | None = None) -> list[dict]:
     return entries
 
 
-def entries_for(entries: list[dict], arch: str, triton_version: str) -> list[dict]:
-    """The entries recorded on this architecture (e.g. "sm_75") with this Triton version."""
-    return [e for e in entries if e["arch"] == arch and e["triton"] == triton_version]
+def _jit_key(data: str) -> str:
+    """The JIT cache key inside a serialized specialization (the data itself when it has none)."""
+    try:
+        key = json.loads(data).get("key")
+    except (ValueError, AttributeError):
+        key = None
+    return key if isinstance(key, str) else data
+
+
+def entries_for(entries: list[dict], triton_version: str) -> list[dict]:
+    """The entries recorded with this Triton version, on any architecture, one per kernel and JIT
+    key (the same specialization recorded on two GPUs is compiled once)."""
+    out, seen = [], set()
+    for e in entries:
+        k = (e["kernel"], _jit_key(e["specialization_data"]))
+        if e["triton"] == triton_version and k not in seen:
+            seen.add(k)
+            out.append(e)
+    return out
+
+
+# The options a launch sets (kernel[grid](..., num_warps=...)) or that do not depend on the machine:
+# kept from the record. Everything else (arch, fp8 types, libdevice's path, dot precisions, ...)
+# is the recording machine's and is left to this GPU's backend (CUDABackend.parse_options).
+LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg", "enable_fp_fusion", "enable_reflect_ftz",
+                  "launch_cooperative_grid", "launch_pdl", "debug", "sanitize_overflow", "instrumentation_mode")
+
+
+def retarget(data: str) -> str:
+    """A serialized specialization with only its launch options kept (see LAUNCH_OPTIONS), so that
+    ``preload`` compiles it for the GPU it runs on. Data that is not such JSON is returned as is."""
+    try:
+        obj = json.loads(data)
+        options = obj["options"]
+    except (ValueError, KeyError, TypeError):
+        return data
+    obj["options"] = {k: v for k, v in options.items() if k in LAUNCH_OPTIONS}
+    return json.dumps(obj)
 
 
 def resolve_kernel(path: str):
@@ -92,23 +143,22 @@ def run(entries: list[dict]) -> None:
         try:
             if fn is None:
                 raise LookupError(f"no @triton.jit kernel {e['kernel']}")
-            fn.preload(e["specialization_data"])
+            fn.preload(retarget(e["specialization_data"]))
             STATE["done"] += 1
         except Exception as exc:  # noqa: BLE001 - a failed preload only means a compile at first use
             STATE["failed"] += 1
             if len(STATE["errors"]) < 5:
                 STATE["errors"].append(f"{e['kernel']}: {type(exc).__name__}: {exc}"[:300])
-    STATE["seconds"] = time.perf_counter() - t0
+    STATE["finished_t"] = time.perf_counter()
+    STATE["seconds"] = STATE["finished_t"] - t0
 
 
 def start(device: str, say=print) -> threading.Thread | None:
-    """Start the background preload when $SOLUTION_PRECOMPILE=1 and the manifest has entries for
-    this GPU and Triton; returns the thread (None when nothing starts, with the reason said)."""
+    """Start the background preload on CUDA (unless $SOLUTION_PRECOMPILE=0) when the manifest has
+    entries for this Triton version; returns the thread (None when nothing starts; the reason is
+    said, except when it was turned off or there is no GPU: then nothing was asked for)."""
     global _thread
-    if not requested():
-        return None
-    if device != "cuda":
-        say(f"{ENV}=1 ignored: precompiling needs a CUDA GPU (kernels run on {device})")
+    if not requested() or device != "cuda":
         return None
     if _thread is not None:
         return _thread
@@ -118,18 +168,20 @@ def start(device: str, say=print) -> threading.Thread | None:
     major, minor = torch.cuda.get_device_capability()
     arch, version = f"sm_{major}{minor}", triton.__version__
     try:
-        entries = entries_for(load_manifest(), arch, version)
+        entries = entries_for(load_manifest(), version)
     except ValueError as exc:
-        say(f"{ENV}=1 ignored: {exc}")
+        say(f"precompile skipped: {exc}")
         return None
     if not entries:
-        say(f"{ENV}=1: no recorded specializations for {arch} with Triton {version} in {manifest_path()}; "
+        say(f"precompile skipped: no recorded specializations for Triton {version} in {manifest_path()}; "
             "kernels compile at first use")
         return None
-    STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[])
+    STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[], finished_t=None)
     _thread = threading.Thread(target=run, args=(entries,), name="solution-precompile", daemon=True)
     _thread.start()
-    say(f"precompiling {len(entries)} kernel specializations in the background ({arch}, Triton {version})")
+    recorded = sorted({e["arch"] for e in entries})
+    say(f"precompiling {len(entries)} kernel specializations in the background for {arch} "
+        f"(Triton {version}; recorded on {', '.join(recorded)})")
     return _thread
 
 

@@ -1,0 +1,120 @@
+"""Background precompile (solution/precompile.py): the manifest, the retargeting of an entry
+recorded on another GPU, the settings, and (GPU) that recorded entries compile for this GPU."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from solution import precompile
+
+
+def _spec(key: str, arch: str = "sm90") -> str:
+    return json.dumps({"name": "k", "key": key, "options": {
+        "num_warps": 8, "num_stages": 3, "arch": arch, "extern_libs": [["libdevice", "/elsewhere/libdevice.bc"]],
+        "supported_fp8_dtypes": ["fp8e4nv"], "debug": False, "enable_fp_fusion": True}})
+
+
+def test_manifest_round_trip_and_background_preload(tmp_path, monkeypatch):
+    """A compile log's entries of our kernels go into the manifest (tagged, deduplicated, other
+    packages dropped); entries_for takes this Triton's, from any architecture, once per kernel
+    and JIT key; the background run preloads each retargeted, counting failures without raising."""
+    log = tmp_path / "compiles.json"
+    log.write_text(json.dumps({"summary": {"arch": "sm_90", "triton": "3.6.0"}, "compiles": [
+        {"kernel": "solution.kernels.rmsnorm._rmsnorm_fwd_kernel", "specialization_data": _spec("a")},
+        {"kernel": "solution.kernels.rmsnorm._rmsnorm_fwd_kernel", "specialization_data": _spec("a")},
+        {"kernel": "solution.kernels.swiglu._swiglu_fwd_kernel", "specialization_data": "B"},
+        {"kernel": "torch._inductor.something.kernel", "specialization_data": "C"},
+    ]}), encoding="utf-8")
+    manifest = tmp_path / "manifest.json"
+    monkeypatch.setenv(precompile.MANIFEST_ENV, str(manifest))  # a scratch manifest, as gpu_run.sh uses
+    assert precompile.main(["add", str(log)]) == 0
+    assert precompile.add_to_manifest(log, "sm_75", "3.6.0", manifest) == 2
+    assert precompile.add_to_manifest(log, "sm_75", "3.2.0", manifest) == 2
+    entries = precompile.load_manifest(manifest)
+    assert len(entries) == 6 and {e["arch"] for e in entries} == {"sm_90", "sm_75"}
+    here = precompile.entries_for(entries, "3.6.0")  # the sm_75 copies of the same keys are dropped
+    assert [e["specialization_data"] for e in here] == [_spec("a"), "B"]
+    assert [e["arch"] for e in here] == ["sm_90", "sm_90"]
+    assert len(precompile.entries_for(entries, "3.2.0")) == 2 and precompile.entries_for(entries, "3.9.0") == []
+
+    assert precompile.resolve_kernel("torch.nn.functional.linear") is None
+    assert precompile.resolve_kernel("solution.kernels.rmsnorm.no_such_kernel") is None
+    calls = []
+
+    class FakeKernel:
+        def preload(self, data):
+            calls.append(data)
+            if data == "B":
+                raise RuntimeError("recorded for another machine")
+
+    monkeypatch.setattr(precompile, "resolve_kernel", lambda path: FakeKernel())
+    monkeypatch.setattr(precompile, "STATE", {"started": True, "entries": 2, "done": 0, "failed": 0,
+                                              "seconds": None, "errors": []})
+    precompile.run(here)
+    assert calls == [precompile.retarget(_spec("a")), "B"]
+    assert precompile.STATE["done"] == 1 and precompile.STATE["failed"] == 1
+    assert "another machine" in precompile.STATE["errors"][0]
+
+    (tmp_path / "bad.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(ValueError, match="not a compile manifest"):
+        precompile.load_manifest(tmp_path / "bad.json")
+
+
+def test_retarget_keeps_only_the_launch_options():
+    """The recording machine's architecture, fp8 types and libdevice path go; what a launch sets
+    stays; the key (device-independent) and everything else of the record are unchanged."""
+    out = json.loads(precompile.retarget(_spec("the-key")))
+    assert out["options"] == {"num_warps": 8, "num_stages": 3, "debug": False, "enable_fp_fusion": True}
+    assert out["key"] == "the-key" and out["name"] == "k"
+    assert precompile.retarget("not json") == "not json"
+    # every entry of the shipped manifest retargets to launch options only
+    for e in precompile.load_manifest(precompile.MANIFEST):
+        opts = json.loads(precompile.retarget(e["specialization_data"]))["options"]
+        assert set(opts) <= set(precompile.LAUNCH_OPTIONS) and "num_warps" in opts
+
+
+def test_on_by_default_on_cuda_only_and_settings_checked(monkeypatch):
+    said = []
+    monkeypatch.delenv(precompile.ENV, raising=False)
+    assert precompile.requested()
+    precompile.check_settings()
+    assert precompile.start("interpreter", say=said.append) is None and said == []  # no GPU: nothing to say
+    monkeypatch.setenv(precompile.ENV, "0")
+    assert not precompile.requested()
+    assert precompile.start("cuda", say=said.append) is None and said == []
+    monkeypatch.setenv(precompile.ENV, "yes")
+    with pytest.raises(ValueError, match="SOLUTION_PRECOMPILE"):
+        precompile.check_settings()
+
+
+def test_apply_refuses_a_bad_precompile_setting_before_installing(monkeypatch):
+    import solution
+
+    solution.revert()
+    monkeypatch.setenv(precompile.ENV, "maybe")
+    with pytest.raises(ValueError, match="SOLUTION_PRECOMPILE"):
+        solution.apply(verbose=False)
+    assert solution.installed() == {}
+
+
+@pytest.mark.gpu
+def test_recorded_entries_compile_for_this_gpu(device):
+    """Every entry recorded with this Triton (on whatever GPU) compiles here once retargeted, and
+    lands in the JIT's cache under its recorded key: a launch with that specialization compiles
+    nothing more."""
+    if device != "cuda":
+        pytest.skip("needs a CUDA GPU")
+    import triton
+
+    entries = precompile.entries_for(precompile.load_manifest(precompile.MANIFEST), triton.__version__)
+    if not entries:
+        pytest.skip(f"no recorded entries for Triton {triton.__version__}")
+    for e in entries:
+        fn = precompile.resolve_kernel(e["kernel"])
+        assert fn is not None, e["kernel"]
+        fn.preload(precompile.retarget(e["specialization_data"]))
+        key = json.loads(e["specialization_data"])["key"]
+        caches = getattr(fn, "device_caches", None)
+        if caches is not None:  # Triton >= 3.3: {device: (kernel_cache, ...)}
+            assert any(key in c[0] for c in caches.values()), e["kernel"]
