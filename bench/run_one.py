@@ -168,12 +168,12 @@ def install_clock(clock: StepClock):
 
 
 def cuda_graph_summary(step_ends: list[float]) -> dict:
-    """The solution's decoder CUDA-graph captures (solution/decoder_graphs.py) with the training
+    """The solution's decoder CUDA-graph captures (solution/step/cuda_graphs.py) with the training
     step each fell in (1-based, from the step clock's end times), and their seconds in the steps
     that the timed figures count (after the first SKIP_STEPS)."""
-    from solution import decoder_graphs
+    from solution.step import cuda_graphs
 
-    st = decoder_graphs.stats()
+    st = cuda_graphs.stats()
     for c in st["captures"]:
         start = c.pop("t")
         c["step"] = 1 + sum(1 for t in step_ends if t <= start)

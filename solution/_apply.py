@@ -5,7 +5,8 @@ import importlib
 import logging
 import os
 
-from solution import decoder_graphs, precompile
+from solution import precompile
+from solution.step import cuda_graphs
 from solution.env import check_support, memory_policy
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
@@ -32,7 +33,7 @@ def apply(verbose: bool = True) -> dict[str, str]:
     if _installed:
         return dict(_installed)
     memory_policy()  # a bad $SOLUTION_MEMORY_POLICY is the user's error: raise before touching anything
-    decoder_graphs.check_settings()  # the same for $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
+    cuda_graphs.check_settings()  # the same for $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
     precompile.check_settings()  # and $SOLUTION_PRECOMPILE
     support = check_support()
     if not support.ok:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from solution import padding
+from solution.step import packing
 from solution.kernels import attn_layout
 from tests.conftest import rel_err
 
@@ -19,7 +19,7 @@ def _reference_pad(rows, info, rep, out_dtype):
     from transformers.integrations.sdpa_attention import repeat_kv
 
     n, h, d = rows.shape
-    padded = padding.pad_rows(rows, info).view(info.batch, info.seqlen, h, d).transpose(1, 2)
+    padded = packing.pad_rows(rows, info).view(info.batch, info.seqlen, h, d).transpose(1, 2)
     return repeat_kv(padded, rep).to(out_dtype)
 
 
@@ -27,7 +27,7 @@ def _reference_pad(rows, info, rep, out_dtype):
 @pytest.mark.parametrize("in_dtype,out_dtype", [(torch.float32, torch.float16), (torch.float32, torch.float32),
                                                 (torch.float16, torch.float16)])
 def test_pad_heads_matches_torch(device, lengths, seqlen, heads, rep, in_dtype, out_dtype):
-    info = padding.make_unpadded(lengths, seqlen, torch.device(device))
+    info = packing.make_unpadded(lengths, seqlen, torch.device(device))
     n, d = sum(lengths), 64
     # the packed rows as the model has them: a [1, H, N, D] transposed view, read as [N, H, D]
     base = torch.randn(1, n, heads, d, device=device).to(in_dtype)
@@ -48,7 +48,7 @@ def test_pad_heads_matches_torch(device, lengths, seqlen, heads, rep, in_dtype, 
 
 @pytest.mark.parametrize("lengths,seqlen,heads,rep", CASES)
 def test_unpad_heads_matches_torch(device, lengths, seqlen, heads, rep):
-    info = padding.make_unpadded(lengths, seqlen, torch.device(device))
+    info = packing.make_unpadded(lengths, seqlen, torch.device(device))
     b, d = len(lengths), 32
     # SDPA's output: [B, H, S, D] (any layout); a BSHD view and a plain contiguous one
     for out in (torch.randn(b, seqlen, heads, d, device=device).transpose(1, 2),
@@ -56,7 +56,7 @@ def test_unpad_heads_matches_torch(device, lengths, seqlen, heads, rep):
         x = out.clone().requires_grad_()
         x_ref = out.clone().requires_grad_()
         ours = attn_layout.unpad_heads(x, info)
-        ref = padding.unpad_rows(x_ref.transpose(1, 2).reshape(b * seqlen, heads, d), info)
+        ref = packing.unpad_rows(x_ref.transpose(1, 2).reshape(b * seqlen, heads, d), info)
         assert torch.equal(ours, ref)
         g = torch.randn(ref.shape, device=device)
         (gx,) = torch.autograd.grad(ours, x, g)
@@ -65,6 +65,6 @@ def test_unpad_heads_matches_torch(device, lengths, seqlen, heads, rep):
 
 
 def test_src_is_the_inverse_of_idx():
-    info = padding.make_unpadded([3, 1, 2], 3, torch.device("cpu"))
+    info = packing.make_unpadded([3, 1, 2], 3, torch.device("cpu"))
     assert info.src.tolist() == [0, 1, 2, 3, -1, -1, 4, 5, -1]
     assert torch.equal(info.src[info.idx], torch.arange(6))

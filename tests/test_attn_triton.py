@@ -121,27 +121,27 @@ def test_gpu_model_shape():
 
 
 def test_sdpa_unpadded_uses_it_when_asked(device, monkeypatch):
-    """Through the model's attention function (qwen2_unpad.sdpa_unpadded) with fp16 q / k / v in
+    """Through the model's attention function (attention.sdpa_unpadded) with fp16 q / k / v in
     the [1, heads, N, D] layout stock gives it: SOLUTION_ATTN_TRITON=1 runs our kernel (KV heads
     not repeated), and output and gradients match the fp64 reference like the kernel alone."""
-    from solution import padding
-    from solution.patches import qwen2_unpad
+    from solution.step import packing
+    from solution.step import attention
 
     class Attn:
         num_key_value_groups = 2
 
     lengths = [5, 18, 1]
-    info = padding.make_unpadded(lengths, max(lengths), torch.device(device))
+    info = packing.make_unpadded(lengths, max(lengths), torch.device(device))
     q0, k0, v0, do, _ = _inputs(lengths, 4, 2, 16, device, seed=7)
     monkeypatch.setenv("SOLUTION_ATTN_TRITON", "1")
     _launches.reset()
     q, k, v = (t.transpose(0, 1).unsqueeze(0).clone().requires_grad_() for t in (q0, k0, v0))  # [1, H, N, D]
-    out, _ = qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
+    out, _ = attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
     assert _launches.LAUNCHES["_attn_fwd_kernel"] == 1 and out.shape == (1, sum(lengths), 4, 16)
     grads = [g[0].transpose(0, 1) for g in torch.autograd.grad(out, (q, k, v), do.unsqueeze(0))]
     ref, ref_grads = _reference(q0, k0, v0, do, lengths, 0.25)
     _assert_close_to_reference(out[0], grads, ref, ref_grads)
     monkeypatch.setenv("SOLUTION_ATTN_TRITON", "0")
     _launches.reset()
-    qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
+    attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
     assert _launches.LAUNCHES["_attn_fwd_kernel"] == 0

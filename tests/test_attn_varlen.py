@@ -9,17 +9,17 @@ few fp16 ulps, fp32 ones to 1e-5.
 import pytest
 import torch
 
-from solution import padding
+from solution.step import packing
 from solution.kernels import _launches, attn_varlen
 
 LENGTHS = [7, 64, 130, 1]
 
 
 def test_row_offsets_and_packed_layout():
-    info = padding.make_unpadded([3, 1, 2], 4, torch.device("cpu"))
+    info = packing.make_unpadded([3, 1, 2], 4, torch.device("cpu"))
     assert info.cu_seqlens.dtype == torch.int32 and info.cu_seqlens.tolist() == [0, 3, 4, 6]
     assert info.arange.tolist() == list(range(6))
-    packed = padding.packed_layout(info)
+    packed = packing.packed_layout(info)
     assert (packed.batch, packed.seqlen, packed.lengths) == (1, 6, (6,))
     assert packed.src.tolist() == packed.idx.tolist() == list(range(6))
 
@@ -44,7 +44,7 @@ def _masked_reference(q, k, v, lengths, scale):
 def test_rows_reference_is_block_causal_attention():
     n, scale = sum(LENGTHS), 16 ** -0.5
     q, k, v = _qkv(n, 3, 16, torch.float32, "cpu")
-    info = padding.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cpu"))
+    info = packing.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cpu"))
     out = attn_varlen.varlen_causal_attention(q, k, v, info, scale)
     torch.testing.assert_close(out.double(), _masked_reference(q, k, v, LENGTHS, scale), rtol=1e-5, atol=1e-5)
 
@@ -54,7 +54,7 @@ def test_rows_reference_is_block_causal_attention():
 def test_gpu_varlen_kernel_matches_rows_reference(dtype):
     n, heads, d = sum(LENGTHS), 12, 128
     scale = d ** -0.5
-    info = padding.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cuda"))
+    info = packing.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cuda"))
     q, k, v = _qkv(n, heads, d, dtype, "cuda")
     before = _launches.LAUNCHES["efficient_attention_varlen"]
     out = attn_varlen.varlen_causal_attention(q, k, v, info, scale)
@@ -75,12 +75,12 @@ def test_gpu_varlen_kernel_matches_rows_reference(dtype):
 def test_gpu_sdpa_unpadded_varlen_matches_padded_path(monkeypatch):
     """The model's attention shape under fp16 autocast: 12 query heads, 2 KV heads, head_dim 128,
     fp32 projections in (as in the workload), through sdpa_unpadded both ways."""
-    from solution.patches import qwen2_unpad
+    from solution.step import attention
 
     class Attn:  # what sdpa_unpadded reads from the attention module
         num_key_value_groups = 6
 
-    info = padding.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cuda"))
+    info = packing.make_unpadded(LENGTHS, max(LENGTHS), torch.device("cuda"))
     n = sum(LENGTHS)
     g = torch.Generator().manual_seed(3)
     q0 = torch.randn(1, 12, n, 128, generator=g).cuda()
@@ -92,7 +92,7 @@ def test_gpu_sdpa_unpadded_varlen_matches_padded_path(monkeypatch):
         monkeypatch.setenv("SOLUTION_ATTN_VARLEN", varlen)
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         with torch.autocast("cuda", dtype=torch.float16):
-            out, _ = qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=128 ** -0.5)
+            out, _ = attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=128 ** -0.5)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         results[varlen] = (out, grads)
     (out_p, grads_p), (out_v, grads_v) = results["0"], results["1"]
@@ -130,7 +130,7 @@ def _gqa_reference(q, k, v, dout, lengths, scale):
 def test_varlen_failure_falls_back_to_the_padded_layout_once(monkeypatch, capsys):
     """If PyTorch's variable-length kernel refuses this machine (never run on a real T4), the
     attention runs on the padded layout, with one message, and varlen stays off afterwards."""
-    from solution.patches import qwen2_unpad
+    from solution.step import attention
 
     class Attn:
         num_key_value_groups = 1
@@ -138,15 +138,15 @@ def test_varlen_failure_falls_back_to_the_padded_layout_once(monkeypatch, capsys
     def refuse(*args, **kwargs):
         raise RuntimeError("no varlen here")
 
-    monkeypatch.setattr(qwen2_unpad, "_VARLEN_FAILED", None)
+    monkeypatch.setattr(attention, "_VARLEN_FAILED", None)
     monkeypatch.setattr(attn_varlen, "varlen_causal_attention", refuse)
     monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1")
-    info = padding.make_unpadded([3, 5], 5, torch.device("cpu"))
+    info = packing.make_unpadded([3, 5], 5, torch.device("cpu"))
     q, k, v = (t.transpose(1, 2) for t in _qkv(8, 2, 16, torch.float32, "cpu"))
     _launches.reset()
-    out, _ = qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
+    out, _ = attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
     assert out.shape == (1, 8, 2, 16) and _launches.LAUNCHES["pad_rows_kernel"] > 0
     assert "variable-length attention failed (RuntimeError: no varlen here)" in capsys.readouterr().out
-    assert not qwen2_unpad.varlen_enabled()
-    qwen2_unpad.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
+    assert not attention.varlen_enabled()
+    attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
     assert capsys.readouterr().out == ""  # said once

@@ -1,4 +1,4 @@
-"""CUDA graphs over the decoder layers (solution/decoder_graphs.py).
+"""CUDA graphs over the decoder layers (solution/step/cuda_graphs.py).
 
 On the CPU: the pieces a graph depends on (the filler row of a bucket, the mask slots, the
 settings, the refusals), and that running the layers on a bucket (real tokens + filler row)
@@ -12,28 +12,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from solution import decoder_graphs, padding
+from solution.step import cuda_graphs, packing
 from tests.conftest import rel_err
 from tests.test_unpad import _lora_model, _right_padded_batch
 
 
 def test_make_unpadded_with_a_filler_row():
-    info = padding.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=4)
+    info = packing.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=4)
     assert info.lengths == (3, 5, 2, 4) and info.batch == 3 and info.seqlen == 5 and info.n_tokens == 14
     # the filler: the longest row's (row 1, flat 5..9) first tokens at positions 0..3, its own row
     assert info.idx.tolist() == [0, 1, 2, 5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8]
     assert info.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3]
     assert info.cu_seqlens.tolist() == [0, 3, 8, 10, 14] and info.cu_seqlens.dtype == torch.int32
-    plain = padding.make_unpadded([3, 5, 2], 5, torch.device("cpu"))
+    plain = packing.make_unpadded([3, 5, 2], 5, torch.device("cpu"))
     assert torch.equal(info.src, plain.src) and info.arange.tolist() == list(range(14))
     assert info.max_len == 5 and plain.max_len == 5
-    longer = padding.make_unpadded([3, 2], 4, torch.device("cpu"), extra=7)  # longer than any row: cyclic
+    longer = packing.make_unpadded([3, 2], 4, torch.device("cpu"), extra=7)  # longer than any row: cyclic
     assert longer.idx.tolist()[5:] == [0, 1, 2, 0, 1, 2, 0] and longer.positions.tolist()[5:] == list(range(7))
 
 
 def test_max_len_bound():
-    info = padding.make_unpadded([3, 5], 5, torch.device("cpu"))
-    bounded = padding.Unpadded(idx=info.idx, positions=info.positions, src=info.src, batch=2, seqlen=5,
+    info = packing.make_unpadded([3, 5], 5, torch.device("cpu"))
+    bounded = packing.Unpadded(idx=info.idx, positions=info.positions, src=info.src, batch=2, seqlen=5,
                                lengths=info.lengths, max_len_bound=64)
     assert bounded.max_len == 64 and bounded.n_tokens == 8
 
@@ -41,7 +41,7 @@ def test_max_len_bound():
 @pytest.mark.parametrize("n,bucket,expected", [(1, 64, 64), (63, 64, 64), (64, 64, 128), (1009, 64, 1024),
                                                 (1009, 128, 1024), (1024, 128, 1152), (5, 1, 6)])
 def test_bucketed_tokens(n, bucket, expected):
-    assert decoder_graphs.bucketed_tokens(n, bucket) == expected
+    assert cuda_graphs.bucketed_tokens(n, bucket) == expected
 
 
 def test_settings_are_checked(monkeypatch):
@@ -49,7 +49,7 @@ def test_settings_are_checked(monkeypatch):
 
     monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "0")
     with pytest.raises(ValueError, match="SOLUTION_GRAPH_BUCKET"):
-        decoder_graphs.check_settings()
+        cuda_graphs.check_settings()
     monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "sixty")
     with pytest.raises(ValueError, match="SOLUTION_GRAPH_BUCKET"):
         solution.apply(verbose=False)  # refused before anything is installed
@@ -57,15 +57,15 @@ def test_settings_are_checked(monkeypatch):
     monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "128")
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="SOLUTION_CUDA_GRAPHS"):
-        decoder_graphs.check_settings()
+        cuda_graphs.check_settings()
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
-    decoder_graphs.check_settings()
-    assert decoder_graphs.bucket_size() == 128 and decoder_graphs.enabled()
+    cuda_graphs.check_settings()
+    assert cuda_graphs.bucket_size() == 128 and cuda_graphs.enabled()
     monkeypatch.delenv("SOLUTION_CUDA_GRAPHS")
-    decoder_graphs.check_settings()
-    assert decoder_graphs.mode() == "auto" and decoder_graphs.enabled()  # the default: measured
+    cuda_graphs.check_settings()
+    assert cuda_graphs.mode() == "auto" and cuda_graphs.enabled()  # the default: measured
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "0")
-    assert not decoder_graphs.enabled()
+    assert not cuda_graphs.enabled()
 
 
 @pytest.mark.parametrize("samples,verdict,words", [
@@ -80,7 +80,7 @@ def test_settings_are_checked(monkeypatch):
 def test_graph_decision_from_fake_timings(samples, verdict, words):
     """decide(): graphs only where the eager layers' GPU time stays within GPU_BOUND_RATIO of
     their host time; a host-bound verdict needs step 2 (step 1 pays the cold compile)."""
-    got, why = decoder_graphs.decide(samples)
+    got, why = cuda_graphs.decide(samples)
     assert got is verdict and words in why
     if samples and verdict is not None:
         assert "ms" in why  # the figures are said
@@ -98,22 +98,22 @@ def test_probe_decides_once_from_completed_events():
         def elapsed_time(self, other):
             return (other.t - self.t) * 1e3
 
-    decoder_graphs.DECISIONS.clear()
-    probe = decoder_graphs._Probe()
+    cuda_graphs.DECISIONS.clear()
+    probe = cuda_graphs._Probe()
     probe.pending = [(0.2, Ev(0.0), Ev(0.21)), (0.1, Ev(1.0), Ev(1.3, done=False))]
     probe.collect()
     assert probe.verdict is None and len(probe.samples) == 1 and len(probe.pending) == 1
     probe.pending[0][2].done = True
     probe.collect()
     assert probe.verdict is False and "GPU-bound" in probe.reason
-    assert decoder_graphs.stats()["decisions"][0]["graphs"] is False
+    assert cuda_graphs.stats()["decisions"][0]["graphs"] is False
     probe.collect()
-    assert len(decoder_graphs.DECISIONS) == 1
-    decoder_graphs.DECISIONS.clear()
+    assert len(cuda_graphs.DECISIONS) == 1
+    cuda_graphs.DECISIONS.clear()
 
 
 def test_mask_slots_record_and_check():
-    slots = decoder_graphs._MaskSlots(capacity=10)
+    slots = cuda_graphs._MaskSlots(capacity=10)
     slots.begin(6)
     x = torch.zeros(1, 6, 4)
     m0, m1 = slots.take(0.1, x), slots.take(0.1, x)
@@ -130,8 +130,8 @@ def test_mask_slots_record_and_check():
 
 def test_mask_slots_draw_as_the_eager_dropout():
     """draw() makes the eager path's calls: the same masks for the same seed, filler rows copied."""
-    info = padding.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=6)
-    slots = decoder_graphs._MaskSlots(capacity=20)
+    info = packing.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=6)
+    slots = cuda_graphs._MaskSlots(capacity=20)
     slots.begin(info.n_tokens)
     x = torch.zeros(1, info.n_tokens, 8)
     slots.take(0.3, x)
@@ -147,13 +147,13 @@ def test_mask_slots_draw_as_the_eager_dropout():
 def test_refused_without_cuda_or_setting(monkeypatch):
     model = _lora_model("cpu").base_model.model.model
     ids, mask, _ = _right_padded_batch([5, 3], 6)
-    info = padding.make_unpadded([5, 3], 6, torch.device("cpu"))
+    info = packing.make_unpadded([5, 3], 6, torch.device("cpu"))
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "0")
-    assert "SOLUTION_CUDA_GRAPHS is 0" in decoder_graphs.refusal(model, ids, {})
-    assert decoder_graphs.decoder_forward(model, ids, info, {}) is None
+    assert "SOLUTION_CUDA_GRAPHS is 0" in cuda_graphs.refusal(model, ids, {})
+    assert cuda_graphs.decoder_forward(model, ids, info, {}) is None
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
-    assert decoder_graphs.refusal(model, ids, {}) == "not on CUDA"
-    assert decoder_graphs.decoder_forward(model, ids, info, {}) is None
+    assert cuda_graphs.refusal(model, ids, {}) == "not on CUDA"
+    assert cuda_graphs.decoder_forward(model, ids, info, {}) is None
 
 
 def test_scan_finds_hooks_and_active_lora_dropouts(monkeypatch):
@@ -166,20 +166,20 @@ def test_scan_finds_hooks_and_active_lora_dropouts(monkeypatch):
     monkeypatch.setattr(lora_bnb, "Linear4bit", LoraLinear, raising=False)
     model = _lora_model("cpu", dropout=0.1).train()
     layers = model.base_model.model.model.layers
-    assert decoder_graphs._scan(layers) == (False, 4)  # 2 layers x (q, v)
+    assert cuda_graphs._scan(layers) == (False, 4)  # 2 layers x (q, v)
     layers[0].self_attn.q_proj.lora_dropout["default"].eval()
-    assert decoder_graphs._scan(layers) == (False, 3)
+    assert cuda_graphs._scan(layers) == (False, 3)
     handle = layers[1].mlp.register_forward_hook(lambda *a: None)
-    assert decoder_graphs._scan(layers) == (True, 3)
+    assert cuda_graphs._scan(layers) == (True, 3)
     handle.remove()
-    assert decoder_graphs._scan(_lora_model("cpu", dropout=0.0).base_model.model.model.layers) == (False, 0)
+    assert cuda_graphs._scan(_lora_model("cpu", dropout=0.0).base_model.model.model.layers) == (False, 0)
 
 
 def test_layer_arguments_the_graph_may_ignore():
     """The Trainer's num_items_in_batch reaches the layers (nothing there reads it); any other
     argument refuses the graph, since a replay would not see it."""
-    assert decoder_graphs.arguments_refusal({"num_items_in_batch": torch.tensor(3), "cache_position": None}) is None
-    reason = decoder_graphs.arguments_refusal({"num_items_in_batch": torch.tensor(3), "foo": 1})
+    assert cuda_graphs.arguments_refusal({"num_items_in_batch": torch.tensor(3), "cache_position": None}) is None
+    reason = cuda_graphs.arguments_refusal({"num_items_in_batch": torch.tensor(3), "foo": 1})
     assert reason is not None and "foo" in reason
 
 
@@ -205,17 +205,17 @@ def test_filler_row_leaves_real_tokens_unchanged(device, extra):
         grad = (torch.randn(1, n, dec.config.hidden_size, generator=g) * 0.1).to(device)
 
         def run(info):
-            h = dec.embed_tokens(padding.unpad_rows(ids.reshape(-1), info).unsqueeze(0)).detach().requires_grad_()
+            h = dec.embed_tokens(packing.unpad_rows(ids.reshape(-1), info).unsqueeze(0)).detach().requires_grad_()
             pos = info.positions.unsqueeze(0)
             cos, sin = dec.rotary_emb(h, pos)
-            out = decoder_graphs.run_layers(layers, h, info, cos, sin, pos)
+            out = cuda_graphs.run_layers(layers, h, info, cos, sin, pos)
             model.zero_grad(set_to_none=True)
             out[:, :n].backward(grad)
             grads = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
             return out[:, :n].detach(), h.grad, grads
 
-        out_a, hg_a, grads_a = run(padding.make_unpadded(lengths, seqlen, torch.device(device)))
-        out_b, hg_b, grads_b = run(padding.make_unpadded(lengths, seqlen, torch.device(device), extra=extra))
+        out_a, hg_a, grads_a = run(packing.make_unpadded(lengths, seqlen, torch.device(device)))
+        out_b, hg_b, grads_b = run(packing.make_unpadded(lengths, seqlen, torch.device(device), extra=extra))
     finally:
         swaps.restore()
     assert rel_err(out_b, out_a) < 1e-5
@@ -267,7 +267,7 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket):
                 out.loss.backward()
                 grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
                 steps.append((out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()))
-            runner = decoder_graphs.runner_of(model.base_model.model.model)
+            runner = cuda_graphs.runner_of(model.base_model.model.model)
             return steps, (None if runner is None else (len(runner.graphs), runner.failed))
         finally:
             solution.revert()
@@ -276,7 +276,7 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket):
     graphed, state = run(True)
     assert none is None
     assert state is not None and state[1] is None, state
-    assert state[0] == len({decoder_graphs.bucketed_tokens(int(m.sum()), int(bucket)) for _, m, _ in batches})
+    assert state[0] == len({cuda_graphs.bucketed_tokens(int(m.sum()), int(bucket)) for _, m, _ in batches})
     for i, ((loss_e, grads_e, off_e), (loss_g, grads_g, off_g)) in enumerate(zip(eager, graphed)):
         assert off_g == off_e, f"step {i}: the generator moved differently"
         assert rel_err(loss_g, loss_e) < 1e-3, i

@@ -305,14 +305,14 @@ def test_deferred_dropout_value_is_the_same_bits(device, monkeypatch):
     """Packed rows (mask drawn over the padded shape): the forward's cast launch makes
     fp16(dropout(x)) from x and the mask (``_Deferred``, cast mode 3) instead of torch's
     ``x * mask * scale`` in fp32 then a cast: output and every gradient bit for bit the same."""
-    from solution import padding
+    from solution.step import packing
     from solution.kernels.nf4_linear import linear_plan
 
     monkeypatch.setattr(lora_nf4, "_dropout_is_native", lambda x: True)
     layer = make_lora_layer(128, 48, 0.3, torch.float32, device)
     plan = linear_plan(layer.base_layer)
     lengths = [5, 2, 7] if device == "cpu" else [1200, 300, 600]
-    info = padding.make_unpadded(lengths, max(lengths), torch.device(device))
+    info = packing.make_unpadded(lengths, max(lengths), torch.device(device))
     x = fresh_x((1, sum(lengths), 128), device)
     g = fresh_x((1, sum(lengths), 48), device, seed=9)
     wa, wb = layer.lora_A["default"].weight, layer.lora_B["default"].weight
@@ -322,7 +322,7 @@ def test_deferred_dropout_value_is_the_same_bits(device, monkeypatch):
     for defer in (False, True):
         torch.manual_seed(321)
         xr = x.clone().requires_grad_()
-        with padding.running_unpadded(info):
+        with packing.running_unpadded(info):
             xd, mask, mode, scale = lora_nf4.lora_dropout(layer.lora_dropout["default"], xr, defer=defer)
         assert isinstance(xd, lora_nf4._Deferred) == defer and mode == lora_nf4.DROPOUT_MASK
         out = lora_nf4.lora_nf4(xr, wa, wb, None, plan, xd, mask, mode, scale, scaling=2.0)

@@ -1,4 +1,4 @@
-"""No work on padding (solution/padding.py, solution/patches/qwen2_unpad.py).
+"""No work on padding (solution/step/packing.py, solution/patches/qwen2_unpad.py).
 
 A tiny Qwen2 (+ peft LoRA on q/v) runs a right-padded batch stock and packed; everything the
 trainer sees must agree: the loss, the per-token entropy / argmax / loss at the real positions,
@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 
-from solution import padding
+from solution.step import packing
 from tests.conftest import rel_err
 from tests.test_lm_head_loss import tiny_qwen2
 
@@ -34,18 +34,18 @@ def _right_padded_batch(lengths, seqlen, vocab=998, seed=0, device="cpu"):
 
 def test_right_padded_lengths():
     m = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]])
-    assert padding.right_padded_lengths(m) == [3, 1, 4]
-    assert padding.right_padded_lengths(m.bool()) == [3, 1, 4]
-    assert padding.right_padded_lengths(torch.tensor([[0, 1, 1]])) is None  # left padding
-    assert padding.right_padded_lengths(torch.tensor([[1, 0, 1]])) is None  # a hole
-    assert padding.right_padded_lengths(torch.tensor([[1, 2, 0]])) is None  # not a 0/1 mask
-    assert padding.right_padded_lengths(torch.ones(2, 3, 4, dtype=torch.long)) is None
-    info = padding.make_unpadded([3, 1], 4, torch.device("cpu"))
+    assert packing.right_padded_lengths(m) == [3, 1, 4]
+    assert packing.right_padded_lengths(m.bool()) == [3, 1, 4]
+    assert packing.right_padded_lengths(torch.tensor([[0, 1, 1]])) is None  # left padding
+    assert packing.right_padded_lengths(torch.tensor([[1, 0, 1]])) is None  # a hole
+    assert packing.right_padded_lengths(torch.tensor([[1, 2, 0]])) is None  # not a 0/1 mask
+    assert packing.right_padded_lengths(torch.ones(2, 3, 4, dtype=torch.long)) is None
+    info = packing.make_unpadded([3, 1], 4, torch.device("cpu"))
     assert info.idx.tolist() == [0, 1, 2, 4] and info.positions.tolist() == [0, 1, 2, 0]
     rows = torch.arange(4.0).view(4, 1).requires_grad_()
-    padded = padding.pad_rows(rows, info)
+    padded = packing.pad_rows(rows, info)
     assert padded.view(-1).tolist() == [0.0, 1.0, 2.0, 0.0, 3.0, 0.0, 0.0, 0.0]
-    padding.unpad_rows(padded, info).sum().backward()
+    packing.unpad_rows(padded, info).sum().backward()
     assert rows.grad.view(-1).tolist() == [1.0] * 4
 
 
@@ -55,19 +55,19 @@ def test_dropout_draws_over_the_padded_shape():
     from solution.kernels.lora_nf4 import lora_dropout
 
     lengths, seqlen, hidden = [5, 2, 7], 7, 6
-    info = padding.make_unpadded(lengths, seqlen, torch.device("cpu"))
+    info = packing.make_unpadded(lengths, seqlen, torch.device("cpu"))
     x_pad = torch.randn(len(lengths) * seqlen, hidden)
-    x_packed = padding.unpad_rows(x_pad, info).view(1, -1, hidden)
+    x_packed = packing.unpad_rows(x_pad, info).view(1, -1, hidden)
     drop = torch.nn.Dropout(0.3).train()
     torch.manual_seed(5)
     xd_stock, noise_stock, _, _ = lora_dropout(drop, x_pad)
     after_stock = torch.rand(1)
     torch.manual_seed(5)
-    with padding.running_unpadded(info):
+    with packing.running_unpadded(info):
         xd, noise, _, _ = lora_dropout(drop, x_packed)
     after_ours = torch.rand(1)
-    assert torch.equal(xd.view(-1, hidden), padding.unpad_rows(xd_stock, info))
-    assert torch.equal(noise.view(-1, hidden), padding.unpad_rows(noise_stock, info))
+    assert torch.equal(xd.view(-1, hidden), packing.unpad_rows(xd_stock, info))
+    assert torch.equal(noise.view(-1, hidden), packing.unpad_rows(noise_stock, info))
     assert torch.equal(after_stock, after_ours)  # the generator advanced by the same amount
 
 
@@ -78,19 +78,19 @@ def test_dropout_draws_over_the_padded_shape_cuda(device):
     from solution.kernels.lora_nf4 import lora_dropout
 
     lengths, seqlen, hidden = [300, 17, 512, 64], 512, 1536
-    info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
+    info = packing.make_unpadded(lengths, seqlen, torch.device("cuda"))
     x_pad = torch.randn(len(lengths) * seqlen, hidden, device="cuda")
-    x_packed = padding.unpad_rows(x_pad, info).view(1, -1, hidden)
+    x_packed = packing.unpad_rows(x_pad, info).view(1, -1, hidden)
     drop = torch.nn.Dropout(0.05).train()
     torch.manual_seed(7)
     xd_stock, mask_stock, _, _ = lora_dropout(drop, x_pad)
     after_stock = torch.rand(1, device="cuda")
     torch.manual_seed(7)
-    with padding.running_unpadded(info):
+    with packing.running_unpadded(info):
         xd, mask, _, _ = lora_dropout(drop, x_packed)
     after_ours = torch.rand(1, device="cuda")
-    assert torch.equal(mask.view(-1, hidden), padding.unpad_rows(mask_stock, info))
-    assert torch.equal(xd.view(-1, hidden), padding.unpad_rows(xd_stock, info))
+    assert torch.equal(mask.view(-1, hidden), packing.unpad_rows(mask_stock, info))
+    assert torch.equal(xd.view(-1, hidden), packing.unpad_rows(xd_stock, info))
     assert torch.equal(after_stock, after_ours)
 
 
@@ -123,11 +123,11 @@ def unpad_patched_request():
 
 
 def _count_packed_calls(monkeypatch) -> list:
-    from solution.patches import qwen2_unpad
+    from solution.step import decoder
 
     calls = []
-    real_forward = qwen2_unpad._unpadded_forward
-    monkeypatch.setattr(qwen2_unpad, "_unpadded_forward", lambda *a: calls.append(1) or real_forward(*a))
+    real_forward = decoder.unpadded_forward
+    monkeypatch.setattr(decoder, "unpadded_forward", lambda *a: calls.append(1) or real_forward(*a))
     return calls
 
 
@@ -357,7 +357,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
 def test_layout_kernels_take_only_the_dtypes_they_reproduce():
     """The pad kernels cast to the dtype SDPA computes in: autocast's (fp16 only: bf16 is not
     theirs) or the inputs' own; anything else keeps the torch ops, which do exactly stock's."""
-    from solution.patches.qwen2_unpad import _sdpa_input_dtype
+    from solution.step.attention import _sdpa_input_dtype
 
     q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
     assert _sdpa_input_dtype(q, k, k) == torch.float32

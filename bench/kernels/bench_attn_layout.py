@@ -3,7 +3,7 @@ variable-length attention with no padding vs our own Triton attention.
 
     python bench/kernels/bench_attn_layout.py --out attn_layout.json
 
-``sdpa_unpadded`` (solution/patches/qwen2_unpad.py) at the Qwen2.5-1.5B attention shape (12 query
+``sdpa_unpadded`` (solution/patches/attention.py) at the Qwen2.5-1.5B attention shape (12 query
 heads, 2 KV heads, head_dim 128), q/k/v fp32 packed rows as the projections give them, under fp16
 autocast, forward and forward + backward, for a batch of 4 rows with lengths like the workload's
 (one row at the maximum 512, the others shorter) and for 4 full rows. "stock" here is our own
@@ -29,7 +29,7 @@ from bench.kernels._common import (bench_args, median_ms, print_stock_vs_ours, p
                                   profile_cells)
 from solution import padding  # noqa: E402
 from solution.kernels import attn_triton  # noqa: E402
-from solution.patches import qwen2_unpad  # noqa: E402
+from solution.step import attention  # noqa: E402
 
 HQ, HKV, D = 12, 2, 128
 
@@ -42,8 +42,8 @@ IMPLS = ("stock", "ours", "varlen", "triton")
 
 
 def run_case(lengths, seqlen, impl: str):
-    os.environ[qwen2_unpad.LAYOUT_KERNELS_ENV] = "0" if impl == "stock" else "1"
-    os.environ[qwen2_unpad.VARLEN_ENV] = "1" if impl == "varlen" else "0"
+    os.environ[attention.LAYOUT_KERNELS_ENV] = "0" if impl == "stock" else "1"
+    os.environ[attention.VARLEN_ENV] = "1" if impl == "varlen" else "0"
     os.environ[attn_triton.ENV] = "1" if impl == "triton" else "0"
     info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
     n = sum(lengths)
@@ -56,11 +56,11 @@ def run_case(lengths, seqlen, impl: str):
 
     def fwd():
         with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-            qwen2_unpad.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
+            attention.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
 
     def fwd_bwd():
         with padding.running_unpadded(info), torch.autocast("cuda", dtype=torch.float16):
-            out, _ = qwen2_unpad.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
+            out, _ = attention.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
         out.backward(g)
 
     for t in (q, k, v):
@@ -68,7 +68,7 @@ def run_case(lengths, seqlen, impl: str):
     fwd_bwd()
     grads = [t.grad.clone() for t in (q, k, v)]
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-        out, _ = qwen2_unpad.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
+        out, _ = attention.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
@@ -93,8 +93,8 @@ def main() -> int:
             res["max_abs_diff_out"] = float((out_s - out_o).abs().max())
             res["max_rel_diff_grads"] = max(float((a - b).norm() / b.norm().clamp_min(1e-30)) for a, b in zip(g_o, g_s))
         results += [stock] + [res for res, _, _ in others]
-    os.environ.pop(qwen2_unpad.LAYOUT_KERNELS_ENV, None)
-    os.environ.pop(qwen2_unpad.VARLEN_ENV, None)
+    os.environ.pop(attention.LAYOUT_KERNELS_ENV, None)
+    os.environ.pop(attention.VARLEN_ENV, None)
     os.environ.pop(attn_triton.ENV, None)
     print(f"GPU: {torch.cuda.get_device_name()}\n")
     print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("seqlen", "seqlen")], group=len(IMPLS))

@@ -43,12 +43,12 @@ from bench.kernels.bench_layer_host import LAYERS, LENGTHS, SEQLEN, build, wall_
 def layer_step(decoder, info, h, grad_out, position_embeddings, position_ids):
     """Forward + backward of the decoder layers on packed rows, as qwen2_unpad runs them; returns
     the last layer's output (for the bit-equality check)."""
-    from solution import padding
+    from solution.step import packing
 
     def step():
         # cache_enabled=False: the autocast weight-cast cache must not outlive a capture (PyTorch's
         # graph recipe); it changes no value, only whether a cast is recomputed
-        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False), padding.running_unpadded(info):
+        with torch.autocast("cuda", dtype=torch.float16, cache_enabled=False), packing.running_unpadded(info):
             x = h
             for layer in decoder.layers:
                 x = layer(x, attention_mask=info, position_embeddings=position_embeddings,
@@ -64,7 +64,7 @@ def main() -> None:
         return
     import solution
     from bench.run_one import emulate_t4_paths
-    from solution import padding
+    from solution.step import packing
 
     emulate_t4_paths()
     solution.apply(verbose=False)
@@ -75,7 +75,7 @@ def main() -> None:
             model = build(tmp, LAYERS)
             decoder = model.base_model.model.model
             lora = {n: p for n, p in model.named_parameters() if p.requires_grad}
-            info = padding.make_unpadded(list(LENGTHS), SEQLEN, torch.device("cuda"))
+            info = packing.make_unpadded(list(LENGTHS), SEQLEN, torch.device("cuda"))
             n = info.n_tokens
             g = torch.Generator(device="cuda").manual_seed(0)
             h = torch.randn(1, n, decoder.config.hidden_size, device="cuda", generator=g)

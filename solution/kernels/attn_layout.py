@@ -1,6 +1,6 @@
 """Attention's layout moves for packed rows: pad (+ GQA repeat, + fp16 cast) and unpad (+ group sum).
 
-1. What it replaces. With no work on padding (solution/padding.py) the decoder keeps the N real
+1. What it replaces. With no work on padding (solution/step/packing.py) the decoder keeps the N real
    tokens of a batch as one packed row, and only attention goes back to the padded layout
    [batch, heads, seqlen, 128] that PyTorch's memory-efficient SDPA needs. Done with torch ops
    (solution/patches/qwen2_unpad.py, ``sdpa_unpadded``) that is, per layer and forward: three

@@ -1,6 +1,6 @@
 """Causal attention over packed rows of different lengths, with no padded positions at all.
 
-1. What it replaces. With no work on padding (solution/padding.py) attention is the one op that
+1. What it replaces. With no work on padding (solution/step/packing.py) attention is the one op that
    still goes back to the padded layout: ``sdpa_unpadded`` (solution/patches/qwen2_unpad.py) pads
    q / k / v to [batch, heads, longest row, 128] (our attn_layout kernels) and calls PyTorch's
    memory-efficient SDPA with ``is_causal=True``, as stock does on the padded batch.
@@ -16,7 +16,7 @@
    ``cu_seqlens``): the packed rows [1, N, heads, 128] and the row offsets, causal from the top
    left within each row (SDPA's ``is_causal``), one launch for all rows. Grouped-query attention
    is not supported by that mode: the KV heads are repeated 2 -> 12 and cast to fp16 by our
-   ``pad_rows_kernel`` on the packed layout (``padding.packed_layout``: batch 1, no pad
+   ``pad_rows_kernel`` on the packed layout (``packing.packed_layout``: batch 1, no pad
    positions), in the same single pass per tensor as on the padded path.
    This is PyTorch's own kernel (not a kernel library). It is the default rather than a Triton
    attention because Triton >= 3.3 runs ``tl.dot`` on a T4 without tensor cores (field notes); our

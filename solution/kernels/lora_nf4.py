@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from solution import padding
+from solution.step import packing
 from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
@@ -163,14 +163,14 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
     if isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0:
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
-    # Packed real tokens of a right-padded batch (solution/padding.py): draw over stock's padded
+    # Packed real tokens of a right-padded batch (solution/step/packing.py): draw over stock's padded
     # shape, keep the real rows, so the random numbers are stock's.
-    padded_shape = padding.padded_draw_shape(x)
-    source = padding.dropout_mask_source()
+    padded_shape = packing.padded_draw_shape(x)
+    source = packing.dropout_mask_source()
     with torch.no_grad():  # our Function owns the whole input gradient, dropout's part included
         if _dropout_is_native(x):
             if source is not None:
-                # Layers replayed from a CUDA graph (solution/decoder_graphs.py): the mask was drawn
+                # Layers replayed from a CUDA graph (solution/step/cuda_graphs.py): the mask was drawn
                 # before the replay, over stock's padded shape, exactly as below; take it, draw nothing.
                 mask = source.take(p, x)
             elif padded_shape is None:
@@ -184,7 +184,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
                 # LoRA layer; test_dropout_draws_over_the_padded_shape_cuda checks the mask against a
                 # draw over the real padded tensor, and passes on the H200).
                 _, mask = torch.native_dropout(torch.empty(padded_shape, dtype=x.dtype, device=x.device), p, True)
-                mask = padding.unpad_rows(mask, padding.active()).view(x.shape)
+                mask = packing.unpad_rows(mask, packing.active()).view(x.shape)
             # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
             if defer and _fusable(x):
                 xd = _Deferred(_native_dropout_scale(p))
@@ -195,7 +195,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
             noise = torch.empty_like(x).bernoulli_(1 - p)
         else:
             noise = torch.empty(padded_shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-            noise = padding.unpad_rows(noise, padding.active()).view(x.shape)
+            noise = packing.unpad_rows(noise, packing.active()).view(x.shape)
         noise.div_(1 - p)
         return x * noise, noise, DROPOUT_NOISE, 1.0
 

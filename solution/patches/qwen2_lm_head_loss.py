@@ -144,7 +144,7 @@ def _packed_lm_head(packed, weight, shift_labels, dtype, num_items_in_batch):
     labels gathered the same way, per-token results put back at their [batch, seqlen] positions
     (0 at pad positions, where stock's values are never used)."""
     from solution.kernels.lm_head_loss import fused_lm_head_loss
-    from solution.padding import pad_rows, unpad_rows
+    from solution.step.packing import pad_rows, unpad_rows
 
     hidden, info = packed
     labels = unpad_rows(shift_labels.reshape(-1), info).view(1, -1)
@@ -159,7 +159,7 @@ def _make_forward(stock_forward):
     from transformers.utils.generic import can_return_tuple
 
     from solution.kernels.lm_head_loss import fused_lm_head_loss, shift_labels_like_stock
-    from solution.patches.qwen2_unpad import capture_packed_hidden
+    from solution.step.decoder import capture_packed_hidden
 
     output_class = _output_class()
 

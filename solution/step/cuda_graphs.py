@@ -1,7 +1,7 @@
 """CUDA graphs over the decoder layers (issue 5.4: Python and launch overhead), $SOLUTION_CUDA_GRAPHS.
 
 1. What it replaces. The eager loop over Qwen2's 28 decoder layers in the packed forward
-   (solution/patches/qwen2_unpad.py) and autograd's walk back through them: every op of every
+   (solution/step/decoder.py) and autograd's walk back through them: every op of every
    layer is a Python call and a kernel launch, ~40 launches a layer each way.
 2. Why that is slow. On a fast GPU the step is bound by that host work, not by the kernels: the
    host split on the H200 (docs/PERFORMANCE.md) puts ~85% of the step in Python and launch work
@@ -11,14 +11,14 @@
    host calls a step for all 28 layers. A graph replays fixed shapes and fixed host values, so:
    - token count: the packed tokens (N) are padded to the bucket size (a multiple of
      $SOLUTION_GRAPH_BUCKET, 128 by default, at least one token more than N) by one extra packed
-     row (padding.make_unpadded(extra=...)): copies of the first tokens of the longest row, with
+     row (packing.make_unpadded(extra=...)): copies of the first tokens of the longest row, with
      their own attention row, so they never touch a real token and get a zero gradient;
    - attention's longest row: the bucket size is passed as the bound (Unpadded.max_len_bound);
      the kernel reads each row's true extent from cu_seqlens, which is copied in every step;
    - dropout: stock draws each LoRA mask over the padded [batch, longest row, hidden] shape,
      which changes every step, so the masks cannot be drawn inside a graph. They are drawn
      before each replay, in the layers' call order, with the very calls stock makes
-     (``_MaskSlots.draw``), into buffers the captured layers read (padding.dropout_masks_from):
+     (``_MaskSlots.draw``), into buffers the captured layers read (packing.dropout_masks_from):
      the generator advances exactly as in the eager run, and the graphs themselves draw nothing
      (checked: the number of masks taken and the generator's offset around the first replay);
    - memory: all graphs share one memory pool (torch.cuda.graph_pool_handle) and are replayed one
@@ -49,7 +49,9 @@ import weakref
 import torch
 from torch.autograd.function import once_differentiable
 
-from solution import padding
+from solution import precompile
+from solution.kernels import attn_triton
+from solution.step import attention, packing
 
 ENV = "SOLUTION_CUDA_GRAPHS"
 BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
@@ -177,7 +179,7 @@ def eager_timing(model, device: torch.device):
     return probe.timing(device)
 
 
-class _MaskSlots(padding.DropoutMaskSource):
+class _MaskSlots(packing.DropoutMaskSource):
     """The LoRA dropout masks of one step: one bool buffer [capacity, hidden] per dropout call of
     the layers, in call order. ``take`` (inside the layers) hands out the first n rows; ``draw``
     (before a replay) fills them as stock's draws would be."""
@@ -206,7 +208,7 @@ class _MaskSlots(padding.DropoutMaskSource):
             raise RuntimeError(f"dropout call {i} is {spec}, recorded as {self.specs[i]}")
         return self.buffers[i][: self._n].view(x.shape)
 
-    def draw(self, info: padding.Unpadded) -> None:
+    def draw(self, info: packing.Unpadded) -> None:
         """Each mask as lora_nf4.lora_dropout draws it eagerly (over stock's padded shape, the same
         kernel on the same shape and dtype, so the same random numbers), in the same order, and the
         rows of the bucket's tokens kept (filler rows: copies of real rows' masks)."""
@@ -253,13 +255,13 @@ class _LayerGraphs:
         self.has_grad: list[bool] = []
         self.rng_checked = False
 
-    def info(self, capture: padding.Unpadded) -> padding.Unpadded:
+    def info(self, capture: packing.Unpadded) -> packing.Unpadded:
         """The Unpadded the captured layers see: this graph's buffers; the row bound is the bucket."""
-        return padding.Unpadded(idx=self.arange, positions=self.pos[0], src=self.arange, batch=capture.batch,
+        return packing.Unpadded(idx=self.arange, positions=self.pos[0], src=self.arange, batch=capture.batch,
                                 seqlen=capture.seqlen, lengths=capture.lengths, arange=self.arange,
                                 cu_seqlens=self.cu_seqlens, max_len_bound=self.n)
 
-    def load(self, info: padding.Unpadded, h, cos, sin) -> None:
+    def load(self, info: packing.Unpadded, h, cos, sin) -> None:
         """This step's inputs into the graph's buffers (h's values; its autograd edge stays with
         the replay Function)."""
         with torch.no_grad():
@@ -309,9 +311,9 @@ def _cuda_generator(device: torch.device):
 
 
 def run_layers(layers, h, info, cos, sin, pos):
-    """The decoder loop of qwen2_unpad on packed rows (no KV cache, no extra arguments)."""
+    """The decoder loop of step/decoder.py on packed rows (no KV cache, no extra arguments)."""
     x = h
-    with padding.running_unpadded(info):
+    with packing.running_unpadded(info):
         for layer in layers:
             x = layer(x, attention_mask=info, position_embeddings=(cos, sin), position_ids=pos, use_cache=False)
     return x
@@ -402,7 +404,7 @@ class DecoderGraphs:
             x_in = g.h.detach().requires_grad_(g.needs_input_grad)
             masks.begin(g.n)
             with torch.autocast("cuda", enabled=autocast[0], dtype=autocast[1], cache_enabled=False), \
-                    padding.dropout_masks_from(masks):
+                    packing.dropout_masks_from(masks):
                 out = run_layers(layers, x_in, info, g.cos, g.sin, g.pos)
             return ([x_in] if g.needs_input_grad else []) + params, out
 
@@ -448,8 +450,8 @@ class DecoderGraphs:
         graph; None when this step cannot run in one (the caller runs the eager loop)."""
         n = info.n_tokens
         nb = bucketed_tokens(n, bucket_size())
-        binfo = padding.make_unpadded(list(info.lengths), info.seqlen, input_ids.device, extra=nb - n)
-        ids = padding.unpad_rows(input_ids.reshape(-1), binfo).unsqueeze(0)  # [1, nb]
+        binfo = packing.make_unpadded(list(info.lengths), info.seqlen, input_ids.device, extra=nb - n)
+        ids = packing.unpad_rows(input_ids.reshape(-1), binfo).unsqueeze(0)  # [1, nb]
         h = model.embed_tokens(ids)
         pos = binfo.positions.unsqueeze(0)
         cos, sin = model.rotary_emb(h, pos)
@@ -505,9 +507,6 @@ def arguments_refusal(kwargs) -> str | None:
 
 def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
     """Why this packed forward cannot replay graphs (None: it can). ``hooked``: ``_scan``'s answer."""
-    from solution.kernels import attn_triton
-    from solution.patches import qwen2_unpad
-
     if not enabled():
         return f"${ENV} is 0"
     if input_ids.device.type != "cuda":
@@ -520,7 +519,7 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
         return reason
     if torch.cuda.is_current_stream_capturing():
         return "already inside a CUDA graph capture"
-    if not (qwen2_unpad.layout_kernels_enabled() and (qwen2_unpad.varlen_enabled() or attn_triton.enabled())):
+    if not (attention.layout_kernels_enabled() and (attention.varlen_enabled() or attn_triton.enabled())):
         return "attention on the padded layout (host-dependent indices)"
     if hooked:
         return "hooks on the decoder layers (they would run only at capture)"
@@ -547,8 +546,6 @@ def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
         return None
     runner = _RUNNERS.get(model)
     if runner is None:
-        from solution import precompile
-
         precompile.wait()  # a background compile must not load modules while a graph is captured
         runner = _RUNNERS[model] = DecoderGraphs(input_ids.device)
     return runner.forward(model, layers, input_ids, info, dropouts)

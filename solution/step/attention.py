@@ -1,0 +1,173 @@
+"""Attention over packed rows (the step's layer 2): ``sdpa_unpadded`` and the switches that
+choose its kernel.
+
+When the attention mask argument is an ``Unpadded`` (solution/step/packing.py), attention runs
+on the packed rows by default: PyTorch's memory-efficient kernel in its variable-length mode
+(``cu_seqlens``, causal within each row; solution/kernels/attn_varlen.py), K/V repeated to the 12
+query heads by our layout kernel. With SOLUTION_ATTN_VARLEN=0, q/k/v go back to the padded
+[batch, heads, seqlen, dim] layout (zeros at pads), the same SDPA call as stock runs with
+``is_causal=True``, and the real rows of the output are kept. Either way, with right padding a
+real query at position t attends to keys 0..t of its row, all real: the set of keys is stock's,
+so the values are the same up to the attention kernel's rounding (masked entries are skipped
+instead of set to -inf). patches/qwen2_unpad.py routes transformers' "sdpa" entry here.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from solution.kernels import attn_layout, attn_triton, attn_varlen
+from solution.step import packing
+from solution.step.packing import packed_layout
+
+
+def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **kwargs):
+    """Attention of packed rows: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> [1, N, Hq, D]
+    (the layout stock's sdpa_attention_forward returns). By default on the packed rows themselves
+    (PyTorch's variable-length kernel; our Triton kernel with $SOLUTION_ATTN_TRITON=1), else
+    through the padded layout (our layout kernels, or torch's ops with the layout kernels off)."""
+    from transformers.integrations.sdpa_attention import repeat_kv
+
+    if layout_kernels_enabled():
+        dtype = _sdpa_input_dtype(query, key, value)
+        if dtype is not None:
+            if (attn_triton.enabled() and dropout == 0.0 and info.cu_seqlens is not None
+                    and attn_triton.supported(query.shape[-1], query.shape[1], key.shape[1], dtype, query.device)):
+                return _sdpa_triton(query, key, value, info, scaling)
+            if varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None:
+                try:
+                    return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
+                except torch.cuda.OutOfMemoryError:
+                    raise  # not a refusal of the kernel: the padded layout would need more memory
+                except RuntimeError as exc:  # e.g. a PyTorch build or GPU without the varlen mode
+                    if _in_graph(info):
+                        raise  # a failed CUDA-graph capture, not a refusal of the kernel: the runner falls back
+                    _varlen_failed(exc)
+            return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
+    b, s = info.batch, info.seqlen
+    _refuse_padded_layout_in_graph(info)
+
+    def to_padded(t):  # [1, h, N, D] -> [b, h, s, D] (a transposed view of [b, s, h, D], like stock's)
+        rows = packing.pad_rows(t[0].transpose(0, 1), info)
+        return rows.view(b, s, t.shape[1], t.shape[3]).transpose(1, 2)
+
+    q, k, v = to_padded(query), to_padded(key), to_padded(value)
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        k, v = repeat_kv(k, groups), repeat_kv(v, groups)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout,
+                                                           scale=scaling, is_causal=True)
+    out = out.transpose(1, 2).reshape(b * s, -1)
+    out = packing.unpad_rows(out, info)
+    return out.view(1, out.shape[0], query.shape[1], query.shape[3]), None
+
+
+LAYOUT_KERNELS_ENV = "SOLUTION_ATTN_LAYOUT_KERNELS"
+VARLEN_ENV = "SOLUTION_ATTN_VARLEN"
+
+
+def varlen_enabled() -> bool:
+    """Variable-length attention on the packed rows (solution/kernels/attn_varlen.py) instead of
+    the padded layout. On by default since the H200 measurement of 2026-11-30 (~03:2x UTC): attention
+    kernels 0.246 -> 0.180 s and GPU time 1.637 -> 1.558 s over steps 3-64, peak allocated 5.52 ->
+    5.40 GiB, loss within 1.0e-5 (docs/kernels/attn_varlen.md); $SOLUTION_ATTN_VARLEN=0 keeps the
+    padded layout. Needs the layout kernels (it repeats KV heads with them)."""
+    return _VARLEN_FAILED is None and os.environ.get(VARLEN_ENV, "1") != "0"
+
+
+_VARLEN_FAILED: str | None = None
+
+
+def _varlen_failed(exc: Exception) -> None:
+    """The variable-length kernel refused this machine's inputs (it was measured on an H200 taking
+    the T4's paths, never on a real T4): say so once, and use the padded layout from now on (the
+    same values up to the attention kernel's rounding)."""
+    global _VARLEN_FAILED
+    if _VARLEN_FAILED is None:
+        first_line = (str(exc).splitlines() or [""])[0][:200]
+        _VARLEN_FAILED = f"{type(exc).__name__}: {first_line}"
+        print(f"[solution] variable-length attention failed ({_VARLEN_FAILED}); attention runs on the padded "
+              "layout from now on", flush=True)
+
+
+def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
+    """sdpa_unpadded without padding: q / k / v laid out as [1, N, heads, D] (KV heads repeated,
+    cast to SDPA's dtype) by the layout kernels on the packed layout, then variable-length causal
+    attention, row by row in one launch. Returns [1, N, Hq, D] like stock."""
+    # the [1, H, N, D] views of [1, N, H, D] memory: transposed back for the kernel
+    q, k, v = (t.transpose(1, 2) for t in _layout_qkv(module, query, key, value, packed_layout(info), dtype))
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5  # SDPA's default
+    return attn_varlen.varlen_causal_attention(q, k, v, info, scaling), None
+
+
+def _sdpa_triton(query, key, value, info, scaling):
+    """sdpa_unpadded on our own Triton attention (solution/kernels/attn_triton.py, off by default,
+    $SOLUTION_ATTN_TRITON=1): q / k / v cast to fp16 on the packed layout by the layout kernel
+    (KV heads NOT repeated: the kernel reads KV head h // groups), causal within each row.
+    Returns [1, N, Hq, D] like stock."""
+    layout = packed_layout(info)
+    # [1, H, N, D] views of [1, N, H, D] memory -> [N, H, D]
+    q, k, v = (attn_layout.pad_heads(t[0].transpose(0, 1), layout, 1, torch.float16).transpose(1, 2)[0]
+               for t in (query, key, value))
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5  # SDPA's default
+    out = attn_triton.triton_varlen_attention(q, k, v, info.cu_seqlens, info.max_len, scaling)
+    return out.unsqueeze(0), None
+
+
+def layout_kernels_enabled() -> bool:
+    """Our Triton pad/unpad kernels around attention (solution/kernels/attn_layout.py) instead of
+    torch's index ops. On by default since the H200 measurement of 2026-11-30 01:5x UTC (GPU time
+    2.21 -> 2.04 s over steps 3-64, peak allocated 7.46 -> 7.10 GiB, loss within 1.6e-5:
+    docs/kernels/attn_layout.md); $SOLUTION_ATTN_LAYOUT_KERNELS=0 keeps torch's index ops."""
+    return os.environ.get(LAYOUT_KERNELS_ENV, "1") != "0"
+
+
+def _sdpa_input_dtype(query, key, value):
+    """The dtype SDPA computes in for these inputs (autocast's cast, or the inputs' own dtype),
+    when our layout kernels handle it (fp16 / fp32 in and out); None -> the torch ops path."""
+    dev = query.device.type
+    if torch.is_autocast_enabled(dev):
+        dtype = torch.get_autocast_dtype(dev)  # SDPA is on autocast's lower-precision list
+    elif query.dtype == key.dtype == value.dtype:
+        dtype = query.dtype
+    else:
+        return None  # stock SDPA would raise on mixed dtypes: let it
+    ok = (torch.float16, torch.float32)
+    if dtype not in ok or not all(attn_layout.supported(t) and t.dtype in ok for t in (query, key, value)):
+        return None
+    return dtype
+
+
+def _layout_qkv(module, query, key, value, layout, dtype):
+    """q, k, v ([1, heads, N, D] packed) laid out by ``layout`` (the padded batch, or the packed
+    rows' own) as [batch, Hq, seqlen, D] views, KV heads repeated, cast to ``dtype``: one launch each."""
+    groups = getattr(module, "num_key_value_groups", 1)
+    return tuple(attn_layout.pad_heads(t[0].transpose(0, 1), layout, rep, dtype)
+                 for t, rep in ((query, 1), (key, groups), (value, groups)))
+
+
+def _in_graph(info) -> bool:
+    """Layers captured into a CUDA graph (solution/step/cuda_graphs.py) or being captured: only the
+    packed-row attention paths (cu_seqlens, a fixed row bound) are valid there."""
+    return info.max_len_bound is not None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
+def _refuse_padded_layout_in_graph(info) -> None:
+    """The padded layout's idx / src would be captured once: wrong for the next batch of the bucket.
+    Raising makes the graph runner fall back to the eager layers."""
+    if _in_graph(info):
+        raise RuntimeError("attention on the padded layout cannot run inside a decoder CUDA graph")
+
+
+def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype):
+    """sdpa_unpadded with the layout moves in our kernels: one launch pads q, one pads and repeats
+    k, one v (cast in the same pass to ``dtype``, the cast autocast would make for SDPA), one
+    gathers the output's real rows."""
+    _refuse_padded_layout_in_graph(info)
+    q, k, v = _layout_qkv(module, query, key, value, info, dtype)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout,
+                                                           scale=scaling, is_causal=True)
+    return attn_layout.unpad_heads(out, info).unsqueeze(0), None

@@ -1,0 +1,137 @@
+"""The packed decoder body (the step's layer 4): which training forwards run on the real tokens
+only (``plan``) and the Qwen2Model forward body that does it (``unpadded_forward``).
+
+For a right-padded training batch (the only kind trl's collator makes here: ``attention_mask``
+rows of ones then zeros; a batch without padding is one with zero pads) ``unpadded_forward``
+gathers the N real tokens into one packed row [1, N] (packing.py), embeds them, computes RoPE's
+cos/sin at each token's own position (0..len-1 of its row, as stock's arange does for right
+padding), runs every decoder layer on [1, N, H] with an ``Unpadded`` description in place of the
+attention mask (replayed from CUDA graphs where cuda_graphs.py decides they pay, else eagerly),
+applies the final norm and scatters the result back to [batch, seqlen, H] (zeros at pad
+positions). The CausalLM head patch (patches/qwen2_lm_head_loss.py) can take the packed rows
+directly (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
+generation, a cache, position_ids given, left padding, hidden states or attentions requested,
+gradient checkpointing, sliding-window layers, attention dropout, another attention
+implementation, NEFTune, a dropout our LoRA kernel does not own) gets None from ``plan``: the
+stock forward runs unchanged.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+
+import torch
+
+from solution.env import interpreter_enabled
+from solution.patches._sources import cache_given
+from solution.step import cuda_graphs, packing
+
+# Set by the LM-head patch around its call of the decoder: a list that receives
+# (packed final hidden states [1, N, H], Unpadded) when the decoder ran unpadded.
+_PACKED_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("solution_packed_sink", default=None)
+
+
+@contextlib.contextmanager
+def capture_packed_hidden():
+    """Within this block, an unpadded Qwen2Model forward also appends (packed hidden, Unpadded)
+    to the yielded list, for a caller that can use the packed rows (the fused LM head)."""
+    sink: list = []
+    token = _PACKED_SINK.set(sink)
+    try:
+        yield sink
+    finally:
+        _PACKED_SINK.reset(token)
+
+
+def _kernel_device_ok(device: torch.device) -> bool:
+    return device.type == "cuda" or (device.type == "cpu" and interpreter_enabled())
+
+
+def _has_neftune_hook(module: torch.nn.Module) -> bool:
+    """NEFTune's embedding hook scales its noise by the sequence shape: packed rows would change it."""
+    return any("neftune" in getattr(h, "__name__", "") for h in module._forward_hooks.values())
+
+
+_DROPOUTS_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _dropouts_ok(model) -> bool:
+    """Every dropout with p > 0 in the decoder is a LoRA dropout of a peft bnb 4-bit layer whose
+    forward is ours (solution/patches/peft_lora_bnb.py -> lora_nf4.lora_dropout draws the mask over
+    the padded shape). Any other dropout would draw over the packed rows: other random numbers than
+    stock's, so such a model keeps the padded path. (Cached per model.)"""
+    ok = _DROPOUTS_OK.get(model)
+    if ok is None:
+        try:
+            from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+        except Exception:  # noqa: BLE001 - peft / bnb absent
+            LoraLinear4bit = ()
+        handled = set()
+        ours = getattr(getattr(LoraLinear4bit, "forward", None), "_solution_lora_dropout", False)
+        for mod in model.modules():
+            if ours and isinstance(mod, LoraLinear4bit):
+                handled.update(id(d) for d in mod.lora_dropout.modules())
+        ok = not any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 and id(mod) not in handled
+                     for mod in model.modules())
+        _DROPOUTS_OK[model] = ok
+    return ok
+
+
+def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs):
+    """The Unpadded description when this call can run packed, else None (stock forward). The KV
+    cache argument, if any, is in kwargs (``past_key_values`` or, from transformers 5.24, ``cache``)."""
+    cfg = model.config
+    if not (model.training and torch.is_grad_enabled()):
+        return None
+    if cache_given(kwargs) or use_cache or (use_cache is None and getattr(cfg, "use_cache", False)):
+        return None  # a cache given, or one stock would build and return
+    if (input_ids is None or inputs_embeds is not None or position_ids is not None
+            or not isinstance(attention_mask, torch.Tensor) or input_ids.dim() != 2
+            or attention_mask.shape != input_ids.shape or not _kernel_device_ok(input_ids.device)):
+        return None
+    if (kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or kwargs.get("return_dict") is False
+            or getattr(cfg, "output_hidden_states", False) or getattr(cfg, "output_attentions", False)
+            or kwargs.get("is_causal", getattr(cfg, "is_causal", None)) is False):
+        return None
+    if (model.gradient_checkpointing or model.has_sliding_layers or cfg._attn_implementation != "sdpa"
+            or getattr(cfg, "attention_dropout", 0.0) != 0.0 or _has_neftune_hook(model.embed_tokens)
+            or not _dropouts_ok(model)):
+        return None
+    lengths = packing.right_padded_lengths(attention_mask)
+    if lengths is None or min(lengths) < 1:
+        return None  # not right padding (left padding, holes, not 0/1), or an empty row
+    # Any right-padded batch, also one with no padding at all (rows of equal length, rows truncated
+    # at max_length, a batch of one row): the packed layout with cu_seqlens is exact for all of them,
+    # so every training batch takes the same path (packed kernels, CUDA graphs).
+    return packing.make_unpadded(lengths, input_ids.shape[1], input_ids.device)
+
+
+def unpadded_forward(model, input_ids, info, kwargs):
+    """Stock Qwen2Model.forward's body on the packed real tokens (no cache, no masks to build)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    # the layers replayed from CUDA graphs (solution/step/cuda_graphs.py), or eagerly
+    hidden_states = cuda_graphs.decoder_forward(model, input_ids, info, kwargs)
+    if hidden_states is None:
+        ids = packing.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
+        hidden_states = model.embed_tokens(ids)
+        position_ids = info.positions.unsqueeze(0)
+        position_embeddings = model.rotary_emb(hidden_states, position_ids)
+        # timed while $SOLUTION_CUDA_GRAPHS=auto is still measuring whether graphs pay here
+        with packing.running_unpadded(info), cuda_graphs.eager_timing(model, input_ids.device):
+            for decoder_layer in model.layers[: model.config.num_hidden_layers]:
+                hidden_states = decoder_layer(
+                    hidden_states,
+                    attention_mask=info,
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    use_cache=False,
+                    **kwargs,
+                )
+    hidden_states = model.norm(hidden_states)
+    sink = _PACKED_SINK.get()
+    if sink is not None:
+        sink.append((hidden_states, info))
+    padded = packing.pad_rows(hidden_states[0], info).view(info.batch, info.seqlen, -1)
+    return BaseModelOutputWithPast(last_hidden_state=padded)  # no cache
