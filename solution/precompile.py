@@ -185,6 +185,11 @@ def start(device: str, say=print) -> threading.Thread | None:
     return _thread
 
 
+def running() -> bool:
+    """The background preload is still compiling."""
+    return _thread is not None and _thread.is_alive()
+
+
 def wait(timeout: float | None = None) -> dict:
     """Wait for the background preload (tests, diagnosis); returns STATE."""
     if _thread is not None:

@@ -11,4 +11,5 @@ PATCHES = [
     "solution.patches.peft_lora_bnb",
     "solution.patches.qwen2_lm_head_loss",
     "solution.patches.qwen2_unpad",
+    "solution.patches.trainer_lengths",
 ]

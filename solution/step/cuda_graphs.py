@@ -51,7 +51,7 @@ from torch.autograd.function import once_differentiable
 
 from solution import precompile
 from solution.kernels import attn_triton
-from solution.step import attention, packing
+from solution.step import attention, lengths, packing
 
 ENV = "SOLUTION_CUDA_GRAPHS"
 BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
@@ -109,30 +109,51 @@ def _say(msg: str) -> None:
 # A graph replay removes host work (Python and launches), never GPU work: it pays only where the
 # eager layers keep the GPU waiting for the host. On a GPU-bound machine (a T4 may be one) a
 # capture is pure cost and the bucket's filler tokens add GPU work. So in "auto" mode the first
-# PROBE_STEPS packed training forwards run eagerly and are timed: host time from the first layer
-# call to the last layer's return (time.perf_counter), GPU time between two CUDA events recorded
-# at the same two points (read a step later, when the step's own synchronisation has completed
-# them: no extra sync). If the GPU finished the layers' work within GPU_BOUND_RATIO of the host's
-# time, the GPU was waiting for the host (host-bound): graphs from the next step on. Otherwise it
-# was still busy after the host had issued everything (GPU-bound): no graphs. Step 1 pays the cold
-# compile and lazy initialisations on the host, which makes any machine look host-bound: only a
-# GPU-bound verdict is taken from it; the host-bound verdict needs step 2.
-PROBE_STEPS = 2
+# packed training forward runs eagerly and its second half of layers is timed: host time from
+# the call of layer L/2 to the return of the last layer (time.perf_counter), GPU time between
+# two CUDA events recorded at the same two points (read at the next step, when the step's own
+# synchronisation has completed them: no extra sync). The first half is left out: it pays the
+# compiles and lazy initialisations of a first step, which would make any machine look
+# host-bound. If the GPU finished that work within GPU_BOUND_RATIO of the host's time, the GPU was
+# waiting for the host (host-bound): graphs from the next step on. Otherwise it was still busy
+# after the host had issued everything (GPU-bound): no graphs. A sample taken while the
+# background precompile still runs (it competes for the host) is not used; the next step is
+# timed instead.
 GPU_BOUND_RATIO = 1.15
 
 
 def decide(samples: list[tuple[float, float]]) -> tuple[bool | None, str]:
     """(use graphs?, why) from the probe samples so far, (host seconds, GPU seconds) of the eager
-    layers' forward per step in order; None while undecided. Pure: tested with fake timings."""
-    for i, (host, gpu) in enumerate(samples):
-        ratio = gpu / host if host > 0 else float("inf")
-        figures = f"step {i + 1}: host {host * 1e3:.1f} ms, GPU {gpu * 1e3:.1f} ms ({ratio:.2f}x)"
-        if ratio > GPU_BOUND_RATIO:
-            return False, (f"GPU-bound ({figures}): a replay saves host time only, and its filler "
-                           "tokens add GPU work")
-        if i + 1 >= PROBE_STEPS:
-            return True, f"host-bound ({figures}): the GPU waits for the host's launches"
-    return None, "measuring"
+    layers' timed part per step; None while there is none. Pure: tested with fake timings."""
+    if not samples:
+        return None, "measuring"
+    host, gpu = samples[0]
+    ratio = gpu / host if host > 0 else float("inf")
+    figures = f"layers' second half: host {host * 1e3:.1f} ms, GPU {gpu * 1e3:.1f} ms ({ratio:.2f}x)"
+    if ratio > GPU_BOUND_RATIO:
+        return False, f"GPU-bound ({figures}): a replay saves host time only, and its filler tokens add GPU work"
+    return True, f"host-bound ({figures}): the GPU waits for the host's launches"
+
+
+class _Timer:
+    """Times one eager forward's layers from ``start()`` to ``stop()`` for a _Probe."""
+
+    def __init__(self, probe: "_Probe", device):
+        self.probe, self.stream = probe, torch.cuda.current_stream(device)
+        self.t0, self.start_ev = None, torch.cuda.Event(enable_timing=True)
+
+    def start(self) -> None:
+        self.start_ev.record(self.stream)
+        self.t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.t0 is None:
+            return
+        host = time.perf_counter() - self.t0
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(self.stream)
+        if not precompile.running():  # the background compile competes for the host: not a clean sample
+            self.probe.pending.append((host, self.start_ev, end))
 
 
 class _Probe:
@@ -155,28 +176,17 @@ class _Probe:
                 DECISIONS.append({"graphs": self.verdict, "reason": self.reason, "samples": list(self.samples)})
                 _say(f"decoder CUDA graphs {'on' if self.verdict else 'off'}: {self.reason}")
 
-    @contextlib.contextmanager
-    def timing(self, device):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record(torch.cuda.current_stream(device))
-        t0 = time.perf_counter()
-        yield
-        host = time.perf_counter() - t0
-        end.record(torch.cuda.current_stream(device))
-        if len(self.samples) + len(self.pending) < PROBE_STEPS:
-            self.pending.append((host, start, end))
-
 
 _PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def eager_timing(model, device: torch.device):
-    """A context for the caller's eager layer loop: times it while "auto" mode is still measuring
-    this model (a no-op otherwise)."""
+def eager_timer(model, device: torch.device) -> _Timer | None:
+    """A timer for the caller's eager layer loop while "auto" mode is still measuring this model
+    and no sample is waiting to be read; None otherwise (nothing to time)."""
     probe = _PROBES.get(model)
-    if probe is None or probe.verdict is not None or device.type != "cuda":
-        return contextlib.nullcontext()
-    return probe.timing(device)
+    if probe is None or probe.verdict is not None or probe.pending or device.type != "cuda":
+        return None
+    return _Timer(probe, device)
 
 
 class _MaskSlots(packing.DropoutMaskSource):
@@ -357,6 +367,7 @@ class DecoderGraphs:
         self.warmed = False
         self.failed: str | None = None
         self.full_said = False
+        self.ahead: list[int] | None = None  # buckets to capture ahead (lengths.py), set at the first step
 
     # -- parameters ---------------------------------------------------------------------------
     def _trainable(self, layers) -> list[torch.nn.Parameter]:
@@ -366,7 +377,7 @@ class DecoderGraphs:
         return params
 
     # -- capture ------------------------------------------------------------------------------
-    def _graphs_for(self, layers, binfo, h, cos, sin, dropouts: int) -> _LayerGraphs | None:
+    def _graphs_for(self, layers, binfo, h, cos, sin, dropouts: int, ahead: bool = False) -> _LayerGraphs | None:
         n = h.shape[1]
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
         # dropouts: the LoRA dropouts active now (a dropout put in eval mode changes what the layers do)
@@ -380,7 +391,7 @@ class DecoderGraphs:
                 _say(f"{MAX_GRAPHS} decoder graphs captured: new batch sizes run eagerly")
             return None
         if self.arena is None or not self.arena.fits(h, cos):
-            capacity = max(n, bucketed_tokens(binfo.batch * binfo.seqlen, bucket_size()))
+            capacity = max([n, bucketed_tokens(binfo.batch * binfo.seqlen, bucket_size())] + (self.ahead or []))
             self.arena = _Arena(capacity, h, cos)
         g = _LayerGraphs(self.arena, n, len(binfo.lengths), h.requires_grad, self.device)
         g.load(binfo, h, cos, sin)
@@ -388,9 +399,9 @@ class DecoderGraphs:
         t0 = time.perf_counter()
         self._capture(g, layers, binfo, autocast, dropouts)
         seconds = time.perf_counter() - t0
-        CAPTURES.append({"tokens": n, "seconds": seconds, "t": t0})
+        CAPTURES.append({"tokens": n, "seconds": seconds, "t": t0, "ahead": ahead})
         _say(f"captured the decoder layers' CUDA graphs for {n} tokens in {seconds * 1e3:.0f} ms "
-             f"({len(self.graphs) + 1} buckets)")
+             f"({len(self.graphs) + 1} buckets{', ahead' if ahead else ''})")
         self.graphs[key] = g
         return g
 
@@ -444,6 +455,24 @@ class DecoderGraphs:
             raise RuntimeError(f"the captured layers took {taken} dropout masks, expected {dropouts} "
                                "(one per LoRA dropout): some dropout would draw inside the graph")
 
+    def _capture_ahead(self, layers, binfo, h, cos, dropouts: int) -> None:
+        """Capture the buckets that lengths.py predicts for this run (``self.ahead``) and that are
+        not captured yet, in this (untimed) step, so that they are not captured inside the timed
+        steps. A bucket's graphs depend only on its token count, its number of rows and dtypes:
+        they are recorded from zeros shaped like a batch of ``binfo.batch`` rows (a capture runs no
+        kernel; the values the replays use are loaded before each replay)."""
+        for nb in self.ahead or []:
+            if nb == h.shape[1] or nb > self.arena.capacity:
+                continue
+            real = nb - 1  # one filler token, as bucketed_tokens always leaves at least one
+            rows = [real // binfo.batch + (1 if i < real % binfo.batch else 0) for i in range(binfo.batch)]
+            if min(rows) < 1:
+                continue
+            fake = packing.make_unpadded(rows, max(rows), self.device, extra=1)
+            h0 = torch.zeros((1, nb, h.shape[-1]), dtype=h.dtype, device=self.device).requires_grad_(h.requires_grad)
+            c0 = torch.zeros((1, nb, cos.shape[-1]), dtype=cos.dtype, device=self.device)
+            self._graphs_for(layers, fake, h0, c0, c0, dropouts, ahead=True)
+
     # -- a step -------------------------------------------------------------------------------
     def forward(self, model, layers, input_ids, info, dropouts: int) -> torch.Tensor | None:
         """The layers' output [1, N, H] on the packed real tokens (pre final norm), replayed from a
@@ -456,8 +485,17 @@ class DecoderGraphs:
         pos = binfo.positions.unsqueeze(0)
         cos, sin = model.rotary_emb(h, pos)
         params = self._trainable(layers)
+        first = self.ahead is None
+        if first:
+            prof = lengths.profile()
+            self.ahead = [] if prof is None else lengths.predicted_buckets(prof, lambda t: bucketed_tokens(t, bucket_size()))
+            if self.ahead:
+                _say(f"decoder CUDA graphs: {len(self.ahead)} buckets predicted from the dataset's row lengths "
+                     f"({self.ahead[0]}-{self.ahead[-1]} tokens), captured ahead in this step")
         try:
             g = self._graphs_for(layers, binfo, h, cos, sin, dropouts)
+            if first and g is not None and self.ahead:
+                self._capture_ahead(layers, binfo, h, cos, dropouts)
         except Exception as exc:  # noqa: BLE001 - a refused capture: eager from now on, said once
             self.failed = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
             FAILURES.append(self.failed)

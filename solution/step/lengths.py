@@ -1,0 +1,78 @@
+"""The training run's row lengths, and the CUDA-graph buckets its batches are likely to need.
+
+Why: a CUDA-graph bucket captured on first sight inside the timed steps costs about one eager
+pass of the layers on the host (docs/cuda_graphs.md). The buckets a run will need are not known
+before its batches come, but their distribution is: the Trainer's tokenized dataset holds every
+row's length, the batch size and the step count are in its arguments, and the sampler draws each
+epoch as a random permutation of the rows. ``predicted_buckets`` simulates such permutations
+with its own seeded generator (``random.Random``: the global torch / Python / NumPy generators
+are never touched, so the run's batch order and dropout are unchanged) and names the buckets that
+more than ``p_min`` of the simulated runs meet. cuda_graphs.py captures those ahead, in the step
+that turns graphs on (a step the challenge does not time); a bucket outside them is still captured
+when it first comes.
+
+``note`` is called by patches/trainer_lengths.py when ``Trainer.train`` starts; it only reads.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LengthProfile:
+    """Row lengths (tokens, after truncation), rows per batch, optimizer steps of the run."""
+    lengths: tuple[int, ...]
+    batch: int
+    steps: int
+
+
+_PROFILE: LengthProfile | None = None
+MAX_ROWS = 200_000  # a larger dataset is not read (reading its lengths would cost start-up time)
+
+
+def note(lengths, batch: int, steps: int, max_length: int | None = None) -> LengthProfile | None:
+    """Record this run's profile (the last call wins); None (and nothing recorded) when the
+    figures are not usable."""
+    global _PROFILE
+    lengths = [int(n) for n in lengths]
+    if not lengths or len(lengths) > MAX_ROWS or batch < 1 or steps < 1 or min(lengths) < 0:
+        return None
+    if max_length:
+        lengths = [min(n, int(max_length)) for n in lengths]
+    _PROFILE = LengthProfile(tuple(lengths), int(batch), int(steps))
+    return _PROFILE
+
+
+def profile() -> LengthProfile | None:
+    return _PROFILE
+
+
+def clear() -> None:
+    global _PROFILE
+    _PROFILE = None
+
+
+def predicted_buckets(prof: LengthProfile, bucket_of, p_min: float = 0.5, runs: int = 200,
+                      seed: int = 0) -> list[int]:
+    """The buckets (``bucket_of(tokens in a batch)``) that more than ``p_min`` of ``runs`` simulated
+    runs meet: each run takes the rows in a random order, epoch after epoch, ``prof.batch`` at a
+    time (the last batch of an epoch may be shorter, as a DataLoader without drop_last gives it),
+    for ``prof.steps`` batches. Sorted ascending. Pure: its own generator, nothing global."""
+    rng = random.Random(seed)
+    n_rows, b = len(prof.lengths), prof.batch
+    seen: dict[int, int] = {}
+    for _ in range(runs):
+        buckets: set[int] = set()
+        steps = 0
+        while steps < prof.steps:
+            order = list(range(n_rows))
+            rng.shuffle(order)
+            for start in range(0, n_rows, b):
+                if steps >= prof.steps:
+                    break
+                buckets.add(bucket_of(sum(prof.lengths[i] for i in order[start:start + b])))
+                steps += 1
+        for k in buckets:
+            seen[k] = seen.get(k, 0) + 1
+    return sorted(k for k, c in seen.items() if c > p_min * runs)
