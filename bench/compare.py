@@ -7,7 +7,17 @@ Runs, each in a fresh process (bench/run_one.py): baseline (timed), solution (ti
 GPU, baseline and solution again under torch.profiler (kernel time split, own-kernel share), and
 once more each with the host split (bench/host_split.py: where the step's wall time goes, by
 Trainer phase and decoder module). Only the timed runs give the time, memory and loss figures.
-Writes runs/<timestamp>/report.{json,md,png} and prints a summary and the rule check.
+
+    python -m bench.compare --shapes shipped,long,short [--cold | --no-cold]
+
+--shapes: the same comparison on other dataset shapes (workload/data/kazakh.py, written into the
+output dir): long (every row over max_length, no padding) and short (every row under 112 tokens),
+timed and (GPU) profiled passes each; shipped is the --data file. Default: all three on a GPU,
+shipped only on a CPU. The cold pass (default on a GPU, off on a CPU): baseline and solution
+once more on the shipped shape, timed, each in a fresh empty TRITON_CACHE_DIR and
+TORCHINDUCTOR_CACHE_DIR (no compile of an earlier run is found: a fresh machine's start).
+Writes runs/<timestamp>/report.{json,md,png} and summary.json (every run's figures, for
+bench.summary_merge) and prints a summary and the rule check.
 """
 from __future__ import annotations
 
@@ -17,8 +27,10 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,8 +42,52 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "workload" / "data" / "kazakh_instructions.jsonl"
 
 
+SHAPES = ("shipped", "long", "short")  # dataset shapes; long and short from workload/data/kazakh.py
+VARIANTS = ("baseline", "solution")
+COLD = "shipped-cold"  # the cold pass's run key
+CACHE_ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # emptied for a cold run
+
+
 class InputError(Exception):
     """Bad user input: printed as a one-line error, nothing written is lost."""
+
+
+def parse_shapes(text: str | None, cuda: bool) -> list[str]:
+    """--shapes: comma-separated names from SHAPES, in the given order, no repeats. None: all of
+    them on a GPU, shipped only on a CPU (the tiny stand-in stays quick). Raises InputError."""
+    if text is None:
+        return list(SHAPES) if cuda else ["shipped"]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in SHAPES]
+    if bad or not names:
+        raise InputError(f"--shapes {text!r}: {'unknown shape ' + repr(bad[0]) if bad else 'no shape'} "
+                         f"(choose from {', '.join(SHAPES)}, comma-separated)")
+    return list(dict.fromkeys(names))
+
+
+def plan_runs(shapes: list[str], cuda: bool, profile: bool = True, host_split: bool = True,
+              cold: bool = False) -> list[tuple[str, str, str]]:
+    """The runs, in order, as (run key, variant, mode): each shape timed, then (GPU) profiled;
+    the host-split pass for the shipped shape only; the cold pass last (timed, shipped data)."""
+    plan = []
+    for shape in shapes:
+        modes = ["timed"] + (["profiled"] if cuda and profile else [])
+        modes += ["hostsplit"] if cuda and host_split and shape == "shipped" else []
+        plan += [(shape, v, m) for m in modes for v in VARIANTS]
+    return plan + ([(COLD, v, "timed") for v in VARIANTS] if cold else [])
+
+
+def git_commit() -> str:
+    """This checkout's short commit; $BENCH_COMMIT when set (a copy of the tree without .git, as on
+    the GPU machine); "unknown" otherwise."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=str(ROOT), capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
 
 
 def _versions() -> dict:
@@ -124,24 +180,45 @@ def _pass_args(mode: str, work: Path) -> list[str]:
     return []
 
 
-def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workload: str | None) -> dict:
-    """One bench.run_one child: ``mode`` "timed" (no instrument), "profiled" (torch.profiler) or
-    "hostsplit" (bench/host_split.py's timers)."""
+def child_env(variant: str, cold: bool = False, environ: dict | None = None) -> dict:
+    """The environment of a bench.run_one child (a copy of ``environ``, default os.environ). On a
+    CPU the solution's kernels run in Triton's interpreter. ``cold``: a new empty temporary
+    directory for each of CACHE_ENV, so no kernel compiled before is found (the caller removes
+    them after the run)."""
     import torch
 
+    env = dict(os.environ if environ is None else environ)
+    if variant == "solution" and not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"  # CPU: our kernels run in Triton's interpreter
+    if cold:
+        for key in CACHE_ENV:
+            env[key] = tempfile.mkdtemp(prefix=f"bench-cold-{variant}-{key.split('_')[0].lower()}-")
+    return env
+
+
+def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workload: str | None,
+                label: str | None = None, cold: bool = False) -> dict:
+    """One bench.run_one child: ``mode`` "timed" (no instrument), "profiled" (torch.profiler) or
+    "hostsplit" (bench/host_split.py's timers); in ``out``/<variant>[-<mode>]. ``label`` prefixes
+    the progress line; ``cold``: in empty Triton and Inductor caches (child_env)."""
     name = variant if mode == "timed" else f"{variant}-{mode}"
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    if variant == "solution" and not torch.cuda.is_available():
-        env["TRITON_INTERPRET"] = "1"  # CPU: our kernels run in Triton's interpreter
+    env = child_env(variant, cold)
     cmd = [sys.executable, "-m", "bench.run_one", "--variant", variant, "--model", model, "--data", data,
            "--workdir", str(work)] + (["--workload", workload] if workload else [])
     cmd += _pass_args(mode, work)
+    if cold:  # what the first step still compiles, and what compiled before training (diagnosis; cheap hooks)
+        cmd += ["--compile-log", str(work / "compiles.md")]
     log_path = work / "log.txt"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
-        _progress(log_path, proc, name)
+    try:
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
+            _progress(log_path, proc, f"{label}/{name}" if label else name)
+    finally:
+        if cold:
+            for key in CACHE_ENV:
+                shutil.rmtree(env[key], ignore_errors=True)
     res_path = work / "result.json"
     if proc.returncode != 0 or not res_path.exists():
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
@@ -149,6 +226,7 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
     result = json.loads(res_path.read_text(encoding="utf-8"))
     # Soup's closing console panel is one of its outputs too (rich draws it into the log).
     result["soup_complete_panel"] = "Training Complete!" in log_path.read_text(encoding="utf-8", errors="replace")
+    result["cold_caches"] = cold
     return result
 
 
@@ -166,7 +244,21 @@ def kernel_split(result: dict | None) -> dict | None:
             "top_kernels_s": top, "window_s": result["profile"]["window_s"]}
 
 
-def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split=None, sol_split=None) -> dict:
+def shape_entry(data: str | None, base: dict, sol: dict, base_prof: dict | None = None,
+                sol_prof: dict | None = None) -> dict:
+    """A run key's entry of the report's "shapes": its data file and each variant's figures
+    (report.run_figures; GPU kernel time from the profiled pass), and solution / baseline."""
+    b = report_mod.run_figures(base, kernel_split(base_prof))
+    s = report_mod.run_figures(sol, kernel_split(sol_prof), base)
+    return {"data": data, "baseline": b, "solution": s, "ratios": report_mod.ratios(b, s)}
+
+
+def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split=None, sol_split=None,
+                 shape: str = "shipped", data: str | None = None, others: dict | None = None) -> dict:
+    """The report of the ``shape`` runs (time, memory, kernels, host split, rules), plus "shapes":
+    the figures of every run key (``shape`` first, then ``others``: key -> {"data", "baseline",
+    "solution", "baseline-profiled", "solution-profiled"}), whose timed results are kept in
+    "shape_runs" for the rule check."""
     rep = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "gpu": _gpu(),
@@ -200,6 +292,14 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
             "not measured: no profiled pass (--no-profile)" if not sol.get("interpreter") else
             "not measured: no CUDA profiler on the CPU (kernels ran in Triton's interpreter, whose time is "
             "no GPU time)")
+    rep["commit"] = git_commit()
+    rep["shape"] = shape
+    rep["shapes"] = {shape: shape_entry(data, base, sol, base_prof, sol_prof)}
+    rep["shape_runs"] = {}
+    for key, runs in (others or {}).items():
+        rep["shapes"][key] = shape_entry(runs["data"], runs["baseline"], runs["solution"],
+                                         runs.get("baseline-profiled"), runs.get("solution-profiled"))
+        rep["shape_runs"][key] = {v: runs[v] for v in VARIANTS}
     rep["rules"] = check_static() + check_run(rep)
     return rep
 
@@ -215,8 +315,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="output dir (default runs/<timestamp>)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled passes")
     ap.add_argument("--no-host-split", action="store_true", help="skip the host-split passes")
+    ap.add_argument("--shapes", help="comma-separated dataset shapes from shipped,long,short (default: all "
+                    "three on a GPU, shipped on a CPU)")
+    ap.add_argument("--cold", action=argparse.BooleanOptionalAction, default=None,
+                    help="the cold pass: baseline and solution once more (shipped shape, timed) in empty "
+                    "Triton/Inductor caches (default: on a GPU only)")
     args = ap.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    import torch
+
+    cuda = torch.cuda.is_available()
+    try:
+        shapes = parse_shapes(args.shapes, cuda)
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    cold = cuda if args.cold is None else args.cold
 
     from workload.config import WORKLOAD_FILE, WorkloadConfigError, load_workload
 
@@ -230,23 +344,49 @@ def main(argv=None) -> int:
     except (InputError, WorkloadConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    import torch
-
     out.mkdir(parents=True, exist_ok=True)
     print(f"[compare] {model_label}, data {data}, output {out}", flush=True)
-    base = run_variant("baseline", model, data, out, "timed", args.workload)
-    sol = run_variant("solution", model, data, out, "timed", args.workload)
-    base_prof = sol_prof = base_split = sol_split = None
-    if torch.cuda.is_available() and not args.no_profile:
-        base_prof = run_variant("baseline", model, data, out, "profiled", args.workload)
-        sol_prof = run_variant("solution", model, data, out, "profiled", args.workload)
-    if torch.cuda.is_available() and not args.no_host_split:
-        base_split = run_variant("baseline", model, data, out, "hostsplit", args.workload)
-        sol_split = run_variant("solution", model, data, out, "hostsplit", args.workload)
-    rep = build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split, sol_split)
+    datas = {"shipped": data, COLD: data}
+    if set(shapes) - {"shipped"}:
+        from transformers import AutoTokenizer
+
+        from workload.data.kazakh import make_shape_dataset
+
+        tokenizer = AutoTokenizer.from_pretrained(model)  # the run's own tokenizer measures the rows
+        for shape in shapes:
+            if shape != "shipped":
+                datas[shape] = str(make_shape_dataset(shape, out / "data" / f"kazakh-{shape}.jsonl",
+                                                      n=workload.examples, tokenizer=tokenizer))
+                print(f"[compare] dataset shape {shape}: {datas[shape]}", flush=True)
+    plan = plan_runs(shapes, cuda, profile=not args.no_profile, host_split=not args.no_host_split, cold=cold)
+    keys = list(dict.fromkeys(key for key, _, _ in plan))
+    print(f"[compare] {len(plan)} runs: " + "; ".join(
+        f"{key} " + ", ".join(dict.fromkeys(m for k, _, m in plan if k == key)) for key in keys), flush=True)
+    results: dict = {}
+    t0 = time.time()
+    for i, (key, variant, mode) in enumerate(plan, 1):
+        sub, label = (out, None) if key == "shipped" else (out / key, key)
+        results[key, variant, mode] = run_variant(variant, model, datas[key], sub, mode, args.workload,
+                                                  label=label, cold=key == COLD)
+        if i < len(plan):
+            left = (time.time() - t0) / i * (len(plan) - i)
+            print(f"[compare] {i}/{len(plan)} runs done, about {left / 60:.0f} min left", flush=True)
+    primary = "shipped" if "shipped" in shapes else shapes[0]
+
+    def get(key, variant, mode="timed"):
+        return results.get((key, variant, mode))
+
+    others = {key: {"data": datas[key], **{v: get(key, v) for v in VARIANTS},
+                    **{f"{v}-profiled": get(key, v, "profiled") for v in VARIANTS}}
+              for key in keys if key != primary}
+    rep = build_report(args, model_label, get(primary, "baseline"), get(primary, "solution"),
+                       get(primary, "baseline", "profiled"), get(primary, "solution", "profiled"), workload,
+                       get(primary, "baseline", "hostsplit"), get(primary, "solution", "hostsplit"),
+                       shape=primary, data=datas[primary], others=others)
     (out / "report.json").write_text(json.dumps(rep, indent=1, default=str), encoding="utf-8")
     md = report_mod.markdown(rep)
     (out / "report.md").write_text(md, encoding="utf-8")
+    report_mod.write_summary(rep, out / "summary.json")
     try:
         report_mod.plot(rep, out / "report.png")
     except Exception as exc:  # the plot is a convenience; never lose the report over it
@@ -255,7 +395,7 @@ def main(argv=None) -> int:
     print(report_mod.summary_table(rep))
     print("Rule check:")
     ok = print_rows(rep["rules"])
-    print(f"\nReport: {out / 'report.md'} (JSON, PNG beside it)")
+    print(f"\nReport: {out / 'report.md'} (JSON, PNG and summary.json beside it)")
     return 0 if ok else 1
 
 

@@ -1,4 +1,4 @@
-"""Report rendering: Markdown table (baseline, solution, ratio), summary, PNG plot."""
+"""Report rendering: Markdown table (baseline, solution, ratio), summary, PNG plot, summary.json."""
 from __future__ import annotations
 
 GIB = 2**30
@@ -12,21 +12,24 @@ def _fmt(v, unit=""):
     return f"{v}{unit}"
 
 
+def _mem(r: dict, key: str):
+    v = r.get(key)
+    return v / GIB if v else None
+
+
+def soup_duration(r: dict):
+    """Soup's own training duration (its tracker's run row)."""
+    runs = r.get("tracker", {}).get("runs") or [{}]
+    return runs[0].get("duration_secs")
+
+
 def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
     b, s = rep["baseline"], rep["solution"]
     kb, ks = rep["kernel_split"]["baseline"], rep["kernel_split"]["solution"]
 
-    def mem(r, key):
-        v = r.get(key)
-        return v / GIB if v else None
-
     def final_loss(r):
         runs = r.get("tracker", {}).get("runs") or [{}]
         return runs[0].get("final_loss")
-
-    def soup_duration(r):
-        runs = r.get("tracker", {}).get("runs") or [{}]
-        return runs[0].get("duration_secs")
 
     steps = b.get("step_times_s") or []
     return [
@@ -38,8 +41,8 @@ def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
          1e3 * s["train_excl_first2_s"] / max(len(s.get("step_times_s") or []) - 2, 1) if s.get("train_excl_first2_s") else None,
          "lower"),
         ("tokens/s excl. first 2 (non-pad)", b.get("tokens_per_s_excl_first2"), s.get("tokens_per_s_excl_first2"), "higher"),
-        ("peak GPU memory allocated (GiB)", mem(b, "peak_mem_allocated_bytes"), mem(s, "peak_mem_allocated_bytes"), "lower"),
-        ("peak GPU memory reserved (GiB)", mem(b, "peak_mem_reserved_bytes"), mem(s, "peak_mem_reserved_bytes"), "lower"),
+        ("peak GPU memory allocated (GiB)", _mem(b, "peak_mem_allocated_bytes"), _mem(s, "peak_mem_allocated_bytes"), "lower"),
+        ("peak GPU memory reserved (GiB)", _mem(b, "peak_mem_reserved_bytes"), _mem(s, "peak_mem_reserved_bytes"), "lower"),
         ("GPU kernel time, steps 3-64 (s)", kb["total_gpu_s"] if kb else None, ks["total_gpu_s"] if ks else None, "lower"),
         ("final loss", final_loss(b), final_loss(s), "same"),
     ]
@@ -89,6 +92,16 @@ def summary_table(rep: dict) -> str:
     lines.append(f"own-kernel share of training time (excl. first 2): "
                  f"{'n/a' if share is None else f'{share:.1%}'}")
     lines += [ln for ln in _cuda_graph_lines(rep) if ln]
+    shapes = _shapes(rep)
+    if len(shapes) > 1:
+        lines.append(f"solution / baseline by run (steps 3-{rep['workload']['steps']}, first step, GPU kernel time, "
+                     "peak reserved; loss max rel diff):")
+        for key, e in shapes.items():
+            r = e.get("ratios") or ratios(e["baseline"], e["solution"])
+            figs = ", ".join("n/a" if r.get(k) is None else f"{r[k]:.3f}"
+                             for k in ("train_excl_first2_s", "first_step_s", "gpu_kernel_s", "peak_reserved_gib"))
+            loss = e["solution"].get("loss_max_rel_diff")
+            lines.append(f"  {key:<13} {figs}; {'n/a' if loss is None else f'{loss:.2e}'}")
     return "\n".join(lines)
 
 
@@ -116,19 +129,126 @@ def _cuda_graph_lines(rep: dict) -> list[str]:
     if not g:
         return []
     caps = g.get("captures") or []
+    decided = [f"decoder CUDA graphs {'on' if d['graphs'] else 'off'}: {d['reason']}." for d in g.get("decisions") or []]
+    if decided:
+        lines_head = ["Measured decision ($SOLUTION_CUDA_GRAPHS=auto): " + " ".join(decided)]
+    else:
+        lines_head = []
     if not caps:
         why = "; ".join(g.get("failed") or g.get("refused") or []) or "no packed training forward"
-        return [f"CUDA graphs over the decoder layers: not used ({why}).", ""]
+        if decided and not any(d["graphs"] for d in g.get("decisions") or []):
+            return lines_head + [""]
+        return lines_head + [f"CUDA graphs over the decoder layers: not used ({why}).", ""]
     early = sum(1 for c in caps if c["step"] <= 2)
     total = sum(c["seconds"] for c in caps)
-    lines = [f"CUDA graphs over the decoder layers: {len(caps)} captures ({early} in the first two steps), "
-             f"{total:.2f} s in all, {g.get('capture_s_excl_first2', 0.0):.2f} s of them inside the timed steps; "
+    ahead = sum(1 for c in caps if c.get("ahead"))
+    lines = [f"CUDA graphs over the decoder layers: {len(caps)} captures ({early} in the first two steps, {ahead} "
+             f"of them captured ahead from the dataset's predicted buckets), {total:.2f} s in all, "
+             f"{g.get('capture_s_excl_first2', 0.0):.2f} s of them inside the timed steps; "
              f"buckets (tokens): {', '.join(str(c['tokens']) for c in caps)}."]
     if g.get("failed"):
         lines.append(f"Graph failures (eager from then on): {'; '.join(g['failed'])}.")
     lines.append("With graphs the layers' activations live in the graph's memory pool, which peak *allocated* "
                  "memory does not count during replays: compare peak *reserved* memory.")
-    return lines + [""]
+    return lines_head + lines + [""]
+
+
+# Per-run figures of the shapes table and of summary.json, in this order (key, column title).
+FIGURES = [("soup_duration_s", "Soup's duration (s)"), ("train_excl_first2_s", "steps 3-N (s)"),
+           ("first_step_s", "first step (s)"), ("gpu_kernel_s", "GPU kernel time, steps 3-N (s)"),
+           ("peak_reserved_gib", "peak reserved (GiB)"), ("peak_allocated_gib", "peak allocated (GiB)"),
+           ("loss_max_rel_diff", "loss max rel diff"),
+           ("capture_s_in_timed_steps", "graph captures in steps 3-N (s)"),
+           ("first_step_compiles", "Triton compiles in step 1")]
+# The ones whose solution / baseline ratio the report gives.
+RATIO_FIGURES = ("soup_duration_s", "train_excl_first2_s", "first_step_s", "gpu_kernel_s",
+                 "peak_reserved_gib", "peak_allocated_gib")
+
+
+def run_figures(result: dict, split: dict | None = None, base: dict | None = None) -> dict:
+    """One run's figures (a timed bench.run_one result; ``split``: compare.kernel_split of its
+    profiled pass, None if none; ``base``: the baseline's timed result to take the loss difference
+    against, None for the baseline itself). None where not measured."""
+    import math
+
+    from bench.rules import loss_diffs
+
+    steps = result.get("step_times_s") or []
+    graphs = result.get("cuda_graphs") or {}
+    loss = 0.0
+    if base is not None:
+        loss = loss_diffs(base, result)["max_rel"]
+        loss = loss if math.isfinite(loss) else None  # no common step, or a NaN loss
+    return {"soup_duration_s": soup_duration(result),
+            "train_excl_first2_s": result.get("train_excl_first2_s"),
+            "first_step_s": steps[0] if steps else None,
+            "gpu_kernel_s": split["total_gpu_s"] if split else None,
+            "peak_reserved_gib": _mem(result, "peak_mem_reserved_bytes"),
+            "peak_allocated_gib": _mem(result, "peak_mem_allocated_bytes"),
+            "loss_max_rel_diff": loss,
+            "capture_s_in_timed_steps": graphs.get("capture_s_excl_first2") if graphs.get("captures") else None,
+            "first_step_compiles": _first_step_compiles(result)}
+
+
+def _first_step_compiles(result: dict) -> int | None:
+    """Triton JIT compiles in the first training step, from the run's compile log (None: not logged)."""
+    log = result.get("compile_log") or {}
+    if not log.get("available"):
+        return None
+    return (log.get("by_step") or {}).get("1", {}).get("compiles", 0)
+
+
+def ratios(b: dict, s: dict) -> dict:
+    """Solution / baseline of each figure in RATIO_FIGURES (None where either is missing)."""
+    return {k: (s[k] / b[k] if b.get(k) and s.get(k) is not None else None) for k in RATIO_FIGURES}
+
+
+def _shapes(rep: dict) -> dict:
+    """The report's runs by key (shipped, long, short, shipped-cold); a report written before
+    there were shapes has its one (shipped) run only."""
+    if rep.get("shapes"):
+        return rep["shapes"]
+    ks = rep["kernel_split"]
+    b = run_figures(rep["baseline"], ks.get("baseline"))
+    s = run_figures(rep["solution"], ks.get("solution"), rep["baseline"])
+    return {rep.get("shape", "shipped"): {"baseline": b, "solution": s, "ratios": ratios(b, s)}}
+
+
+def _shapes_section(rep: dict) -> list[str]:
+    """Every run of the report side by side: dataset shapes and the cold pass."""
+    from workload.data.kazakh import SHORT_LIMIT
+
+    steps = str(rep["workload"]["steps"])
+    cols = [title.replace("3-N", f"3-{steps}") for _, title in FIGURES]
+    out = ["## Shapes and the cold start", "",
+           "One row per run and variant (timed passes; GPU kernel time from the profiled pass of the "
+           "same shape). shipped: the --data file (default the embedded dataset); long: every row "
+           "over max_length tokens (every batch full, no padding); short: every row under "
+           f"{SHORT_LIMIT} tokens (workload/data/kazakh.py); shipped-cold: the shipped shape again, each "
+           "variant in empty Triton and Inductor caches (no compile of an earlier run is found).", "",
+           "| run | variant | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
+    for key, entry in _shapes(rep).items():
+        for variant in ("baseline", "solution"):
+            f = entry[variant]
+            cells = [(f"{f[k]:.2e}" if k == "loss_max_rel_diff" and f[k] else _fmt(f[k])) for k, _ in FIGURES]
+            out.append(f"| {key} | {variant} | " + " | ".join(cells) + " |")
+        r = entry.get("ratios") or ratios(entry["baseline"], entry["solution"])
+        cells = [("" if k not in RATIO_FIGURES else "n/a" if r.get(k) is None else f"{r[k]:.3f}") for k, _ in FIGURES]
+        out.append(f"| {key} | solution / baseline | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def summary(rep: dict) -> dict:
+    """summary.json: the report's runs, figures only, for comparing sessions by machine."""
+    return {"gpu": rep["gpu"]["name"], "date": rep["date"], "commit": rep.get("commit") or "unknown",
+            "runs": {key: {"baseline": e["baseline"], "solution": e["solution"]} for key, e in _shapes(rep).items()}}
+
+
+def write_summary(rep: dict, path) -> None:
+    import json
+    from pathlib import Path
+
+    Path(path).write_text(json.dumps(summary(rep), indent=1) + "\n", encoding="utf-8")
 
 
 def _host_split_section(rep: dict) -> list[str]:
@@ -184,6 +304,8 @@ def markdown(rep: dict) -> str:
            f"- workload: {rep['workload']['examples']} examples, batch {rep['workload']['batch_size']}, "
            f"max length {rep['workload']['max_length']}, {rep['workload']['steps']} steps",
            f"- T4 paths: {rep['solution'].get('t4_emulation') or 'as Soup and PyTorch choose on this device'}",
+           *([f"- dataset shape: {rep['shape']} ({rep['shapes'][rep['shape']].get('data')})"]
+             if rep.get("shape", "shipped") != "shipped" else []),
            f"- installed by apply(): {', '.join(rep['solution'].get('installed') or {}) or 'nothing'}", "",
            "| metric | baseline | solution | gain (baseline/solution) |", "| --- | ---: | ---: | ---: |"]
     for name, b, s, better in _rows(rep):
@@ -208,6 +330,7 @@ def markdown(rep: dict) -> str:
         out += [f"- {t:.3f} s  `{name[:110]}`" for name, t in ks["top_kernels_s"][:10]]
         out.append("")
     out += _host_split_section(rep)
+    out += _shapes_section(rep)
     out += ["## Rule check", ""]
     for r in rep["rules"]:
         status = "PASS" if r["ok"] else ("n/a" if r["ok"] is None else "FAIL")
@@ -230,7 +353,7 @@ def _series(result: dict, key: str):
 
 
 def main(argv=None) -> int:
-    """Re-render report.md (and the PNG) from a report.json, e.g. one fetched from the GPU machine."""
+    """Re-render report.md and summary.json from a report.json, e.g. one fetched from the GPU machine."""
     import argparse
     import json
     from pathlib import Path
@@ -240,7 +363,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     rep = json.loads(args.report_json.read_text(encoding="utf-8"))
     args.report_json.with_suffix(".md").write_text(markdown(rep), encoding="utf-8")
+    write_summary(rep, args.report_json.with_name("summary.json"))
     print(args.report_json.with_suffix(".md"))
+    print(args.report_json.with_name("summary.json"))
     return 0
 
 

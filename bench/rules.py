@@ -7,7 +7,9 @@ project; no torch.compile / dynamo / inductor in solution/; at least one @triton
 solution/. Run checks (with --report): a solution/ kernel executed during training; own-kernel
 share of training time (excluding the first two steps) >= 5%; same steps and the same tokens
 per step as the baseline (batch composition and order unchanged); loss curve and metrics within
-tolerance; Soup's outputs and tracker rows present and well-formed.
+tolerance; Soup's outputs and tracker rows present and well-formed; in a report with other
+dataset shapes or a cold pass (bench.compare --shapes / --cold), each of those runs' loss curve
+within the same tolerance.
 Each check prints PASS/FAIL with its figure; exit status 1 if any check fails.
 """
 from __future__ import annotations
@@ -95,18 +97,29 @@ def _rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
-def compare_metrics(base: dict, sol: dict) -> list[dict]:
-    rows = []
+def loss_diffs(base: dict, sol: dict) -> dict:
+    """The solution's logged loss against the baseline's, step by step: the steps both logged,
+    whether they logged the same steps, whether the solution's losses are finite, and the max and
+    mean relative difference (inf when no step is in common)."""
     lb, ls = _metric_series(base, "loss"), _metric_series(sol, "loss")
     common = sorted(set(lb) & set(ls))
-    ok_steps = bool(common) and set(lb) == set(ls)
     rels = [_rel(ls[s], lb[s]) for s in common]
-    finite = all(math.isfinite(ls[s]) for s in common)
-    max_rel = max(rels) if rels else float("inf")
-    mean_rel = sum(rels) / len(rels) if rels else float("inf")
-    rows.append({"check": f"loss curve within tolerance (max rel <= {TOL['loss_max_rel']}, mean rel <= {TOL['loss_mean_rel']})",
-                 "ok": ok_steps and finite and max_rel <= TOL["loss_max_rel"] and mean_rel <= TOL["loss_mean_rel"],
-                 "figure": f"{len(common)} steps, max rel diff {max_rel:.2e}, mean rel diff {mean_rel:.2e}"})
+    return {"steps": len(common), "same_steps": bool(common) and set(lb) == set(ls),
+            "finite": all(math.isfinite(ls[s]) for s in common),
+            "max_rel": max(rels) if rels else float("inf"),
+            "mean_rel": sum(rels) / len(rels) if rels else float("inf")}
+
+
+def loss_row(base: dict, sol: dict) -> dict:
+    d = loss_diffs(base, sol)
+    return {"check": f"loss curve within tolerance (max rel <= {TOL['loss_max_rel']}, mean rel <= {TOL['loss_mean_rel']})",
+            "ok": d["same_steps"] and d["finite"] and d["max_rel"] <= TOL["loss_max_rel"]
+            and d["mean_rel"] <= TOL["loss_mean_rel"],
+            "figure": f"{d['steps']} steps, max rel diff {d['max_rel']:.2e}, mean rel diff {d['mean_rel']:.2e}"}
+
+
+def compare_metrics(base: dict, sol: dict) -> list[dict]:
+    rows = [loss_row(base, sol)]
     for key, tol, kind in (("entropy", TOL["entropy_max_rel"], "rel"),
                            ("mean_token_accuracy", TOL["accuracy_max_abs"], "abs")):
         a, b = _metric_series(sol, key), _metric_series(base, key)
@@ -192,6 +205,10 @@ def check_run(report: dict) -> list[dict]:
     rows.append({"check": "no prohibited module loaded in the solution run", "ok": not leaked,
                  "figure": ", ".join(leaked) or "none"})
     rows += compare_metrics(base, sol)
+    # The other runs of the report (dataset shapes, the cold pass): the same loss tolerance.
+    for key, runs in (report.get("shape_runs") or {}).items():
+        row = loss_row(runs["baseline"], runs["solution"])
+        rows.append({**row, "check": f"{key}: {row['check']}"})
     return rows
 
 

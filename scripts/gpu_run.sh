@@ -3,9 +3,21 @@
 # network (the lent GPU machine): install the carried wheels (.whl/, from
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
-#   bash scripts/gpu_run.sh [tests] [bench] [compare] [cprofile] [hostsplit] [precompile] [memory] [variants]
+#   bash scripts/gpu_run.sh [tests] [bench] [compare] [compare-shapes] [compare-cold] [compare-all] [cprofile] [hostsplit]
+#                           [precompile] [memory] [variants]
 #   (default: the first three)
-# Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile),
+# The comparison in three steps, each meant for its own 10-minute call (not yet timed): compare (the shipped
+# shape: timed, profiled and host-split passes; no cold pass), compare-shapes (the long and short
+# dataset shapes: timed and profiled), compare-cold (the shipped shape again with the cold pass,
+# empty Triton/Inductor caches); compare-all is bench.compare's GPU default, all of them in one call of
+# bench.compare (one report; longer than 10 minutes with the host split: start it with setsid and
+# collect it in a later call). Each writes $OUT/<step>/summary.json, copied beside results.tgz as
+# <step>-summary.json; merge them with
+#   python -m bench.summary_merge compare-summary.json compare-shapes-summary.json compare-cold-summary.json -o summary.json
+# (done here too, into summary.json, when one call ran more than one of them). Set BENCH_COMMIT
+# to the commit being measured (this copy of the tree has no .git): the merge refuses different commits.
+# Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile;
+#      added to each compare step's own options, so it can override them),
 #      VARIANTS (bench.variants labels, e.g. "default padded=SOLUTION_ATTN_VARLEN=0"),
 #      VARIANT_ARGS (e.g. --baseline), MEMORY_VARIANTS (default "solution"),
 #      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT, HOSTSPLIT_VARIANTS, HOSTSPLIT_TIMEOUT,
@@ -19,6 +31,12 @@ OUT=${WORK:-/tmp/gpuwork}
 mkdir -p "$OUT" "$FINAL"
 pack() {
   cp "$OUT"/compare/report.md "$FINAL"/ 2>/dev/null
+  local d sums=()
+  for d in compare compare-shapes compare-cold compare-all; do
+    if [ -f "$OUT/$d/summary.json" ]; then cp "$OUT/$d/summary.json" "$FINAL/$d-summary.json"; sums+=("$OUT/$d/summary.json"); fi
+    [ "$d" != compare ] && [ -f "$OUT/$d/report.md" ] && cp "$OUT/$d/report.md" "$FINAL/$d-report.md"
+  done
+  [ ${#sums[@]} -gt 1 ] && python3 -m bench.summary_merge "${sums[@]}" -o "$FINAL/summary.json"
   # Soup's output dirs (adapter, checkpoint with optimizer state, tokenizer) stay behind: too big to carry.
   tar czf "$FINAL/results.tgz" --exclude='*/output' -C "$OUT" .
 }
@@ -107,8 +125,14 @@ PY
       run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;
     variants)
       timeout ${VARIANTS_TIMEOUT:-540} python3 -m bench.variants --out "$OUT/variants" ${VARIANT_ARGS:-} ${VARIANTS:-default} 2>&1 | tail -30 || rc=1 ;;
-    compare)
-      timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/compare" ${COMPARE_ARGS:-} 2>&1 | tail -60 || rc=1 ;;
+    compare|compare-shapes|compare-cold|compare-all)
+      case $step in
+        compare-all) opts="" ;;  # bench.compare's GPU default: every shape and the cold pass (one report)
+        compare) opts="--shapes shipped --no-cold" ;;
+        compare-shapes) opts="--shapes long,short --no-cold --no-host-split" ;;
+        compare-cold) opts="--shapes shipped --cold --no-host-split" ;;
+      esac
+      timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --out "$OUT/$step" $opts ${COMPARE_ARGS:-} 2>&1 | tail -60 || rc=1 ;;
   esac
 done
 exit $rc

@@ -254,7 +254,8 @@ def test_report_lists_the_cuda_graph_captures():
             {"tokens": 896, "seconds": 0.18, "step": 5}]
     rep = {"solution": {"cuda_graphs": {"captures": caps, "failed": [], "capture_s_excl_first2": 0.18}}}
     text = "\n".join(_cuda_graph_lines(rep))
-    assert "3 captures (2 in the first two steps), 1.38 s in all, 0.18 s of them inside the timed steps" in text
+    assert ("3 captures (2 in the first two steps, 0 of them captured ahead from the dataset's predicted buckets), "
+            "1.38 s in all, 0.18 s of them inside the timed steps") in text
     assert "1152, 1408, 896" in text and "peak *reserved*" in text
     rep = {"solution": {"cuda_graphs": {"captures": [], "failed": [], "refused": ["$SOLUTION_CUDA_GRAPHS is not 1"]}}}
     assert "not used ($SOLUTION_CUDA_GRAPHS is not 1)" in _cuda_graph_lines(rep)[0]
@@ -263,9 +264,9 @@ def test_report_lists_the_cuda_graph_captures():
 
 def test_cuda_graph_captures_are_placed_in_their_steps(monkeypatch):
     from bench import run_one
-    from solution import decoder_graphs
+    from solution.step import cuda_graphs
 
-    monkeypatch.setattr(decoder_graphs, "CAPTURES", [{"tokens": 128, "seconds": 0.5, "t": 0.5},
+    monkeypatch.setattr(cuda_graphs, "CAPTURES", [{"tokens": 128, "seconds": 0.5, "t": 0.5},
                                                      {"tokens": 256, "seconds": 0.25, "t": 2.5},
                                                      {"tokens": 384, "seconds": 0.125, "t": 3.5}])
     st = run_one.cuda_graph_summary([1.0, 2.0, 3.0, 4.0])  # step ends
@@ -287,10 +288,10 @@ def _run_layer_step(model, cfg, device):
     import torch
 
     from bench.kernels.bench_layer_graph import layer_step
-    from solution import padding
+    from solution.step import packing
 
     decoder = model.base_model.model.model
-    info = padding.make_unpadded([5, 3, 8], 8, torch.device(device))
+    info = packing.make_unpadded([5, 3, 8], 8, torch.device(device))
     h = torch.randn(1, info.n_tokens, cfg.hidden_size, device=device)
     pos = info.positions.unsqueeze(0)
     return layer_step(decoder, info, h, torch.randn_like(h), decoder.rotary_emb(h, pos), pos)()
@@ -383,59 +384,3 @@ def test_compile_log_records_steps_and_restores_triton_hooks(tmp_path):
     assert line.startswith("Triton JIT compiles in the solution's host-split pass: 4 (step 1: 2")
 
 
-def test_precompile_manifest_round_trip_and_background_preload(tmp_path, monkeypatch):
-    """solution/precompile.py: a compile log's entries of our kernels go into the manifest (tagged,
-    deduplicated, other packages dropped), only this architecture's and Triton's are used, and the
-    background run preloads each with the recorded data, counting failures without raising."""
-    import json
-
-    from solution import precompile
-
-    log = tmp_path / "compiles.json"
-    log.write_text(json.dumps({"summary": {"arch": "sm_90", "triton": "3.6.0"}, "compiles": [
-        {"kernel": "solution.kernels.rmsnorm._rmsnorm_fwd_kernel", "specialization_data": "A"},
-        {"kernel": "solution.kernels.rmsnorm._rmsnorm_fwd_kernel", "specialization_data": "A"},
-        {"kernel": "solution.kernels.swiglu._swiglu_fwd_kernel", "specialization_data": "B"},
-        {"kernel": "torch._inductor.something.kernel", "specialization_data": "C"},
-    ]}), encoding="utf-8")
-    manifest = tmp_path / "manifest.json"
-    monkeypatch.setenv(precompile.MANIFEST_ENV, str(manifest))  # a scratch manifest, as gpu_run.sh uses
-    assert precompile.main(["add", str(log)]) == 0
-    assert precompile.add_to_manifest(log, "sm_75", "3.2.0", manifest) == 2
-    entries = precompile.load_manifest(manifest)
-    assert len(entries) == 4 and {e["arch"] for e in entries} == {"sm_90", "sm_75"}
-    here = precompile.entries_for(entries, "sm_90", "3.6.0")
-    assert [e["specialization_data"] for e in here] == ["A", "B"]
-
-    assert precompile.resolve_kernel("torch.nn.functional.linear") is None
-    assert precompile.resolve_kernel("solution.kernels.rmsnorm.no_such_kernel") is None
-    calls = []
-
-    class FakeKernel:
-        def preload(self, data):
-            calls.append(data)
-            if data == "B":
-                raise RuntimeError("recorded for another machine")
-
-    monkeypatch.setattr(precompile, "resolve_kernel", lambda path: FakeKernel())
-    monkeypatch.setattr(precompile, "STATE", {"started": True, "entries": 2, "done": 0, "failed": 0,
-                                              "seconds": None, "errors": []})
-    precompile.run(here)
-    assert calls == ["A", "B"]
-    assert precompile.STATE["done"] == 1 and precompile.STATE["failed"] == 1
-    assert "another machine" in precompile.STATE["errors"][0]
-
-    (tmp_path / "bad.json").write_text("{}", encoding="utf-8")
-    with pytest.raises(ValueError, match="not a compile manifest"):
-        precompile.load_manifest(tmp_path / "bad.json")
-
-
-def test_precompile_stays_off_unless_asked_and_on_a_gpu(monkeypatch):
-    from solution import precompile
-
-    said = []
-    monkeypatch.delenv(precompile.ENV, raising=False)
-    assert precompile.start("cuda", say=said.append) is None and said == []
-    monkeypatch.setenv(precompile.ENV, "1")
-    assert precompile.start("interpreter", say=said.append) is None
-    assert "needs a CUDA GPU" in said[0]

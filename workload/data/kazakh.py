@@ -8,10 +8,17 @@ median ~200 tokens, a long tail, and a few percent over the 512-token limit (the
 
     python -m workload.data.kazakh --out workload/data/kazakh_instructions.jsonl   # regenerate
     python -m workload.data.kazakh --stats                                         # token lengths
+    python -m workload.data.kazakh --shape long|short --out FILE [--stats]         # a shape variant
+
+Shape variants (for bench.compare --shapes): the same seeded stream of rows, kept only where the
+row's length after the chat template (the project's offline Qwen tokenizer) fits the shape:
+``long``, every row over max_length 512 tokens (every batch is 4 x 512 after truncation, no
+padding); ``short``, every row under 112 tokens. ``shipped`` is the committed file's rows.
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -218,20 +225,25 @@ BUILDERS = {"generic": generic_row, "subject": subject_row, "list": list_row,
 MAX_PROMPT_CHARS = 600
 
 
-def build_rows(n: int = N_ROWS, seed: int = SEED) -> list[dict]:
-    """``n`` distinct rows, the same for the same ``seed`` (pure function of its arguments)."""
+def draw_rows(seed: int = SEED):
+    """The generator's stream: distinct rows, one after another, without end (the same stream
+    for the same ``seed``)."""
     rng = random.Random(seed)
     names, weights = zip(*KINDS)
-    rows, seen = [], set()
-    while len(rows) < n:
+    seen = set()
+    while True:
         r = BUILDERS[rng.choices(names, weights)[0]](rng)
         key = (r["instruction"], r["input"], r["output"])
         if len(r["instruction"]) + len(r["input"]) > MAX_PROMPT_CHARS:
             continue
         if key not in seen:
             seen.add(key)
-            rows.append(r)
-    return rows
+            yield r
+
+
+def build_rows(n: int = N_ROWS, seed: int = SEED) -> list[dict]:
+    """``n`` distinct rows, the same for the same ``seed`` (pure function of its arguments)."""
+    return list(itertools.islice(draw_rows(seed), n))
 
 
 def dumps(rows: list[dict]) -> str:
@@ -268,6 +280,48 @@ def read_rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line]
 
 
+# Shape variants: which token lengths (after the chat template) a shape keeps. Under 96 tokens the
+# stream runs short of distinct rows (its one-sentence translations repeat), hence 112.
+SHORT_LIMIT = 112
+SHAPES = {"shipped": None,
+          "long": lambda n: n > MAX_LENGTH,   # every row truncated to max_length: no padding
+          "short": lambda n: n < SHORT_LIMIT}
+_CHUNK = 256          # rows measured at a time
+_MAX_DRAWS = 100_000  # a shape that keeps (almost) nothing is an error, not an endless loop
+
+
+def build_shape_rows(shape: str, tokenizer=None, n: int = N_ROWS, seed: int = SEED) -> list[dict]:
+    """``n`` rows of ``shape``: the first ``n`` rows of the seeded stream (``draw_rows``) whose
+    token length fits the shape (``shipped``: every row, i.e. ``build_rows``). A pure function of
+    its arguments; ``tokenizer`` defaults to the project's offline Qwen2.5 tokenizer."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
+    keep = SHAPES[shape]
+    if keep is None:
+        return build_rows(n, seed)
+    if tokenizer is None:
+        from workload.tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer()
+    stream, rows, drawn = draw_rows(seed), [], 0
+    while len(rows) < n:
+        if drawn >= _MAX_DRAWS:
+            raise RuntimeError(f"shape {shape}: only {len(rows)} of {n} rows in {drawn} drawn")
+        chunk = list(itertools.islice(stream, _CHUNK))
+        drawn += len(chunk)
+        rows += [r for r, length in zip(chunk, token_lengths(chunk, tokenizer)) if keep(length)]
+    return rows[:n]
+
+
+def make_shape_dataset(shape: str, path, n: int = N_ROWS, tokenizer=None) -> Path:
+    """Write the ``shape`` variant (``n`` rows) to ``path`` (JSONL, the committed file's format);
+    returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write(path, build_shape_rows(shape, tokenizer, n))
+    return path
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the generated rows to this JSONL file")
@@ -275,21 +329,26 @@ def main(argv: list[str] | None = None) -> None:
                         help="print token-length stats (of --data if given, else of the generated rows)")
     parser.add_argument("--data", type=Path, help="with --stats: measure this JSONL file instead")
     parser.add_argument("--tokenizer", default=None, help="a real Qwen2.5 tokenizer dir (optional)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="shipped",
+                        help="which rows: the committed file's (shipped, default), every row over 512 "
+                        f"tokens (long) or every row under {SHORT_LIMIT} tokens (short)")
     args = parser.parse_args(argv)
     if not args.out and not args.stats:
         parser.error("nothing to do: pass --out FILE and/or --stats")
-    rows = build_rows()
-    if args.out:
-        write(args.out, rows)
-        print(f"wrote {len(rows)} rows to {args.out}")
-    if args.stats:
+    tokenizer = None
+    if args.stats or args.shape != "shipped":
         from transformers import AutoTokenizer
 
         from workload.tokenizer import load_tokenizer
 
-        measured = read_rows(args.data) if args.data else rows
         tokenizer = (AutoTokenizer.from_pretrained(args.tokenizer) if args.tokenizer
                      else load_tokenizer())
+    rows = build_shape_rows(args.shape, tokenizer)
+    if args.out:
+        write(args.out, rows)
+        print(f"wrote {len(rows)} rows to {args.out}")
+    if args.stats:
+        measured = read_rows(args.data) if args.data else rows
         print(json.dumps(stats(token_lengths(measured, tokenizer))))
 
 

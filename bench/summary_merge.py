@@ -1,0 +1,70 @@
+"""Merge the runs of several bench.compare summary.json files into one (e.g. the compare,
+compare-shapes and compare-cold steps of scripts/gpu_run.sh, each its own 10-minute call).
+
+    python -m bench.summary_merge A/summary.json B/summary.json ... -o OUT.json
+
+Every file must come from the same commit and the same GPU (else a one-line error, exit 2,
+nothing written). A run key found in more than one file keeps its first file's figures (said on
+stderr). The merged file has the summaries' schema, its date the first file's, and
+"merged_from": the files, in order.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def merge(summaries: list[dict], names: list[str] | None = None) -> tuple[dict, list[str]]:
+    """(merged summary, notes on run keys given twice). Raises ValueError on different commits or
+    GPUs, or on a file that is not a summary."""
+    names = names or [f"summary {i + 1}" for i in range(len(summaries))]
+    if not summaries:
+        raise ValueError("no summary to merge")
+    for name, s in zip(names, summaries):
+        if not isinstance(s, dict) or not {"gpu", "date", "commit", "runs"} <= set(s):
+            raise ValueError(f"{name} is not a bench.compare summary.json (want gpu, date, commit, runs)")
+    first = summaries[0]
+    for key in ("commit", "gpu"):
+        seen = {s[key] for s in summaries}
+        if len(seen) > 1:
+            raise ValueError(f"refusing to merge summaries of different {key}s: "
+                             + ", ".join(f"{n}: {s[key]}" for n, s in zip(names, summaries)))
+    runs, notes, origin = {}, [], {}
+    for name, s in zip(names, summaries):
+        for key, figures in s["runs"].items():
+            if key in runs:
+                notes.append(f"{key}: kept from {origin[key]}, also in {name}")
+                continue
+            runs[key], origin[key] = figures, name
+    return {"gpu": first["gpu"], "date": first["date"], "commit": first["commit"], "runs": runs,
+            "merged_from": list(names)}, notes
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("summaries", nargs="+", type=Path, help="summary.json files written by bench.compare")
+    ap.add_argument("-o", "--out", type=Path, required=True, help="the merged file to write")
+    args = ap.parse_args(argv)
+    try:
+        loaded = []
+        for path in args.summaries:
+            try:
+                loaded.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+                raise ValueError(f"cannot read {path}: {exc}") from exc
+        merged, notes = merge(loaded, [str(p) for p in args.summaries])
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    args.out.write_text(json.dumps(merged, indent=1) + "\n", encoding="utf-8")
+    print(f"{args.out}: {len(merged['runs'])} runs ({', '.join(merged['runs'])}), commit {merged['commit']}, "
+          f"{merged['gpu']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
