@@ -66,12 +66,13 @@ def parse_shapes(text: str | None, cuda: bool) -> list[str]:
 
 
 def plan_runs(shapes: list[str], cuda: bool, profile: bool = True, host_split: bool = True,
-              cold: bool = False) -> list[tuple[str, str, str]]:
+              cold: bool = False, profile_shapes: list[str] | None = None) -> list[tuple[str, str, str]]:
     """The runs, in order, as (run key, variant, mode): each shape timed, then (GPU) profiled;
     the host-split pass for the shipped shape only; the cold pass last (timed, shipped data)."""
     plan = []
     for shape in shapes:
-        modes = ["timed"] + (["profiled"] if cuda and profile else [])
+        profiled = cuda and profile and (profile_shapes is None or shape in profile_shapes)
+        modes = ["timed"] + (["profiled"] if profiled else [])
         modes += ["hostsplit"] if cuda and host_split and shape == "shipped" else []
         plan += [(shape, v, m) for m in modes for v in VARIANTS]
     return plan + ([(COLD, v, "timed") for v in VARIANTS] if cold else [])
@@ -314,6 +315,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", help="workload YAML (default workload/workload.yaml)")
     ap.add_argument("--out", type=Path, help="output dir (default runs/<timestamp>)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled passes")
+    ap.add_argument("--profile-shapes", help="profile only these shapes (comma-separated; default: every "
+                    "shape); the others get their timed pass only (GPU kernel time not measured for them)")
     ap.add_argument("--no-host-split", action="store_true", help="skip the host-split passes")
     ap.add_argument("--shapes", help="comma-separated dataset shapes from shipped,long,short (default: all "
                     "three on a GPU, shipped on a CPU)")
@@ -327,6 +330,7 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available()
     try:
         shapes = parse_shapes(args.shapes, cuda)
+        profile_shapes = None if args.profile_shapes is None else parse_shapes(args.profile_shapes, cuda)
     except InputError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -358,7 +362,8 @@ def main(argv=None) -> int:
                 datas[shape] = str(make_shape_dataset(shape, out / "data" / f"kazakh-{shape}.jsonl",
                                                       n=workload.examples, tokenizer=tokenizer))
                 print(f"[compare] dataset shape {shape}: {datas[shape]}", flush=True)
-    plan = plan_runs(shapes, cuda, profile=not args.no_profile, host_split=not args.no_host_split, cold=cold)
+    plan = plan_runs(shapes, cuda, profile=not args.no_profile, host_split=not args.no_host_split, cold=cold,
+                     profile_shapes=profile_shapes)
     keys = list(dict.fromkeys(key for key, _, _ in plan))
     print(f"[compare] {len(plan)} runs: " + "; ".join(
         f"{key} " + ", ".join(dict.fromkeys(m for k, _, m in plan if k == key)) for key in keys), flush=True)

@@ -46,7 +46,7 @@ OWN_PREFIX = "solution.kernels."
 
 # finished_t: time.perf_counter() when the thread ended (None while it runs or never started)
 STATE: dict = {"started": False, "entries": 0, "done": 0, "failed": 0, "seconds": None, "errors": [],
-               "finished_t": None}
+               "finished_t": None, "workers": 0, "worker_compiled": None, "worker_seconds": None}
 _thread: threading.Thread | None = None
 
 
@@ -135,9 +135,77 @@ def resolve_kernel(path: str):
     return fn if callable(getattr(fn, "preload", None)) else None
 
 
-def run(entries: list[dict]) -> None:
-    """Preload every entry (the background thread's body); failures are counted, never raised."""
+def compile_record(fn, data: str, target) -> None:
+    """Compile one recorded specialization of ``fn`` for ``target`` (a triton GPUTarget) into
+    Triton's disk cache, without a GPU: the steps of ``JITFunction.preload`` up to its compile,
+    with the backend made from ``target`` instead of the current device. The JIT's own compile of
+    that specialization at launch then finds the binary on disk. ``data`` is retargeted first."""
+    import triton.language as tl
+    from triton.compiler import ASTSource, compile as triton_compile, make_backend
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    obj = json.loads(retarget(data))
+    constexprs = {tuple(k): (tl.dtype(v) if tl.dtype.is_dtype(v) else
+                             tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v)
+                  for k, v in zip(obj["constant_keys"], obj["constant_vals"])}
+    attrs = dict(zip(map(tuple, obj["attrs_keys"]), obj["attrs_vals"]))
+    signature = {k: convert_to_tuple_if_list(v) for k, v in obj["signature"].items()}
+    options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
+    backend = make_backend(target)
+    options = backend.parse_options(options)
+    triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+
+
+def worker_count(n_entries: int) -> int:
+    """Compile processes: one per spare core (one core stays with Soup's loading), at most 4."""
+    return max(0, min(n_entries, (os.cpu_count() or 1) - 1, MAX_WORKERS))
+
+
+MAX_WORKERS = 4
+
+
+def _compile_in_workers(entries: list[dict], target: tuple, workers: int) -> int:
+    """Compile ``entries`` for ``target`` (backend, arch, warp size) in ``workers`` child processes
+    (``python -m solution.precompile compile``), round robin; returns how many they compiled. The
+    children use no GPU and hold no GIL of this process: Soup's loading keeps its core."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="solution-precompile-") as tmp:
+        procs = []
+        for w in range(workers):
+            part = Path(tmp) / f"entries-{w}.json"
+            part.write_text(json.dumps(entries[w::workers]), encoding="utf-8")
+            out = Path(tmp) / f"done-{w}.json"
+            cmd = [sys.executable, "-m", "solution.precompile", "compile", str(part), "--target",
+                   ":".join(map(str, target)), "--done", str(out)]
+            # they compile for the GPU target, never in Triton's interpreter
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                           cwd=str(Path(__file__).resolve().parent.parent)), out))
+        done = 0
+        for proc, out in procs:
+            proc.wait()
+            try:
+                done += int(json.loads(out.read_text(encoding="utf-8"))["done"])
+            except (OSError, ValueError, KeyError, TypeError):
+                pass
+    return done
+
+
+def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> None:
+    """The background thread's body: with ``workers`` > 0, child processes compile the entries
+    for ``target`` into Triton's disk cache first (true parallelism, no GPU); then every entry is
+    preloaded here into the JIT's in-memory cache (a disk hit for what the children compiled, a
+    compile for the rest). Failures are counted, never raised."""
     t0 = time.perf_counter()
+    if workers > 0 and target is not None:
+        try:
+            STATE["worker_compiled"] = _compile_in_workers(entries, target, workers)
+        except Exception as exc:  # noqa: BLE001 - no child processes here: compile in this process
+            STATE["errors"].append(f"workers: {type(exc).__name__}: {exc}"[:300])
+        STATE["worker_seconds"] = time.perf_counter() - t0
     for e in entries:
         fn = resolve_kernel(e["kernel"])
         try:
@@ -176,12 +244,15 @@ def start(device: str, say=print) -> threading.Thread | None:
         say(f"precompile skipped: no recorded specializations for Triton {version} in {manifest_path()}; "
             "kernels compile at first use")
         return None
-    STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[], finished_t=None)
-    _thread = threading.Thread(target=run, args=(entries,), name="solution-precompile", daemon=True)
+    workers = worker_count(len(entries))
+    STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[], finished_t=None,
+                 workers=workers, worker_compiled=None, worker_seconds=None)
+    target = ("cuda", major * 10 + minor, 32)
+    _thread = threading.Thread(target=run, args=(entries, target, workers), name="solution-precompile", daemon=True)
     _thread.start()
     recorded = sorted({e["arch"] for e in entries})
     say(f"precompiling {len(entries)} kernel specializations in the background for {arch} "
-        f"(Triton {version}; recorded on {', '.join(recorded)})")
+        f"(Triton {version}; recorded on {', '.join(recorded)}; {workers} compile processes)")
     return _thread
 
 
@@ -228,7 +299,14 @@ def main(argv=None) -> int:
     add.add_argument("--arch", help="GPU architecture it was recorded on, e.g. sm_75 (default: the log's)")
     add.add_argument("--triton", help="Triton version it was recorded with (default: the log's)")
     add.add_argument("--manifest", type=Path, default=None, help=f"default: ${MANIFEST_ENV} or {MANIFEST}")
+    comp = sub.add_parser("compile", help="(a compile process of the background precompile) compile entries "
+                          "for a target into Triton's disk cache, no GPU needed")
+    comp.add_argument("entries_json", type=Path)
+    comp.add_argument("--target", required=True, help="backend:arch:warp_size, e.g. cuda:75:32")
+    comp.add_argument("--done", type=Path, help="write {\"done\": N} here")
     args = ap.parse_args(argv)
+    if args.cmd == "compile":
+        return _compile_main(args)
     log = json.loads(args.compile_log_json.read_text(encoding="utf-8"))
     arch = args.arch or log.get("summary", {}).get("arch")
     version = args.triton or log.get("summary", {}).get("triton")
@@ -237,6 +315,25 @@ def main(argv=None) -> int:
         return 2
     n = add_to_manifest(args.compile_log_json, arch, version, args.manifest)
     print(f"added {n} specializations ({arch}, Triton {version}) to {args.manifest or manifest_path()}")
+    return 0
+
+
+def _compile_main(args) -> int:
+    from triton.backends.compiler import GPUTarget
+
+    backend, arch, warp = args.target.split(":")
+    target = GPUTarget(backend, int(arch), int(warp))
+    done = 0
+    for e in json.loads(args.entries_json.read_text(encoding="utf-8")):
+        fn = resolve_kernel(e["kernel"])
+        try:
+            if fn is not None:
+                compile_record(fn, e["specialization_data"], target)
+                done += 1
+        except Exception:  # noqa: BLE001 - the parent's preload compiles what failed here
+            pass
+    if args.done:
+        args.done.write_text(json.dumps({"done": done}), encoding="utf-8")
     return 0
 
 

@@ -3,6 +3,7 @@ recorded on another GPU, the settings, and (GPU) that recorded entries compile f
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -110,11 +111,55 @@ def test_recorded_entries_compile_for_this_gpu(device):
     entries = precompile.entries_for(precompile.load_manifest(precompile.MANIFEST), triton.__version__)
     if not entries:
         pytest.skip(f"no recorded entries for Triton {triton.__version__}")
-    for e in entries:
-        fn = precompile.resolve_kernel(e["kernel"])
-        assert fn is not None, e["kernel"]
-        fn.preload(precompile.retarget(e["specialization_data"]))
-        key = json.loads(e["specialization_data"])["key"]
-        caches = getattr(fn, "device_caches", None)
-        if caches is not None:  # Triton >= 3.3: {device: (kernel_cache, ...)}
-            assert any(key in c[0] for c in caches.values()), e["kernel"]
+    import os
+    import tempfile
+
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    with tempfile.TemporaryDirectory() as cache:
+        old = os.environ.get("TRITON_CACHE_DIR")
+        os.environ["TRITON_CACHE_DIR"] = cache
+        try:
+            # the child processes compile for this GPU into the disk cache ...
+            assert precompile._compile_in_workers(entries, ("cuda", major * 10 + minor, 32), workers=2) == len(entries)
+            before = sorted(p.name for p in Path(cache).rglob("*") if p.is_file())
+            for e in entries:  # ... and the JIT's own preload here finds every binary there (no new file)
+                fn = precompile.resolve_kernel(e["kernel"])
+                assert fn is not None, e["kernel"]
+                fn.preload(precompile.retarget(e["specialization_data"]))
+                key = json.loads(e["specialization_data"])["key"]
+                caches = getattr(fn, "device_caches", None)
+                if caches is not None:  # Triton >= 3.3: {device: (kernel_cache, ...)}
+                    assert any(key in c[0] for c in caches.values()), e["kernel"]
+            after = sorted(p.name for p in Path(cache).rglob("*") if p.is_file())
+            assert after == before, "the JIT compiled something the child processes had not"
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_CACHE_DIR")
+            else:
+                os.environ["TRITON_CACHE_DIR"] = old
+
+
+def test_compile_processes_fill_the_disk_cache_without_a_gpu(tmp_path, monkeypatch):
+    """The background precompile's child processes compile recorded entries (here: two of the
+    shipped manifest's sm_90 records) for another GPU (a T4, sm_75) into Triton's disk cache with
+    no GPU at all, as ``python -m solution.precompile compile`` does."""
+    entries = precompile.load_manifest(precompile.MANIFEST)[:2]
+    if not entries:
+        pytest.skip("the shipped manifest is empty")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    assert precompile._compile_in_workers(entries, ("cuda", 75, 32), workers=2) == 2
+    cubins = list((tmp_path / "cache").rglob("*.cubin"))
+    assert len(cubins) == 2
+
+
+def test_worker_count_leaves_a_core_for_soup(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert precompile.worker_count(23) == precompile.MAX_WORKERS and precompile.worker_count(2) == 2
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert precompile.worker_count(23) == 1
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    assert precompile.worker_count(23) == 0  # one core: the thread compiles in this process

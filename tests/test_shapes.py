@@ -325,3 +325,11 @@ def test_merge_refuses_a_file_that_is_not_a_summary(tmp_path, capsys):
     b = _write(tmp_path, "b.json", {"rules": []})
     assert summary_merge.main([a, b, "-o", str(tmp_path / "m.json")]) == 2
     assert "is not a bench.compare summary.json" in capsys.readouterr().err
+
+
+def test_profile_shapes_limits_the_profiled_passes():
+    from bench.compare import plan_runs
+
+    plan = plan_runs(["shipped", "long", "short"], cuda=True, host_split=False, cold=True, profile_shapes=["shipped"])
+    assert [(k, m) for k, v, m in plan if v == "solution"] == [
+        ("shipped", "timed"), ("shipped", "profiled"), ("long", "timed"), ("short", "timed"), ("shipped-cold", "timed")]

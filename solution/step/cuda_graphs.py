@@ -423,6 +423,11 @@ class DecoderGraphs:
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             if not self.warmed:  # lazy initialisations (cuBLAS, autograd's device thread) outside a capture
+                # The caching allocator keeps freed blocks per stream: the eager steps' activations,
+                # cached for the default stream, cannot serve the warm-up on this side stream, which
+                # would reserve a second copy. Give them back first.
+                torch.cuda.current_stream(self.device).synchronize()
+                torch.cuda.empty_cache()
                 inputs, out = forward()
                 torch.autograd.grad(out, inputs, grad_outputs=g.grad_out, allow_unused=True)
                 del inputs, out
