@@ -153,7 +153,40 @@ def compile_record(fn, data: str, target) -> None:
     options = {k: tuple(v) if isinstance(v, list) else v for k, v in obj["options"].items()}
     backend = make_backend(target)
     options = backend.parse_options(options)
-    triton_compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    kernel = triton_compile(src, target=target, options=options.__dict__)
+    if target.backend == "cuda":
+        _build_launcher(src, kernel.metadata)
+
+
+def _build_launcher(src, metadata) -> None:
+    """Also build the kernel's C launcher (Triton compiles one per signature with the C compiler
+    at the kernel's first launch and keeps it in the same disk cache): the steps of
+    CudaLauncher.__init__ up to its build. Needs the CUDA driver library on the machine, not a GPU
+    context; where it fails, the first launch builds it as without this module."""
+    try:
+        from triton.backends.nvidia import driver as nv
+
+        constants = getattr(src, "constants", {}) or {}
+        arg_idx = lambda x: (src.fn.arg_names.index(x), ) if isinstance(x, str) else x  # noqa: E731
+        nv.compile_module_from_src(
+            src=nv.make_launcher({arg_idx(k): v for k, v in constants.items()}, dict(src.signature.items()),
+                                 getattr(metadata, "tensordesc_meta", None)),
+            name="__triton_launcher", library_dirs=nv.library_dirs(), include_dirs=nv.include_dirs,
+            libraries=nv.libraries)
+    except Exception:  # noqa: BLE001 - an optimisation only
+        pass
+
+
+def _build_driver_utils() -> None:
+    """Triton's CUDA utility module (compiled with the C compiler once per cache directory when
+    the driver first starts): built here too, so that the training process finds it."""
+    try:
+        from triton.backends.nvidia import driver as nv
+
+        nv.CudaUtils()
+    except Exception:  # noqa: BLE001 - no CUDA driver library here: the training process builds it
+        pass
 
 
 def worker_count(n_entries: int) -> int:
@@ -323,6 +356,8 @@ def _compile_main(args) -> int:
 
     backend, arch, warp = args.target.split(":")
     target = GPUTarget(backend, int(arch), int(warp))
+    if backend == "cuda":
+        _build_driver_utils()
     done = 0
     for e in json.loads(args.entries_json.read_text(encoding="utf-8")):
         fn = resolve_kernel(e["kernel"])
