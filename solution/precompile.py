@@ -11,12 +11,17 @@ Triton's own serialized specialization of every compile of a run (argument types
 attributes, constexprs, options and the JIT cache key). ``python -m solution.precompile add
 compiles.json`` keeps those of our kernels in ``solution/kernels/compile_manifest.json``, tagged
 with the GPU architecture and Triton version they were recorded with. On CUDA (unless
-$SOLUTION_PRECOMPILE=0), apply() starts a daemon thread that calls Triton's
-``JITFunction.preload(data)`` for every entry of this Triton version, **retargeted to this GPU**
+$SOLUTION_PRECOMPILE=0), apply() starts a daemon thread. It first runs compile processes (one per
+spare core, at most 4: ``python -m solution.precompile compile``) that compile the entries for
+this GPU's target into Triton's disk cache, with no GPU and none of this process's GIL, and also
+build each kernel's C launcher and Triton's CUDA utility module there. Then it calls Triton's
+``JITFunction.preload(data)`` here for every entry of this Triton version (a disk hit for what
+the processes compiled), **retargeted to this GPU**
 (``retarget``): the recorded options that belong to the machine it was recorded on (its
 architecture, its fp8 types, the path of its libdevice) are dropped, so Triton's backend fills in
 this GPU's. The kernel is compiled into the JIT's cache under the recorded key, so the first launch
-finds it. No tensors, no launches, no random numbers, no GPU memory: only compilation.
+finds it. No tensors, no launches, no random numbers, no GPU memory: only compilation. Measured
+figures: docs/PERFORMANCE.md.
 
 Why a record from another GPU fits: our launchers choose block sizes and warps from the tensors'
 shapes and dtypes only (none asks the device; the sizes that vary per batch, the token counts, are

@@ -41,7 +41,6 @@
 """
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 import weakref
