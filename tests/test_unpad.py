@@ -366,3 +366,96 @@ def test_layout_kernels_take_only_the_dtypes_they_reproduce():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert _sdpa_input_dtype(q, k, k) is None
     assert _sdpa_input_dtype(torch.zeros(1, 4, 3, 12), k, k) is None  # head_dim not a power of two
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_packed_path_under_gradient_checkpointing_matches_stock(device, unpad_patched, monkeypatch, reentrant):
+    """training.gradient_checkpointing: every layer recomputes its forward in backward. The packed
+    path takes such a model too (each layer through transformers' own checkpoint function, the
+    recompute inside the packed rows' context): loss and gradients as stock's checkpointed run,
+    and every layer's forward runs twice (forward + recompute)."""
+    from solution.step import decoder
+
+    model = _lora_model(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    if reentrant:  # what prepare_model_for_kbit_training does: the embedding's output requires grad
+        model.enable_input_require_grads()
+    ref = copy.deepcopy(model)
+    ids, mask, labels = _right_padded_batch([9, 4, 13], 13, device=device)
+    calls = _count_packed_calls(monkeypatch)
+    runs = []
+    real_layer_forward = decoder._layer_forward
+
+    def counted(layer):
+        forward = real_layer_forward(layer)
+        return lambda *a, **k: runs.append(1) or forward(*a, **k)
+
+    monkeypatch.setattr(decoder, "_layer_forward", counted)
+    out, grads = _run(model, ids, mask, labels, fused=True)
+    assert len(calls) == 1
+    n_layers = model.config.num_hidden_layers
+    assert len(runs) == 2 * n_layers  # each layer: forward, then the recompute in backward
+    unpad_patched.restore()
+    ref_out, ref_grads = _run(ref, ids, mask, labels, fused=False)
+    assert rel_err(out.loss, ref_out.loss) < 1e-5
+    assert set(grads) == set(ref_grads) and any("lora_B" in n for n in grads)
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-4, name
+
+
+def test_checkpointed_layer_with_hooks_keeps_the_stock_forward(device, unpad_patched, monkeypatch):
+    """A checkpointed layer with a module hook: stock runs the hook inside the checkpoint; the
+    packed path calls the layer's forward itself, so such a model keeps the stock forward."""
+    model = _lora_model(device)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.base_model.model.model.layers[0].register_forward_hook(lambda *a: None)
+    ids, mask, labels = _right_padded_batch([5, 3], 6, device=device)
+    calls = _count_packed_calls(monkeypatch)
+    _run(model, ids, mask, labels, fused=True)
+    assert calls == []
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_qlora_gradient_checkpointing_matches_stock_gpu(device, tmp_path, monkeypatch, reentrant):
+    """The workload's stack with gradient checkpointing on (as Soup's training.gradient_checkpointing
+    sets it: prepare_model_for_kbit_training(use_gradient_checkpointing=True)), LoRA dropout 0.05:
+    the packed path against stock's checkpointed run on the same seed: the recompute draws the
+    same dropout masks as the forward (same generator offsets after the step), loss and LoRA
+    gradients within the fp16 tolerances of test_qlora_model_packed_matches_stock_gpu."""
+    if device != "cuda":
+        pytest.skip("bitsandbytes 4-bit needs CUDA")
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from workload.model_standin import write_standin
+
+    model_dir = write_standin(tmp_path / "tiny", size="tiny")
+    ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
+
+    def run(patched: bool):
+        solution.revert()
+        if patched:
+            assert "qwen2_unpad" in solution.apply(verbose=False)
+        try:
+            model = qlora_tiny_model(model_dir)
+            # what prepare_model_for_kbit_training(use_gradient_checkpointing=True) adds
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            model.enable_input_require_grads()
+            model.train()
+            torch.manual_seed(0)
+            torch.cuda.manual_seed(0)
+            with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+            out.loss.backward()
+            grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+            return out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()
+        finally:
+            solution.revert()
+
+    loss_s, grads_s, off_s = run(False)
+    loss_o, grads_o, off_o = run(True)
+    assert off_o == off_s
+    assert rel_err(loss_o, loss_s) < 1e-3
+    assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
+    for name, g in grads_s.items():
+        assert rel_err(grads_o[name], g) < 3e-2, name

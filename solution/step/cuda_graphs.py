@@ -565,6 +565,8 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
         return "attention on the padded layout (host-dependent indices)"
     if hooked:
         return "hooks on the decoder layers (they would run only at capture)"
+    if any(getattr(layer, "gradient_checkpointing", False) for layer in model.layers):
+        return "gradient checkpointing (the layers recompute in backward; not captured)"
     return None
 
 

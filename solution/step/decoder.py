@@ -11,7 +11,7 @@ applies the final norm and scatters the result back to [batch, seqlen, H] (zeros
 positions). The CausalLM head patch (patches/qwen2_lm_head_loss.py) can take the packed rows
 directly (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
 generation, a cache, position_ids given, left padding, hidden states or attentions requested,
-gradient checkpointing, sliding-window layers, attention dropout, another attention
+checkpointed layers with hooks, sliding-window layers, attention dropout, another attention
 implementation, NEFTune, a dropout our LoRA kernel does not own) gets None from ``plan``: the
 stock forward runs unchanged.
 """
@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import weakref
 
 import torch
 
 from solution.env import interpreter_enabled
+from solution.patches._base import has_hooks
 from solution.patches._sources import cache_given
 from solution.step import cuda_graphs, packing
 
@@ -78,6 +80,49 @@ def _dropouts_ok(model) -> bool:
     return ok
 
 
+def _checkpointed(layer) -> bool:
+    """The layer recomputes its forward in backward (transformers' gradient checkpointing)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+
+def _checkpointing_ok(model) -> bool:
+    """Gradient checkpointing, where it is on, can run on the packed rows: each checkpointed layer
+    has the checkpoint function transformers set (``_gradient_checkpointing_func``) and no module
+    hooks (``_run_checkpointed`` calls the layer's forward itself, as stock does inside the
+    checkpoint, so hooks would not run where stock runs them). Otherwise: the stock forward."""
+    layers = model.layers[: model.config.num_hidden_layers]
+    return all(not _checkpointed(layer) or (callable(getattr(layer, "_gradient_checkpointing_func", None))
+                                            and not has_hooks(layer)) for layer in layers)
+
+
+def _layer_forward(layer):
+    """The layer class's forward without transformers' checkpointing wrapper: up to 5.22
+    transformers checkpoints in ``__call__`` and ``forward`` is the plain body (stock, or our
+    decoder-layer patch's mirror); from 5.23 it wraps ``forward`` itself in
+    ``forward_with_checkpointing`` (recognised by its code, since ``functools.wraps`` copies the
+    name), whose ``__wrapped__`` is the plain body. Only that one wrapper is taken off: our own
+    patch's forward also carries a ``__wrapped__`` (the stock body) and must stay."""
+    forward = type(layer).forward
+    if getattr(getattr(forward, "__code__", None), "co_name", "") == "forward_with_checkpointing":
+        forward = forward.__wrapped__
+    return forward
+
+
+def _run_checkpointed(layer, info, hidden_states, kwargs):
+    """One decoder layer under transformers' gradient checkpointing, on packed rows: the
+    checkpoint function transformers set (its own use_reentrant, RNG preservation, ...) over the
+    layer's forward, inside ``running_unpadded(info)``. The recompute runs in backward, outside
+    the decoder loop's context: without it LoRA dropout would redraw its mask over the packed
+    shape instead of stock's padded one (other random numbers than the forward's)."""
+    forward = _layer_forward(layer)
+
+    def run(h, **kw):
+        with packing.running_unpadded(info):
+            return forward(layer, h, **kw)
+
+    return layer._gradient_checkpointing_func(functools.partial(run, **kwargs), hidden_states)
+
+
 def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs):
     """The Unpadded description when this call can run packed, else None (stock forward). The KV
     cache argument, if any, is in kwargs (``past_key_values`` or, from transformers 5.24, ``cache``)."""
@@ -94,7 +139,7 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
             or getattr(cfg, "output_hidden_states", False) or getattr(cfg, "output_attentions", False)
             or kwargs.get("is_causal", getattr(cfg, "is_causal", None)) is False):
         return None
-    if (model.gradient_checkpointing or model.has_sliding_layers or cfg._attn_implementation != "sdpa"
+    if (not _checkpointing_ok(model) or model.has_sliding_layers or cfg._attn_implementation != "sdpa"
             or getattr(cfg, "attention_dropout", 0.0) != 0.0 or _has_neftune_hook(model.embed_tokens)
             or not _dropouts_ok(model)):
         return None
@@ -125,14 +170,12 @@ def unpadded_forward(model, input_ids, info, kwargs):
             for i, decoder_layer in enumerate(layers):
                 if timer is not None and i == len(layers) // 2:
                     timer.start()
-                hidden_states = decoder_layer(
-                    hidden_states,
-                    attention_mask=info,
-                    position_embeddings=position_embeddings,
-                    position_ids=position_ids,
-                    use_cache=False,
-                    **kwargs,
-                )
+                layer_kwargs = dict(attention_mask=info, position_embeddings=position_embeddings,
+                                    position_ids=position_ids, use_cache=False, **kwargs)
+                if _checkpointed(decoder_layer):
+                    hidden_states = _run_checkpointed(decoder_layer, info, hidden_states, layer_kwargs)
+                else:
+                    hidden_states = decoder_layer(hidden_states, **layer_kwargs)
         if timer is not None:
             timer.stop()
     hidden_states = model.norm(hidden_states)
