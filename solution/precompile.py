@@ -195,8 +195,13 @@ def _build_driver_utils() -> None:
 
 
 def worker_count(n_entries: int) -> int:
-    """Compile processes: one per spare core (one core stays with Soup's loading), at most 4."""
-    return max(0, min(n_entries, (os.cpu_count() or 1) - 1, MAX_WORKERS))
+    """Compile processes: one per spare core this process may run on (its CPU affinity, not the
+    machine's count; one core stays with Soup's loading), at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    return max(0, min(n_entries, cores - 1, MAX_WORKERS))
 
 
 MAX_WORKERS = 4

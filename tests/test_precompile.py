@@ -156,11 +156,15 @@ def test_compile_processes_fill_the_disk_cache_without_a_gpu(tmp_path, monkeypat
 
 
 def test_worker_count_leaves_a_core_for_soup(monkeypatch):
+    """One compile process per core this process may use (its affinity), less one, at most 4."""
     import os
 
-    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    def cores(n):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
+
+    cores(16)
     assert precompile.worker_count(23) == precompile.MAX_WORKERS and precompile.worker_count(2) == 2
-    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    cores(2)
     assert precompile.worker_count(23) == 1
-    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    cores(1)
     assert precompile.worker_count(23) == 0  # one core: the thread compiles in this process
