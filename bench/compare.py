@@ -18,6 +18,13 @@ once more on the shipped shape, timed, each in a fresh empty TRITON_CACHE_DIR an
 TORCHINDUCTOR_CACHE_DIR (no compile of an earlier run is found: a fresh machine's start).
 Writes runs/<timestamp>/report.{json,md,png} and summary.json (every run's figures, for
 bench.summary_merge) and prints a summary and the rule check.
+
+Every input is checked before the first run (paths, which are relative to the caller's working
+directory; the workload file; the dataset and its row count against the workload; the model's
+architecture; the solution's $SOLUTION_* settings): a bad one is refused with one line,
+`error: ...` on stderr. Exit status: 0 every rule passed, 1 a rule failed (or a run failed),
+2 bad input (nothing run, nothing overwritten); 130 / 143 on SIGINT / SIGTERM (the running child
+is stopped; what was written is kept).
 """
 from __future__ import annotations
 
@@ -28,9 +35,11 @@ import os
 import platform
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -112,36 +121,131 @@ def _gpu() -> dict:
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
 
 
-def resolve_inputs(args) -> tuple[str, str, str]:
-    """Model dir, data file, size label. Raises InputError with a clear message."""
+CALLER_CWD_ENV = "BENCH_CALLER_CWD"  # set by scripts/compare.sh, which runs us from the repo root
+
+
+def caller_path(path: str | Path) -> Path:
+    """A path the user gave, absolute: a relative one is taken from the directory the user ran the
+    command in ($BENCH_CALLER_CWD, which scripts/compare.sh sets before it changes directory; else
+    this process's working directory), never from the repo (the children run there)."""
+    path = Path(path).expanduser()
+    if not path.is_absolute():
+        path = Path(os.environ.get(CALLER_CWD_ENV) or os.getcwd()) / path
+    return Path(os.path.abspath(path))
+
+
+def check_out(out: Path) -> None:
+    """--out: a directory (made if missing) that holds no report yet. Raises InputError."""
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--out {out} is a file, not a directory (nothing was overwritten)")
+    if (out / "report.json").exists():
+        raise InputError(f"{out} already holds a report; pass another --out (nothing was overwritten)")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise InputError(f"--out {out}: {parent} is a file, not a directory")
+
+
+def check_solution_settings() -> None:
+    """The solution's own checks of its $SOLUTION_* settings (solution._apply.check_settings, the
+    ones apply() makes before installing anything), made here before the first run. Raises
+    InputError."""
+    from solution._apply import check_settings
+
+    try:
+        check_settings()
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+
+
+QWEN2 = ("qwen2", "Qwen2ForCausalLM")  # config.json model_type, and the architecture it must list
+
+
+def check_model(model: Path) -> None:
+    """--model: a Hugging Face Qwen2 model dir (config.json with model_type qwen2 and
+    Qwen2ForCausalLM among its architectures: the workload's model, and what the solution's patches
+    replace). Raises InputError."""
+    if not model.exists():
+        raise InputError(f"model directory not found: {model}")
+    if not model.is_dir():
+        raise InputError(f"--model {model} is a file, not a model directory")
+    cfg_path = model / "config.json"
+    if not cfg_path.is_file():
+        raise InputError(f"model path {model} is not a Hugging Face model dir (no config.json)")
+    try:
+        cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InputError(f"{cfg_path} is not readable JSON ({' '.join(str(exc).split())})") from exc
+    if not isinstance(cfg, dict):
+        raise InputError(f"{cfg_path} is not a model config (expected a JSON object)")
+    model_type, archs = cfg.get("model_type"), cfg.get("architectures")
+    if model_type != QWEN2[0] or not isinstance(archs, list) or QWEN2[1] not in archs:
+        raise InputError(f"model {model} is model_type {model_type!r}, architectures {archs}: the workload and "
+                         f"the solution are for Qwen2 (model_type {QWEN2[0]!r}, {QWEN2[1]}), e.g. "
+                         "Qwen2.5-1.5B-Instruct")
+
+
+def check_data(data: Path, workload) -> int:
+    """The dataset: a readable alpaca JSONL file (workload/data/validate.py) with exactly the
+    workload's number of examples, so that Soup trains the workload's steps. Returns its row count;
+    raises InputError."""
+    from workload.data.validate import validate_dataset
+
+    if not data.exists():
+        raise InputError(f"dataset not found: {data}")
+    if not data.is_file():
+        raise InputError(f"dataset {data} is not a file")
+    try:
+        rows = validate_dataset(data)
+    except ValueError as exc:
+        raise InputError(f"dataset {data}: {exc}") from exc
+    if rows != workload.examples:
+        raise InputError(
+            f"dataset {data} has {rows} rows, but the workload trains on {workload.examples} examples "
+            f"({workload.steps} steps of batch {workload.batch_size}); {rows} rows would train "
+            f"{workload.steps_for(rows)} steps: give a file of {workload.examples} rows, or a --workload with "
+            f"examples: {rows} and steps: {workload.steps_for(rows)}")
+    return rows
+
+
+def resolve_inputs(args, workload=None) -> tuple[str, str, str]:
+    """Model dir, data file, size label, every one checked (check_model, check_data, the
+    tokenizer); the stand-in is written (or reused) last, when every check has passed. ``args``'
+    paths are absolute (caller_path). Raises InputError with a clear message."""
     import torch
 
+    from workload.config import load_workload
+
+    workload = workload or load_workload()
     if torch.cuda.is_available() and torch.cuda.get_device_capability() < (7, 0):
         major, minor = torch.cuda.get_device_capability()
         raise InputError(f"GPU {torch.cuda.get_device_name()} (sm_{major}{minor}) has no fast fp16 training path; "
                          "the workload is fp16 mixed precision (a T4 is sm_75)")
+    if args.model and args.tokenizer:
+        raise InputError("--tokenizer is for the stand-in model only; a --model dir brings its own tokenizer "
+                         "(pass one of them)")
     size = args.size
     if size == "auto":
         size = "full" if torch.cuda.is_available() else "tiny"
     data = Path(args.data) if args.data else DEFAULT_DATA
-    if not data.is_file():
-        raise InputError(f"dataset not found: {data}")
-    from workload.data.validate import validate_dataset
-
-    try:
-        validate_dataset(data)
-    except ValueError as exc:
-        raise InputError(f"dataset {data}: {exc}") from exc
+    check_data(data, workload)
     if args.model:
         model = Path(args.model)
-        if not (model / "config.json").is_file():
-            raise InputError(f"model path {model} is not a Hugging Face model dir (no config.json)")
+        check_model(model)
         return str(model), str(data), "user model"
     from workload.model_standin import write_standin
+    from workload.tokenizer import check_source
 
+    if args.tokenizer:
+        try:
+            check_source(Path(args.tokenizer))
+        except FileNotFoundError as exc:
+            raise InputError(f"--tokenizer: {exc}") from exc
     cache = ROOT / ".cache" / "models" / f"qwen2.5-1.5b-instruct-standin-{size}"
     print(f"[compare] model stand-in ({size}): {cache}", flush=True)
-    write_standin(cache, size=size, tokenizer_source=args.tokenizer)
+    try:
+        write_standin(cache, size=size, seed=workload.standin_seed, tokenizer_source=args.tokenizer)
+    except (RuntimeError, FileNotFoundError) as exc:  # no tokenizer files to build the stand-in's from
+        raise InputError(" ".join(str(exc).split())) from exc
     return str(cache), str(data), f"stand-in ({size})"
 
 
@@ -215,7 +319,11 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
     try:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
-            _progress(log_path, proc, f"{label}/{name}" if label else name)
+            try:
+                _progress(log_path, proc, f"{label}/{name}" if label else name)
+            except BaseException:  # SIGINT / SIGTERM (Interrupted, KeyboardInterrupt) or any error here
+                stop_child(proc)
+                raise
     finally:
         if cold:
             for key in CACHE_ENV:
@@ -229,6 +337,54 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
     result["soup_complete_panel"] = "Training Complete!" in log_path.read_text(encoding="utf-8", errors="replace")
     result["cold_caches"] = cold
     return result
+
+
+GRACE_S = 5.0  # how long a child has to exit after SIGTERM before it is killed
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM reached the comparison (main() exits 128 + signum)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(signum)
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _set_handlers(handler) -> dict | None:
+    """Set ``handler`` for STOP_SIGNALS; the previous ones, or None off the main thread (where
+    Python allows no handler)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+
+
+def _restore_handlers(old: dict | None) -> None:
+    for sig, handler in (old or {}).items():
+        signal.signal(sig, handler)
+
+
+def stop_child(proc: subprocess.Popen, grace_s: float | None = None) -> None:
+    """Terminate a running child (SIGTERM), kill it (SIGKILL) if it has not exited after
+    ``grace_s`` (default GRACE_S), and reap it. Further SIGINT / SIGTERM meanwhile are ignored: the
+    stop finishes."""
+    old = _set_handlers(signal.SIG_IGN)
+    try:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=GRACE_S if grace_s is None else grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    finally:
+        _restore_handlers(old)
 
 
 def kernel_split(result: dict | None) -> dict | None:
@@ -325,30 +481,47 @@ def main(argv=None) -> int:
                     "Triton/Inductor caches (default: on a GPU only)")
     args = ap.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
+    old_handlers = _set_handlers(_raise_interrupted)  # SIGINT / SIGTERM: stop the child, exit 130 / 143
+    try:
+        return _main(args)
+    except (Interrupted, KeyboardInterrupt) as exc:
+        signum = exc.signum if isinstance(exc, Interrupted) else signal.SIGINT
+        print(f"error: interrupted by {signal.Signals(signum).name}: the running child (if any) was stopped; "
+              f"what was written is kept{f' in {args.out_dir}' if getattr(args, 'out_dir', None) else ''}",
+              file=sys.stderr)
+        return 128 + int(signum)
+    finally:
+        _restore_handlers(old_handlers)
+
+
+def _main(args) -> int:
+    """main() after parsing: every check, then the runs, the report and the rule check."""
     import torch
 
     cuda = torch.cuda.is_available()
+    from workload.config import WORKLOAD_FILE, WorkloadConfigError, load_workload
+
+    # Every user path is taken from the caller's directory (caller_path), before anything else.
+    for name in ("model", "data", "tokenizer", "workload", "out"):
+        if getattr(args, name):
+            setattr(args, name, str(caller_path(getattr(args, name))))
+    out = Path(args.out) if args.out else ROOT / "runs" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
         shapes = parse_shapes(args.shapes, cuda)
         profile_shapes = None if args.profile_shapes is None else parse_shapes(args.profile_shapes, cuda)
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    cold = cuda if args.cold is None else args.cold
-
-    from workload.config import WORKLOAD_FILE, WorkloadConfigError, load_workload
-
-    out = args.out or ROOT / "runs" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    if (out / "report.json").exists():
-        print(f"error: {out} already holds a report; pass another --out (nothing was overwritten)", file=sys.stderr)
-        return 2
-    try:
+        check_out(out)
+        check_solution_settings()
         workload = load_workload(args.workload or WORKLOAD_FILE)
-        model, data, model_label = resolve_inputs(args)
+        model, data, model_label = resolve_inputs(args, workload)
+        out.mkdir(parents=True, exist_ok=True)
     except (InputError, WorkloadConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # --out cannot be made (permissions, a file in its path)
+        print(f"error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    args.out_dir = out
+    cold = cuda if args.cold is None else args.cold
     print(f"[compare] {model_label}, data {data}, output {out}", flush=True)
     datas = {"shipped": data, COLD: data}
     if set(shapes) - {"shipped"}:
@@ -371,8 +544,14 @@ def main(argv=None) -> int:
     t0 = time.time()
     for i, (key, variant, mode) in enumerate(plan, 1):
         sub, label = (out, None) if key == "shipped" else (out / key, key)
-        results[key, variant, mode] = run_variant(variant, model, datas[key], sub, mode, args.workload,
-                                                  label=label, cold=key == COLD)
+        try:
+            results[key, variant, mode] = run_variant(variant, model, datas[key], sub, mode, args.workload,
+                                                      label=label, cold=key == COLD)
+        except RuntimeError as exc:  # the child failed: its log's tail, then one line
+            head, _, tail = str(exc).partition("\n")
+            print(tail, file=sys.stderr)
+            print(f"error: {head.rstrip(':')}", file=sys.stderr)
+            return 1
         if i < len(plan):
             left = (time.time() - t0) / i * (len(plan) - i)
             print(f"[compare] {i}/{len(plan)} runs done, about {left / 60:.0f} min left", flush=True)

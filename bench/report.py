@@ -23,6 +23,36 @@ def soup_duration(r: dict):
     return runs[0].get("duration_secs")
 
 
+def last_step(rep: dict):
+    """The run's real number of steps (the baseline's timed run, else the solution's), for the
+    "steps 3-N" labels; the workload's steps for a report without runs; "N" when neither is known."""
+    for variant in ("baseline", "solution"):
+        r = rep.get(variant) or {}
+        if isinstance(r.get("steps"), int) and not isinstance(r.get("steps"), bool):
+            return r["steps"]
+        if r.get("step_times_s"):
+            return len(r["step_times_s"])
+    return (rep.get("workload") or {}).get("steps", "N")
+
+
+def timed_steps(rep: dict) -> str:
+    """The steps the timed figures cover: "steps 3-N", N the run's last step (last_step)."""
+    return f"steps 3-{last_step(rep)}"
+
+
+def no_4bit(rep: dict) -> str | None:
+    """Why the report's runs had no 4-bit (NF4) quantization, or None when they had it: a run whose
+    trained model held no bitsandbytes Linear4bit layer (bench/run_one.py's linear4bit_layers), or,
+    in a report from before that count, a CPU run (Soup switches 4-bit off on a CPU)."""
+    counts = [(rep.get(v) or {}).get("linear4bit_layers") for v in ("baseline", "solution")]
+    if any(c == 0 for c in counts):
+        where = " (Soup switches 4-bit off on a CPU)" if (rep.get("gpu") or {}).get("name") == "cpu" else ""
+        return f"the trained model had no bitsandbytes NF4 layer{where}"
+    if all(c is None for c in counts) and (rep.get("gpu") or {}).get("name") == "cpu":
+        return "Soup switches 4-bit off on a CPU"
+    return None
+
+
 def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
     b, s = rep["baseline"], rep["solution"]
     kb, ks = rep["kernel_split"]["baseline"], rep["kernel_split"]["solution"]
@@ -43,17 +73,19 @@ def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
         ("tokens/s excl. first 2 (non-pad)", b.get("tokens_per_s_excl_first2"), s.get("tokens_per_s_excl_first2"), "higher"),
         ("peak GPU memory allocated (GiB)", _mem(b, "peak_mem_allocated_bytes"), _mem(s, "peak_mem_allocated_bytes"), "lower"),
         ("peak GPU memory reserved (GiB)", _mem(b, "peak_mem_reserved_bytes"), _mem(s, "peak_mem_reserved_bytes"), "lower"),
-        ("GPU kernel time, steps 3-64 (s)", kb["total_gpu_s"] if kb else None, ks["total_gpu_s"] if ks else None, "lower"),
+        (f"GPU kernel time, {timed_steps(rep)} (s)", kb["total_gpu_s"] if kb else None,
+         ks["total_gpu_s"] if ks else None, "lower"),
         ("final loss", final_loss(b), final_loss(s), "same"),
     ]
 
 
-# The project's targets (issue 5): solution at most this fraction of the baseline, per report row.
+# The project's targets (issue 5): solution at most this fraction of the baseline, per report row
+# ("steps 3-N": the run's timed steps, timed_steps).
 TARGETS = [
     ("training time excl. first 2 steps (s)", 1 / 3, "1/3"),
     ("peak GPU memory allocated (GiB)", 1 / 2, "1/2"),
     ("peak GPU memory reserved (GiB)", 1 / 2, "1/2"),
-    ("GPU kernel time, steps 3-64 (s)", 1 / 3, "1/3"),
+    ("GPU kernel time, steps 3-N (s)", 1 / 3, "1/3"),
 ]
 
 
@@ -63,7 +95,8 @@ def _targets_section(rep: dict) -> list[str]:
     rows = {name: (b, s) for name, b, s, _ in _rows(rep)}
     out = ["## Against the project's targets (issue 5)", "",
            "| figure | solution / baseline | target | status |", "| --- | ---: | ---: | --- |"]
-    for name, frac, label in TARGETS:
+    for template, frac, label in TARGETS:
+        name = template.replace("steps 3-N", timed_steps(rep))
         b, s = rows.get(name, (None, None))
         if not b or not s:
             out.append(f"| {name} | n/a | <= {label} | not measured |")
@@ -94,7 +127,7 @@ def summary_table(rep: dict) -> str:
     lines += [ln for ln in _cuda_graph_lines(rep) if ln]
     shapes = _shapes(rep)
     if len(shapes) > 1:
-        lines.append(f"solution / baseline by run (steps 3-{rep['workload']['steps']}, first step, GPU kernel time, "
+        lines.append(f"solution / baseline by run ({timed_steps(rep)}, first step, GPU kernel time, "
                      "peak reserved; loss max rel diff):")
         for key, e in shapes.items():
             r = e.get("ratios") or ratios(e["baseline"], e["solution"])
@@ -218,8 +251,7 @@ def _shapes_section(rep: dict) -> list[str]:
     """Every run of the report side by side: dataset shapes and the cold pass."""
     from workload.data.kazakh import SHORT_LIMIT
 
-    steps = str(rep["workload"]["steps"])
-    cols = [title.replace("3-N", f"3-{steps}") for _, title in FIGURES]
+    cols = [title.replace("steps 3-N", timed_steps(rep)) for _, title in FIGURES]
     out = ["## Shapes and the cold start", "",
            "One row per run and variant (timed passes; GPU kernel time from the profiled pass of the "
            "same shape). shipped: the --data file (default the embedded dataset); long: every row "
@@ -270,7 +302,7 @@ def _host_split_section(rep: dict) -> list[str]:
         return "" if v is None else f"{v / r['steps']:.0f}"
 
     modules = sorted({p for r in (b, s) for p in r["phases_s"] if p.startswith(MODULE)})
-    out = [f"## Where the step's wall time goes (host-split passes, steps 3-{rep['workload']['steps']})", "",
+    out = [f"## Where the step's wall time goes (host-split passes, {timed_steps(rep)})", "",
            "Each variant ran once more with timers around the Trainer's phases and the decoder's modules "
            "(bench/host_split.py; no device sync, a few microseconds a call). On a GPU that finishes its "
            "work faster than Python queues it, these wall times are host (CPU) time.", "",
@@ -296,7 +328,10 @@ def _compile_line(rep: dict) -> str:
 
 def markdown(rep: dict) -> str:
     v = rep["versions"]
+    why = no_4bit(rep)
     out = [f"# Baseline vs solution: {rep['model']}", "",
+           *([f"- **no 4-bit quantization: these runs trained without NF4** ({why}): the NF4 and LoRA-on-NF4 "
+              "kernels did not take part, and the figures are not the QLoRA workload's"] if why else []),
            f"- date: {rep['date']}", f"- GPU: {rep['gpu']['name']}"
            + (f" (sm {rep['gpu']['capability']}, {rep['gpu'].get('memory_gib')} GiB)" if rep['gpu'].get('capability') else ""),
            "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
@@ -322,7 +357,7 @@ def markdown(rep: dict) -> str:
         ks = rep["kernel_split"][variant]
         if not ks:
             continue
-        out += [f"## Where GPU time goes: {variant} (steps 3-{rep['workload']['steps']}, profiled pass)", "",
+        out += [f"## Where GPU time goes: {variant} ({timed_steps(rep)}, profiled pass)", "",
                 "| category | GPU s | share |", "| --- | ---: | ---: |"]
         for cat, t in ks["by_category_s"].items():
             out.append(f"| {cat} | {t:.3f} | {t / ks['total_gpu_s']:.1%} |")
@@ -353,17 +388,32 @@ def _series(result: dict, key: str):
 
 
 def main(argv=None) -> int:
-    """Re-render report.md and summary.json from a report.json, e.g. one fetched from the GPU machine."""
+    """Re-render report.md and summary.json from a report.json, e.g. one fetched from the GPU machine.
+    Exit status 0, or 2 with one line `error: ...` for a report that cannot be read or rendered
+    (nothing is written then)."""
     import argparse
-    import json
+    import sys
     from pathlib import Path
+
+    from bench.rules import ReportError, load_report
 
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("report_json", type=Path)
     args = ap.parse_args(argv)
-    rep = json.loads(args.report_json.read_text(encoding="utf-8"))
-    args.report_json.with_suffix(".md").write_text(markdown(rep), encoding="utf-8")
-    write_summary(rep, args.report_json.with_name("summary.json"))
+    try:
+        rep = load_report(args.report_json)
+        md, summ = markdown(rep), summary(rep)  # both rendered before either file is written
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:
+        print(f"error: report {args.report_json} is incomplete or malformed ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
+        return 2
+    import json
+
+    args.report_json.with_suffix(".md").write_text(md, encoding="utf-8")
+    args.report_json.with_name("summary.json").write_text(json.dumps(summ, indent=1) + "\n", encoding="utf-8")
     print(args.report_json.with_suffix(".md"))
     print(args.report_json.with_name("summary.json"))
     return 0

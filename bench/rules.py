@@ -10,7 +10,9 @@ per step as the baseline (batch composition and order unchanged); loss curve and
 tolerance; Soup's outputs and tracker rows present and well-formed; in a report with other
 dataset shapes or a cold pass (bench.compare --shapes / --cold), each of those runs' loss curve
 within the same tolerance.
-Each check prints PASS/FAIL with its figure; exit status 1 if any check fails.
+Each check prints PASS/FAIL with its figure. Exit status: 0 every check passed, 1 a check failed,
+2 bad input (a report that is missing, unreadable, not JSON or not a whole report.json of
+bench.compare), said in one line `error: ...` on stderr.
 """
 from __future__ import annotations
 
@@ -222,16 +224,61 @@ def print_rows(rows: list[dict]) -> bool:
     return ok_all
 
 
+RUN_KEYS = ("steps", "trainer_logs")  # keys of a bench.run_one result that a report's runs must have
+
+
+class ReportError(ValueError):
+    """A report file that cannot be judged: missing, unreadable, not JSON, or incomplete."""
+
+
+def load_report(path: Path) -> dict:
+    """A report.json of bench.compare, read and checked for what the rules and the renderer need
+    (the workload's steps, a baseline and a solution run). Raises ReportError (one line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ReportError(f"report not found: {path}")
+    try:
+        rep = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ReportError(f"cannot read report {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ReportError(f"report {path} is not UTF-8 text (byte {exc.start})") from exc
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"report {path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+                          "a file cut short?") from exc
+    if not isinstance(rep, dict):
+        raise ReportError(f"report {path} is not a report.json of bench.compare (a JSON {type(rep).__name__})")
+    if "runs" in rep and "baseline" not in rep:
+        raise ReportError(f"{path} is a summary.json (bench.summary_merge's input), not a report.json of bench.compare")
+    for key in ("workload", "baseline", "solution"):
+        if not isinstance(rep.get(key), dict):
+            raise ReportError(f"report {path} is incomplete: no {key!r} object (not a report.json of bench.compare?)")
+    for variant in ("baseline", "solution"):  # what every bench.run_one result holds
+        missing = [key for key in RUN_KEYS if key not in rep[variant]]
+        if missing:
+            raise ReportError(f"report {path} is incomplete: its {variant} run has no {missing[0]!r}")
+    steps = rep["workload"].get("steps")
+    if isinstance(steps, bool) or not isinstance(steps, int):
+        raise ReportError(f"report {path} is incomplete: workload.steps is {steps!r}, not a number of steps")
+    return rep
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--report", type=Path, help="report.json written by bench.compare")
     args = ap.parse_args(argv)
     rows = check_static()
     if args.report:
-        if not args.report.is_file():
-            print(f"report not found: {args.report}", file=sys.stderr)
+        try:
+            rep = load_report(args.report)
+            rows += check_run(rep)
+        except ReportError as exc:
+            print(f"error: {exc}", file=sys.stderr)
             return 2
-        rows += check_run(json.loads(args.report.read_text(encoding="utf-8")))
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError) as exc:  # a part of it malformed
+            print(f"error: report {args.report} is incomplete or malformed ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)
+            return 2
     print("Rule check:")
     return 0 if print_rows(rows) else 1
 

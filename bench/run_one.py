@@ -79,6 +79,7 @@ class StepClock:
         self.cprofile = cprofile
         self.host_split = host_split
         self.trainer = None
+        self.linear4bit_layers = None  # NF4 layers of the trained model (count_linear4bit)
         self.prof = None
         self.t_begin = self.t_end = None
         self.step_ends: list[float] = []
@@ -157,6 +158,7 @@ def install_clock(clock: StepClock):
         orig_init(self, *a, **kw)
         self.add_callback(clock.callback)
         clock.trainer = self
+        clock.linear4bit_layers = count_linear4bit(self.model)
         if clock.host_split is not None:
             clock.host_split.attach(self)
 
@@ -165,6 +167,17 @@ def install_clock(clock: StepClock):
     def uninstall():
         transformers.Trainer.__init__ = orig_init
     return uninstall
+
+
+def count_linear4bit(model) -> int | None:
+    """The bitsandbytes Linear4bit (NF4) layers of the model a Trainer trains (peft's LoRA layers
+    hold one as their base layer). 0: Soup trained without 4-bit quantization (it switches 4-bit
+    off on a CPU); None: no model. Read by class name, so bitsandbytes is never imported here."""
+    if model is None:
+        return None
+    return sum(1 for m in model.modules()
+               if any(c.__name__ == "Linear4bit" and c.__module__.startswith("bitsandbytes")
+                      for c in type(m).__mro__))
 
 
 def cuda_graph_summary(step_ends: list[float]) -> dict:
@@ -347,6 +360,7 @@ def main(argv=None) -> int:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
         "t4_emulation": emulation,
+        "linear4bit_layers": clock.linear4bit_layers,
         "wall_s": wall,
         "train_s": (clock.t_end - clock.t_begin) if clock.t_end else None,
         "steps": len(steps),

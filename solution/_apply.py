@@ -26,15 +26,13 @@ def apply(verbose: bool = True) -> dict[str, str]:
     """Install every patch this environment supports. Idempotent.
 
     Returns {patch name: description} of what is installed; raises ValueError, before installing
-    anything, when a setting is invalid ($SOLUTION_MEMORY_POLICY). On an unsupported environment (no
+    anything, when a setting is invalid (check_settings). On an unsupported environment (no
     CUDA and no interpreter, no Triton, GPU older than sm_75, another model architecture...) it
     installs nothing for the affected part, prints why, and training runs the stock path.
     """
     if _installed:
         return dict(_installed)
-    memory_policy()  # a bad $SOLUTION_MEMORY_POLICY is the user's error: raise before touching anything
-    cuda_graphs.check_settings()  # the same for $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
-    precompile.check_settings()  # and $SOLUTION_PRECOMPILE
+    check_settings()  # a bad $SOLUTION_* value is the user's error: raise before touching anything
     support = check_support()
     if not support.ok:
         _say(f"falling back to the stock path: {support.reason}")
@@ -72,10 +70,38 @@ SKIP_ENV = "SOLUTION_SKIP_PATCHES"
 ALLOCATOR = "cuda_allocator"
 
 
+def check_settings() -> None:
+    """Every $SOLUTION_* setting, checked: ValueError (one line naming the variable and what it
+    accepts) for the first invalid one. apply() calls it before installing anything; bench.compare
+    calls it before its first run."""
+    memory_policy()  # $SOLUTION_MEMORY_POLICY
+    cuda_graphs.check_settings()  # $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
+    precompile.check_settings()  # $SOLUTION_PRECOMPILE
+    check_skipped_patches()  # $SOLUTION_SKIP_PATCHES
+
+
+def patch_names() -> list[str]:
+    """The names $SOLUTION_SKIP_PATCHES accepts: each patch module's NAME (PATCHES, install order),
+    then cuda_allocator."""
+    return [importlib.import_module(module_name).NAME for module_name in PATCHES] + [ALLOCATOR]
+
+
 def skipped_patches() -> set[str]:
     """Patch names listed (comma-separated) in $SOLUTION_SKIP_PATCHES: left out by apply(), to
     compare or to work around a problem."""
     return {name.strip() for name in os.environ.get(SKIP_ENV, "").split(",") if name.strip()}
+
+
+def check_skipped_patches() -> set[str]:
+    """skipped_patches(), or ValueError when one of them names no patch (a typo would otherwise
+    leave the patch installed without a word)."""
+    skip = skipped_patches()
+    known = patch_names()
+    unknown = sorted(skip - set(known))
+    if unknown:
+        raise ValueError(f"${SKIP_ENV}={os.environ.get(SKIP_ENV)!r} names no patch: {', '.join(unknown)} "
+                         f"(known: {', '.join(known)})")
+    return skip
 
 
 def _set_expandable_segments(on: bool) -> bool:

@@ -46,7 +46,10 @@ def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path):
     assert (out / "report.md").is_file() and (out / "report.png").is_file()
     md = (out / "report.md").read_text(encoding="utf-8")
     assert "## Against the project's targets (issue 5)" in md
-    assert "| GPU kernel time, steps 3-64 (s) | n/a | <= 1/3 | not measured |" in md  # no GPU profiler here
+    assert "| GPU kernel time, steps 3-2 (s) | n/a | <= 1/3 | not measured |" in md  # no GPU profiler here
+    assert "steps 3-64" not in md  # the labels are the run's steps (2), not the default workload's
+    assert "**no 4-bit quantization" in md.split("| metric |")[0]  # said in the header: Soup's CPU has no NF4
+    assert report["baseline"]["linear4bit_layers"] == report["solution"]["linear4bit_layers"] == 0
     assert report["baseline"]["steps"] == report["solution"]["steps"] == 2
     assert report["baseline"]["soup_complete_panel"] and report["solution"]["soup_complete_panel"]
     installed = set(report["solution"]["installed"])

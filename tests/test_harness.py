@@ -65,7 +65,7 @@ def test_compare_rejects_missing_model_path(tmp_path, capsys):
 
     rc = main(["--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "out")])
     assert rc == 2
-    assert "not a Hugging Face model dir" in capsys.readouterr().err
+    assert f"model directory not found: {tmp_path / 'no-model'}" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

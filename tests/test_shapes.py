@@ -250,7 +250,7 @@ def test_report_main_regenerates_summary_and_shapes_table(synthetic_report, tmp_
     assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8")) == report.summary(synthetic_report)
     md = (tmp_path / "report.md").read_text(encoding="utf-8")
     assert "## Shapes and the cold start" in md and "| long | solution / baseline |" in md
-    assert "| shipped-cold | baseline |" in md and "steps 3-64 (s)" in md
+    assert "| shipped-cold | baseline |" in md and "steps 3-4 (s)" in md  # the runs' 4 steps
 
 
 def test_a_report_without_the_shipped_shape_is_of_its_first_shape():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 # config.json of Qwen/Qwen2.5-1.5B-Instruct (architecture fields).
@@ -62,23 +63,74 @@ def standin_config(size: str) -> dict:
     return {**QWEN25_15B_CONFIG, **SIZES[size]}
 
 
+def tokenizer_marker(tokenizer_source: str | None) -> dict | None:
+    """How the stand-in's tokenizer was made, for its marker: None for the built-in one
+    (workload/tokenizer.py), else the source directory (absolute) and its files' fingerprint."""
+    if tokenizer_source is None:
+        return None
+    from workload.tokenizer import source_fingerprint
+
+    source = Path(tokenizer_source).resolve()
+    return {"source": str(source), "sha256": source_fingerprint(source)}
+
+
 def write_standin(out: Path, size: str = "full", seed: int = 1234, tokenizer_source: str | None = None) -> Path:
     """Write (once) a seeded random model dir with tokenizer files. Returns its path.
 
-    Re-running with the same arguments reuses the existing dir (checked by a marker file).
-    The weights are stored in the dtype the real checkpoint uses (bf16 for full size), since
-    Soup / bitsandbytes quantize from what is stored.
+    Re-running with the same arguments reuses the existing dir (checked by a marker file). The
+    weights are rewritten only when size, seed or config differ; the tokenizer whenever another
+    one is asked for (``tokenizer_source``: a real tokenizer dir, or None for the built-in one;
+    a changed source dir counts as another one), so a cached stand-in always has the tokenizer of
+    this call. The weights are stored in the dtype the real checkpoint uses (bf16 for full size),
+    since Soup / bitsandbytes quantize from what is stored.
     """
+    from workload.tokenizer import check_source
+
+    if tokenizer_source is not None:
+        check_source(Path(tokenizer_source))  # before anything is written
+    out = Path(out)
+    want = {"size": size, "seed": seed, "config": standin_config(size)}
+    want_tok = tokenizer_marker(tokenizer_source)
+    marker = out / MARKER
+    try:
+        have = json.loads(marker.read_text(encoding="utf-8")) if marker.exists() else None
+    except (OSError, ValueError):  # an unreadable marker: the dir is written again
+        have = None
+    weights_ok = (isinstance(have, dict) and {k: have.get(k) for k in want} == want
+                  and (out / "config.json").exists())
+    # A marker written before the tokenizer was recorded (no "tokenizer" key) says nothing about it.
+    if weights_ok and "tokenizer" in have and have["tokenizer"] == want_tok:
+        return out
+    if not weights_ok:
+        marker.unlink(missing_ok=True)  # a write cut short leaves no marker: written again next time
+        _write_weights(out, size, seed)
+    marker.write_text(json.dumps(want, indent=1))  # weights done, tokenizer not yet (no "tokenizer" key)
+    _replace_tokenizer(out, tokenizer_source)
+    marker.write_text(json.dumps({**want, "tokenizer": want_tok}, indent=1))
+    return out
+
+
+def _replace_tokenizer(out: Path, tokenizer_source: str | None) -> None:
+    """Write the tokenizer beside ``out`` first, then move its files in (each one replaced in one
+    step, so a reader of ``out`` never finds a tokenizer file missing) and delete the tokenizer files
+    the new one does not have (a copied source may hold extras, e.g. added_tokens.json)."""
+    import tempfile
+
+    from workload.tokenizer import TOKENIZER_FILES, write_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix=".tokenizer-", dir=out) as tmp:
+        write_tokenizer(Path(tmp), source=tokenizer_source)
+        for name in TOKENIZER_FILES:
+            if (Path(tmp) / name).is_file():
+                os.replace(Path(tmp) / name, out / name)
+            else:
+                (out / name).unlink(missing_ok=True)
+
+
+def _write_weights(out: Path, size: str, seed: int) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from workload.tokenizer import write_tokenizer
-
-    out = Path(out)
-    want = {"size": size, "seed": seed, "config": standin_config(size)}
-    marker = out / MARKER
-    if marker.exists() and json.loads(marker.read_text()) == want and (out / "config.json").exists():
-        return out
     out.mkdir(parents=True, exist_ok=True)
     cfg_dict = dict(standin_config(size))
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[cfg_dict["torch_dtype"]]
@@ -90,9 +142,6 @@ def write_standin(out: Path, size: str = "full", seed: int = 1234, tokenizer_sou
         model = Qwen2ForCausalLM(config)
     model.to(dtype)
     model.save_pretrained(out, safe_serialization=True)
-    write_tokenizer(out, source=tokenizer_source)
-    marker.write_text(json.dumps(want, indent=1))
-    return out
 
 
 def main(argv=None) -> int:

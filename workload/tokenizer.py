@@ -201,7 +201,12 @@ def bundled_files_dir() -> Path:
     return folder
 
 
-def _copy_source(source: Path, out: Path) -> Path:
+def check_source(source: Path) -> None:
+    """FileNotFoundError (one line) when ``source`` is not a tokenizer or model directory whose
+    tokenizer files _copy_source can copy."""
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"tokenizer source {source} does not exist")
     if not source.is_dir():
         raise FileNotFoundError(f"tokenizer source {source} is not a directory")
     has_model = (source / "tokenizer.json").is_file() or (
@@ -212,6 +217,23 @@ def _copy_source(source: Path, out: Path) -> Path:
             f"{source} is not a tokenizer directory: it needs tokenizer_config.json and "
             "tokenizer.json (or vocab.json + merges.txt)"
         )
+
+
+def source_fingerprint(source: Path) -> str:
+    """SHA-256 over the tokenizer files of ``source`` that _copy_source copies (names and bytes):
+    tells a cached copy whether its source has changed."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        path = Path(source) / name
+        if path.is_file():
+            digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _copy_source(source: Path, out: Path) -> Path:
+    check_source(source)
     for name in TOKENIZER_FILES:
         if (source / name).is_file():
             shutil.copyfile(source / name, out / name)

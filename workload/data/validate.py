@@ -18,17 +18,28 @@ from pathlib import Path
 REQUIRED = ("instruction", "output")
 
 
-def validate_dataset(path) -> None:
+def _line_of(data: bytes, offset: int) -> tuple[int, int]:
+    """(line, column), 1-based, of byte ``offset`` in ``data`` (lines end with \n, \r\n or \r)."""
+    before = data[:offset].replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+    return before.count(b"\n") + 1, len(before) - (before.rfind(b"\n") + 1) + 1
+
+
+def validate_dataset(path) -> int:
     """Raise ValueError("line N: problem") for the first bad row of the JSONL file at ``path``;
-    also for an unreadable or empty file. Returns None when every row is usable."""
+    also for an unreadable or empty file. Returns the number of rows when every row is usable."""
     path = Path(path)
     try:
-        # Like Soup: a UTF-8 byte-order mark is allowed, lines end with \n, \r\n or \r.
-        text = path.read_bytes().decode("utf-8-sig")
+        data = path.read_bytes()
     except OSError as exc:
         raise ValueError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    if data.startswith(b"\xef\xbb\xbf"):  # like Soup: a UTF-8 byte-order mark is allowed
+        data = data[3:]
+    try:
+        text = data.decode("utf-8")  # lines end with \n, \r\n or \r, like Soup's
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{path} is not UTF-8 text (byte {exc.start})") from exc
+        line, column = _line_of(data, exc.start)
+        raise ValueError(f"line {line}: not UTF-8 text (byte 0x{data[exc.start]:02x} at byte column {column})") \
+            from exc
     rows = 0
     for number, line in enumerate(text.replace("\r\n", "\n").replace("\r", "\n").split("\n"), 1):
         if not line.strip():
@@ -52,6 +63,7 @@ def validate_dataset(path) -> None:
         rows += 1
     if rows == 0:
         raise ValueError(f"{path} is empty (no rows)")
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,11 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m workload.data.validate FILE", file=sys.stderr)
         return 2
     try:
-        validate_dataset(args[0])
+        rows = validate_dataset(args[0])
     except ValueError as exc:
         print(f"invalid: {exc}", file=sys.stderr)
         return 1
-    print(f"ok: {args[0]}")
+    print(f"ok: {args[0]} ({rows} rows)")
     return 0
 
 
