@@ -10,14 +10,17 @@
 # runs/variants-t4/variants.md, ~14 more runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# One GPU: on Kaggle's "GPU T4 x2" the Trainer would otherwise spread the run over both cards
+# (another workload than the challenge's one T4), for baseline and solution alike.
+export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
 python3 -m pip install -q --no-build-isolation -e ".[workload,test]"
 python3 -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU tests failed (see above); comparison continues"
 rc=0
 python3 -m bench.compare "$@" || rc=$?  # non-zero when a rule check fails: the report says which
 # The solution's host-split pass logged which of our kernels Triton compiled (bench/compile_log.py):
-# keep them in solution/kernels/compile_manifest.json, so that SOLUTION_PRECOMPILE=1 can compile them
-# in the background on this GPU type next time (commit the file to keep it; solution/precompile.py).
+# keep them in solution/kernels/compile_manifest.json, so that the background precompile (on by
+# default) has this GPU's records too next time (commit the file to keep it; solution/precompile.py).
 log=$(ls -t runs/*/solution-hostsplit/compiles.json 2>/dev/null | head -1 || true)
 if [ -n "$log" ]; then python3 -m solution.precompile add "$log" || true; fi
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
