@@ -303,6 +303,31 @@ def qlora_tiny_model(model_dir):
     return model.train()
 
 
+def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None):
+    """One training forward + backward of qlora_tiny_model (``setup(model)`` first, if given) on
+    the same seed, stock or with every patch (solution.apply()): (loss, LoRA gradients, the CUDA
+    generator's offset after the step)."""
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+
+    solution.revert()
+    if patched:
+        assert "qwen2_unpad" in solution.apply(verbose=False)
+    try:
+        model = qlora_tiny_model(model_dir)
+        if setup is not None:
+            setup(model)
+        torch.manual_seed(0)
+        torch.cuda.manual_seed(0)
+        with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        out.loss.backward()
+        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        return out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()
+    finally:
+        solution.revert()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("attention", ["padded", "varlen", "triton"])
 def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, attention):
@@ -316,9 +341,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
     Triton kernel (solution/kernels/attn_triton.py)."""
     if device != "cuda":
         pytest.skip("bitsandbytes 4-bit needs CUDA")
-    import solution
     from solution.kernels import _launches
-    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
     from workload.model_standin import write_standin
 
     monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1" if attention == "varlen" else "0")
@@ -326,25 +349,9 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 
-    def run(patched: bool):
-        solution.revert()
-        if patched:
-            assert "qwen2_unpad" in solution.apply(verbose=False)
-        try:
-            model = qlora_tiny_model(model_dir)
-            torch.manual_seed(0)
-            torch.cuda.manual_seed(0)
-            with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
-                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-            out.loss.backward()
-            grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-            return out.loss.detach().float(), grads
-        finally:
-            solution.revert()
-
-    loss_s, grads_s = run(False)
+    loss_s, grads_s, _ = _qlora_step(model_dir, ids, mask, labels, patched=False)
     _launches.reset()
-    loss_o, grads_o = run(True)
+    loss_o, grads_o, _ = _qlora_step(model_dir, ids, mask, labels, patched=True)
     assert _launches.LAUNCHES["nf4_dequant_cast"] > 0
     assert (_launches.LAUNCHES["efficient_attention_varlen"] > 0) == (attention == "varlen")
     assert (_launches.LAUNCHES["_attn_fwd_kernel"] > 0) == (attention == "triton")
@@ -425,35 +432,18 @@ def test_qlora_gradient_checkpointing_matches_stock_gpu(device, tmp_path, monkey
     gradients within the fp16 tolerances of test_qlora_model_packed_matches_stock_gpu."""
     if device != "cuda":
         pytest.skip("bitsandbytes 4-bit needs CUDA")
-    import solution
-    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
     from workload.model_standin import write_standin
 
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 
-    def run(patched: bool):
-        solution.revert()
-        if patched:
-            assert "qwen2_unpad" in solution.apply(verbose=False)
-        try:
-            model = qlora_tiny_model(model_dir)
-            # what prepare_model_for_kbit_training(use_gradient_checkpointing=True) adds
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-            model.enable_input_require_grads()
-            model.train()
-            torch.manual_seed(0)
-            torch.cuda.manual_seed(0)
-            with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
-                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-            out.loss.backward()
-            grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-            return out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()
-        finally:
-            solution.revert()
+    def checkpointed(model):  # what prepare_model_for_kbit_training(use_gradient_checkpointing=True) adds
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.enable_input_require_grads()
+        model.train()
 
-    loss_s, grads_s, off_s = run(False)
-    loss_o, grads_o, off_o = run(True)
+    loss_s, grads_s, off_s = _qlora_step(model_dir, ids, mask, labels, patched=False, setup=checkpointed)
+    loss_o, grads_o, off_o = _qlora_step(model_dir, ids, mask, labels, patched=True, setup=checkpointed)
     assert off_o == off_s
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
