@@ -85,11 +85,16 @@ class VarlenCausalAttention(torch.autograd.Function):
 
 def rows_reference(q, k, v, lengths, scale):
     """The same result row by row with F.scaled_dot_product_attention (any device; differentiable).
-    q, k, v [1, N, H, D] -> [1, N, H, D]."""
+    q, k, v [1, N, H, D] -> [1, N, H, D].
+    With the boolean causal mask, as stock passes for a right-padded batch, not ``is_causal``: on
+    the CPU, SDPA's is_causal kernel returns 0 for a query whose scores are all NaN where the masked
+    call (stock's) returns NaN (issue 16; finite results are the same bits, tests/test_overflow.py)."""
     outs = []
     for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1)):
+        n = qi.shape[1]
+        causal = torch.ones(n, n, dtype=torch.bool, device=qi.device).tril()
         o = F.scaled_dot_product_attention(qi.transpose(1, 2), ki.transpose(1, 2), vi.transpose(1, 2),
-                                           is_causal=True, scale=scale)
+                                           attn_mask=causal, scale=scale)
         outs.append(o.transpose(1, 2))
     return torch.cat(outs, dim=1)
 

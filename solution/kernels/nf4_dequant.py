@@ -103,11 +103,13 @@ def _nf4_level(packed, SHIFT: tl.constexpr):
 def _to_fp16(p, ROUND_BF16: tl.constexpr):
     """Round the fp32 products to fp16 (round-to-nearest-even), optionally through bf16."""
     if ROUND_BF16:
-        # fp32 -> bf16 round-to-nearest-even with integer ops (values are finite), then the
-        # exact bf16 -> fp16 cast below: reproduces dequantize_4bit(bf16 state).to(fp16).
+        # fp32 -> bf16 round-to-nearest-even with integer ops, then the exact bf16 -> fp16 cast
+        # below: reproduces dequantize_4bit(bf16 state).to(fp16). Finite values and infs round
+        # right; a NaN is kept as it is (issue 16): the integer add would carry its payload into
+        # the exponent / sign (0x7FFFFFFF, the GPU's NaN of inf * 0, would become -0.0).
         bits = p.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        p = bits.to(tl.float32, bitcast=True)
+        p = tl.where(p != p, p, bits.to(tl.float32, bitcast=True))
     return p.to(tl.float16)
 
 

@@ -1,0 +1,1163 @@
+"""Issue 16, "Overflow behaves as stock": every kernel passes infs and NaNs on exactly as the stock op
+it replaces, so that fp16 training with a GradScaler skips the same optimizer steps as the baseline.
+
+The property (``assert_like_stock``): wherever stock's result is NaN, ours is NaN; wherever stock's
+is +inf / -inf, ours is +inf / -inf (same sign); wherever stock's is finite, ours is finite, and the
+finite values agree within the tolerance the op's own test file uses (relative L2 error over the
+finite positions, tests.conftest.rel_err). "NaN where stock has inf" (or the reverse) is never
+accepted: no op needed it (NaN against inf would be acceptable only where stock's own result
+depends on a summation order). Every test also checks that its inputs really reach non-finite
+stock results (``expect_nonfinite``), so a test cannot pass by never overflowing.
+
+Inputs, per op, at small odd shapes, through the autograd Function / launcher the patches call:
++inf, -inf, NaN, +-65504 (the fp16 limit), values whose square / product overflows fp16 (300 * 300,
+65504 * 2) and fp32 values that round to inf when cast to fp16 (70000, 65520) or to 65504 (65519);
+and upstream gradients that hold inf / NaN / values whose product with a weight overflows fp16.
+The stock side is the module or function the kernel replaces, with the same dtype flow:
+  rmsnorm       rmsnorm()                     Qwen2RMSNorm's stock forward (fp32 inside)
+  add_rmsnorm   add_rmsnorm()                 residual + x, then Qwen2RMSNorm's stock forward
+  rope          rope()                        transformers' apply_rotary_pos_emb
+  swiglu        swiglu(g, u, inplace_backward=True) (the Qwen2MLP patch's call), fp16 under autocast
+                and fp32; swiglu_*_fp16_of_fp32 (the fused NF4 MLP's)   F.silu(g) * u, stock fp32
+  fp32_add      add_as_fp32 / residual_add   torch's promoted add and its autograd
+  attn_layout   pad_heads / unpad_heads      index_copy into zeros + repeat_kv + autocast's cast
+  attn_varlen   varlen_causal_attention      stock SDPA on the padded batch (causal + key padding
+                                              mask, as transformers passes it)
+  nf4_dequant   dequantize_nf4, DequantPlan.launch casts   bitsandbytes dequantize_4bit, torch casts,
+                                                            torch.native_dropout's value
+  nf4_linear    bnb Linear4bit with the bnb_linear4bit patch   bnb's own Linear4bit.forward
+  lora_nf4      peft lora.bnb.Linear4bit with the patches      peft + bnb, under fp16 autocast
+  nf4_mlp       Qwen2MLP with the bnb_linear4bit + qwen2_mlp patches   stock Qwen2MLP on bnb NF4
+  lm_head_loss  fused_lm_head_loss (as the patch calls it)   F.linear in fp16 + ForCausalLMLoss
+On the CPU the NF4 stock side is bitsandbytes itself (its CPU dequantization, on shapes where its
+CPU kernel is right: tests/test_nf4_dequant.py), as in the op's own tests.
+
+All of the above run on the ``device`` fixture: Triton's CPU interpreter here, the GPU on the GPU
+machine. The whole stack, on the tiny QLoRA model (tests/test_unpad.py's qlora_tiny_model):
+  * GPU only (marked gpu; CUDA graphs): the graphed decoder against eager and stock on batches
+    whose hidden states overflow in layer 0 (one token's) and batches without: the same
+    parameters get non-finite gradients, step by step;
+  * an fp16 training loop with torch.amp.GradScaler(init_scale=2**40), stock against
+    solution.apply(), the same seeds and batches: the same steps skipped, the same scale after
+    every step. Marked gpu; a shorter CPU version (bitsandbytes on the CPU, the interpreter) is
+    marked slow (~1.5 min).
+
+Found and fixed here (issue 16): nf4_dequant's bf16 rounding (bnb's backward chain for bf16
+states) turned a NaN with a full payload (0x7FFFFFFF, what NVIDIA GPUs produce) into -0.0;
+attn_varlen's CPU path (rows_reference) used SDPA's is_causal, whose CPU kernel gives 0 for a query
+row of NaN scores where stock's masked SDPA gives NaN.
+Known mismatches, left (each an xfail(strict=True) test with its reason, so it fails loudly the
+day it is fixed): the LM head's backward does not overflow where stock's fp16 logit gradient does
+(large GradScaler factors), and makes ignored rows NaN under an inf / NaN upstream gradient;
+RMSNorm's backward of fp32 inputs beyond 1.7e38.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import rel_err
+
+pytestmark = [
+    # Triton's interpreter computes with numpy, which warns on every inf / NaN it meets
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:divide by zero encountered:RuntimeWarning"),
+]
+
+F16, F32 = torch.float16, torch.float32
+INF, NAN = float("inf"), float("nan")
+FP16_MAX = 65504.0
+EPS = 1e-6
+
+
+# --------------------------------------------------------------------------------------------------
+# The comparison
+# --------------------------------------------------------------------------------------------------
+_NAMES = {0: "finite", 1: "nan", 2: "+inf", 3: "-inf"}
+
+
+def classes(t: torch.Tensor) -> torch.Tensor:
+    """Per element: 0 finite, 1 NaN, 2 +inf, 3 -inf."""
+    t = t.detach().cpu().double()
+    c = torch.zeros(t.shape, dtype=torch.int8)
+    c[torch.isnan(t)] = 1
+    c[torch.isposinf(t)] = 2
+    c[torch.isneginf(t)] = 3
+    return c
+
+
+def assert_like_stock(ours, stock, tol, what, *, expect_nonfinite=False, exact=False):
+    """ours has stock's non-finite values at stock's positions (NaN as NaN, +-inf with stock's
+    sign) and is within ``tol`` (relative L2, or bit for bit with ``exact``) of stock elsewhere.
+    expect_nonfinite: stock must have at least one non-finite value (the inputs reach it).
+    Returns the number of non-finite positions."""
+    assert ours is not None and stock is not None, what
+    assert ours.shape == stock.shape, (what, ours.shape, stock.shape)
+    assert ours.dtype == stock.dtype, (what, ours.dtype, stock.dtype)
+    co, cs = classes(ours), classes(stock)
+    same = co == cs
+    if not bool(same.all()):
+        bad = (~same).nonzero()
+        first = [(tuple(i.tolist()), _NAMES[int(co[tuple(i)])], _NAMES[int(cs[tuple(i)])]) for i in bad[:6]]
+        raise AssertionError(f"{what}: {bad.shape[0]} of {same.numel()} positions differ from stock "
+                             f"(index, ours, stock): {first}")
+    fin = cs == 0
+    o, s = ours.detach().cpu()[fin], stock.detach().cpu()[fin]
+    if exact:
+        assert torch.equal(o, s), f"{what}: finite values differ (max {(o.double() - s.double()).abs().max()})"
+    else:
+        err = rel_err(o, s)
+        assert err < tol, f"{what}: finite values rel. error {err:.3g} >= {tol}"
+    if expect_nonfinite:
+        assert bool((cs != 0).any()), f"{what}: the inputs never reach a non-finite stock result"
+    return int((cs != 0).sum())
+
+
+# --------------------------------------------------------------------------------------------------
+# RMSNorm (solution/kernels/rmsnorm.py) against Qwen2RMSNorm's stock forward
+# --------------------------------------------------------------------------------------------------
+modeling_qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
+STOCK_NORM_FORWARD = modeling_qwen2.Qwen2RMSNorm.forward  # read at import, before any patch
+STOCK_ROPE = modeling_qwen2.apply_rotary_pos_emb
+
+
+def stock_norm(h, w):
+    """Qwen2RMSNorm's stock forward with weight w (a tensor of the caller's graph)."""
+    m = modeling_qwen2.Qwen2RMSNorm(h.shape[-1], eps=EPS)
+    del m.weight
+    m.weight = w
+    return STOCK_NORM_FORWARD(m, h)
+
+
+def norm_tol(*dtypes) -> float:
+    """tests/test_rmsnorm.py's and tests/test_add_rmsnorm.py's tolerances."""
+    return 2e-3 if F16 in dtypes else 1e-5
+
+
+def special_rows(rows, cols, dtype, seed, scale=2.0, fp32_extremes=True):
+    """[rows, cols] random values with special rows (rows >= 9):
+    1: one +inf; 2: one -inf; 3: one NaN; 4: +65504 and -65504; 5: all 300 (300^2 overflows fp16);
+    6: all +-65504 (mean square 4.3e9); 7: +inf and -inf; 8 (fp32 only): 70000 and -1e5 (beyond
+    fp16's range, fine in fp32). Row 0 and the others: plain values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * scale + 0.3
+    x[1, 3] = INF
+    x[2, 5 % cols] = -INF
+    x[3, 0] = NAN
+    x[4, 1], x[4, 2] = FP16_MAX, -FP16_MAX
+    x[5] = 300.0
+    x[6] = FP16_MAX * torch.where(torch.rand(cols, generator=g) < 0.5, -1.0, 1.0)
+    x[7, 4], x[7, 6 % cols] = INF, -INF
+    if dtype == F32 and fp32_extremes:
+        x[8, 0], x[8, 2] = 70000.0, -1e5
+    return x.to(dtype)
+
+
+def special_grads(rows, cols, dtype, seed, big=6.0e4):
+    """Upstream gradients: random with one +inf (row 1), one -inf (row 2), one NaN (row 3), a row of
+    ``big`` (row 5: big * weight overflows fp16) and one 65504 (row 0)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(rows, cols, generator=g)
+    t[1, 2] = INF
+    t[2, 7 % cols] = -INF
+    t[3, 1] = NAN
+    t[5] = big
+    t[0, 4] = FP16_MAX
+    return t.to(dtype)
+
+
+NORM_DTYPES = [(F32, F32), (F16, F32), (F16, F16)]  # (x, weight); the first is the workload's
+
+
+@pytest.fixture(params=["default", "one_row"])
+def norm_tiling(request, monkeypatch):
+    """The launcher's default tiles (on the interpreter: one tile of many rows) and the GPU's one
+    row per program: a NaN must stay in its row either way."""
+    from solution.kernels import rmsnorm as rmsnorm_mod
+
+    if request.param == "one_row":
+        monkeypatch.setattr(rmsnorm_mod, "GPU_TILE_ELEMS", 0)
+        monkeypatch.setattr(rmsnorm_mod, "INTERP_TILE_ELEMS", 0)
+    return request.param
+
+
+@pytest.mark.parametrize("case", ["x", "grad", "both"])
+@pytest.mark.parametrize("x_dtype,w_dtype", NORM_DTYPES)
+def test_rmsnorm(device, norm_tiling, x_dtype, w_dtype, case):
+    from solution.kernels.rmsnorm import rmsnorm
+
+    rows, hidden = 11, 37
+    out_dtype = torch.promote_types(x_dtype, w_dtype)
+    g = torch.Generator().manual_seed(2)
+    x = (special_rows(rows, hidden, x_dtype, seed=1) if case != "grad"
+         else (torch.randn(rows, hidden, generator=g) * 2).to(x_dtype)).to(device)
+    gy = (special_grads(rows, hidden, out_dtype, seed=3) if case != "x"
+          else torch.randn(rows, hidden, generator=g).to(out_dtype)).to(device)
+    w0 = (1.0 + 0.5 * torch.randn(hidden, generator=g)).to(device=device, dtype=w_dtype)
+    results = []
+    for fn in (lambda t, w: rmsnorm(t, w, EPS), stock_norm):
+        xx, ww = x.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+        y = fn(xx, ww)
+        dx, dw = torch.autograd.grad(y, (xx, ww), gy)
+        results.append((y, dx, dw))
+    (y, dx, dw), (ys, dxs, dws) = results
+    t = norm_tol(x_dtype, w_dtype)
+    n = assert_like_stock(y, ys, t, "y", expect_nonfinite=case != "grad")
+    n += assert_like_stock(dx, dxs, t, "dx", expect_nonfinite=True)
+    assert_like_stock(dw, dws, t, "dw", expect_nonfinite=True)
+    assert n < 2 * rows * hidden  # non-finite rows stay rows: finite values are left to compare
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known, left: fp32 inputs beyond 1.7e38. Stock's autograd of h.pow(2) computes grad * (2 * h), and "
+    "2 * h overflows fp32 to inf, times the zero gradient of an rstd that underflowed to 0: NaN. Our backward "
+    "forms xhat = h * rstd = 0 first and gives 0. Unreachable in the workload (the fp32 residual stream is "
+    "the embedding plus fp16-valued layer outputs, |h| < 1e7); matching it would reorder the finite math."))
+def test_rmsnorm_fp32_beyond_1e38(device):
+    from solution.kernels.rmsnorm import rmsnorm
+
+    x = torch.randn(3, 8)
+    x[1, 2] = 3.0e38
+    x, w, g = x.to(device), torch.full((8,), 1.5, device=device), torch.randn(3, 8).to(device)
+    res = []
+    for fn in (lambda t, w: rmsnorm(t, w, EPS), stock_norm):
+        xx = x.clone().requires_grad_()
+        res.append(torch.autograd.grad(fn(xx, w), xx, g)[0])
+    assert_like_stock(res[0], res[1], 1e-5, "dx", expect_nonfinite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Residual add + RMSNorm (solution/kernels/add_rmsnorm.py): h = residual + x, y = norm(h)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["inputs", "grads", "both"])
+@pytest.mark.parametrize("r_dt,x_dt,w_dt", [(F32, F16, F32), (F32, F32, F32), (F16, F16, F32)])
+def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
+    from solution.kernels.add_rmsnorm import add_rmsnorm
+
+    rows, hidden = 11, 37
+    h_dt = torch.promote_types(r_dt, x_dt)
+    y_dt = torch.promote_types(h_dt, w_dt)
+    g = torch.Generator().manual_seed(4)
+    if case != "grads":
+        r = special_rows(rows, hidden, r_dt, seed=5)
+        x = special_rows(rows, hidden, x_dt, seed=6, scale=1.0)  # 65504 + 65504: inf only if h is fp16
+        x[2, 5 % hidden] = INF  # +inf + -inf at one position of row 2: NaN
+    else:
+        r, x = (torch.randn(rows, hidden, generator=g) * 2).to(r_dt), torch.randn(rows, hidden, generator=g).to(x_dt)
+    if case != "inputs":
+        gy = special_grads(rows, hidden, y_dt, seed=7)
+        gh = special_grads(rows, hidden, h_dt, seed=8, big=FP16_MAX)  # 65504 + the norm's gradient
+        gh[4, 3] = -INF
+    else:
+        gy, gh = torch.randn(rows, hidden, generator=g).to(y_dt), torch.randn(rows, hidden, generator=g).to(h_dt)
+    r, x, gy, gh = (t.to(device) for t in (r, x, gy, gh))
+    w0 = (1.0 + 0.5 * torch.randn(hidden, generator=g)).to(device=device, dtype=w_dt)
+    results = []
+    for impl in ("ours", "stock"):
+        rr, xx, ww = (t.detach().clone().requires_grad_() for t in (r, x, w0))
+        if impl == "ours":
+            h, y = add_rmsnorm(rr, xx, ww, EPS)
+        else:
+            h = rr + xx
+            y = stock_norm(h, ww)
+        results.append((h, y, *torch.autograd.grad((h, y), (rr, xx, ww), (gh, gy))))
+    t = norm_tol(r_dt, x_dt, w_dt)
+    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *results):
+        assert_like_stock(a, b, t, name, exact=name == "h", expect_nonfinite=name not in ("h", "y") or case != "grads")
+
+
+# --------------------------------------------------------------------------------------------------
+# RoPE (solution/kernels/rope.py) against apply_rotary_pos_emb
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("case", ["inputs", "grads"])
+@pytest.mark.parametrize("qk_dt,cs_dt", [(F32, F32), (F16, F16), (F16, F32)])
+def test_rope(device, qk_dt, cs_dt, case):
+    from solution.kernels.rope import rope
+    from tests.test_rope import projection_layout, qwen2_cos_sin
+
+    torch.manual_seed(9)
+    B, Hq, Hk, L, D = 2, 3, 1, 5, 16
+    q = projection_layout(B, Hq, L, D, qk_dt, device)  # the projections' view + transpose layout
+    k = projection_layout(B, Hk, L, D, qk_dt, device)
+    cos, sin = qwen2_cos_sin(B, L, D, cs_dt, device)
+    out_dt = torch.promote_types(qk_dt, cs_dt)
+    gq, gk = torch.randn(q.shape, device=device).to(out_dt), torch.randn(k.shape, device=device).to(out_dt)
+    with torch.no_grad():
+        if case == "inputs":
+            q[0, 0, 0, 1] = INF          # position 0: sin = 0, so inf * 0 = NaN in the rotated half
+            q[0, 1, 2, 9] = -INF
+            q[1, 2, 3, 0] = NAN
+            q[1, 0, 4, :] = FP16_MAX     # 65504 * cos + 65504 * sin > 65504: inf in fp16 only
+            k[0, 0, 3, 2], k[0, 0, 3, 10] = INF, -INF
+            k[1, 0, 1, :] = -FP16_MAX
+        else:
+            gq[0, 0, 1, 1], gq[0, 1, 2, 12], gq[1, 2, 0, 3] = INF, -INF, NAN
+            gq[1, 1, 4, :] = FP16_MAX
+            gk[0, 0, 2, 5], gk[1, 0, 3, :] = NAN, -FP16_MAX
+    res = []
+    for fn in (rope, STOCK_ROPE):
+        qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+        qo, ko = fn(qq, kk, cos, sin)
+        res.append((qo, ko, *torch.autograd.grad((qo, ko), (qq, kk), (gq, gk))))
+    for name, a, b in zip(("q_embed", "k_embed", "dq", "dk"), *res):
+        # the kernel rounds where stock rounds (bit for bit on finite inputs): exact here too
+        assert_like_stock(a, b, 0.0, name, exact=True, expect_nonfinite=(name in ("q_embed", "k_embed")) == (case == "inputs"))
+
+
+# --------------------------------------------------------------------------------------------------
+# SwiGLU (solution/kernels/swiglu.py)
+# --------------------------------------------------------------------------------------------------
+def swiglu_inputs(rows, cols, dtype, device, case, seed=10):
+    """g, u, dh with: g = +-inf / NaN (silu(-inf) = -inf / inf = NaN in stock), +-65504, -300
+    (silu = -0), 300 with u = 300 (the product overflows fp16), u = inf with g = 0 (0 * inf);
+    dh = inf / NaN, and 6e4 against u = 6e4 (dh * u overflows fp16)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(rows, cols, generator=gen) * 3
+    u = torch.randn(rows, cols, generator=gen)
+    dh = torch.randn(rows, cols, generator=gen)
+    if case in ("inputs", "both"):
+        g[0, :6] = torch.tensor([INF, -INF, NAN, FP16_MAX, -FP16_MAX, -300.0])
+        g[1, :3], u[1, :3] = 300.0, 300.0
+        g[2, 0], u[2, 0] = 0.0, INF
+        u[2, 5], u[2, 6], u[3, 1] = -INF, NAN, FP16_MAX
+    if case in ("grads", "both"):
+        dh[4, 0], dh[4, 3], dh[5, 2] = INF, NAN, -INF
+        dh[6, :4], u[6, :4] = 6.0e4, 6.0e4
+        dh[6, 5], g[6, 5] = FP16_MAX, 20.0  # dg = dh * u * s * (1 + g (1 - s)): fp32 inside
+    return tuple(t.to(dtype).to(device) for t in (g, u, dh))
+
+
+def _swiglu_tol(dtype):
+    """tests/test_swiglu.py: bitwise with the table; the interpreter's numpy exp may move an fp16
+    result by one ulp, ~5e-4 relative; fp32 a few roundings."""
+    return 2e-3 if dtype == F16 else 1e-6
+
+
+@pytest.mark.parametrize("case", ["inputs", "grads", "both"])
+@pytest.mark.parametrize("dtype,silu_mode", [(F16, "auto"), (F16, "table"), (F16, "compute"), (F32, "auto")])
+def test_swiglu(device, monkeypatch, dtype, silu_mode, case):
+    """The Qwen2MLP patch's call, swiglu(g, u, inplace_backward=True) on non-leaf g / u, against
+    ``act_fn(g) * u`` (fp16 GEMM outputs under autocast, where silu and mul run in fp16; fp32 when
+    bnb hands back fp32). fp16 in each of tests/test_swiglu.py's silu modes (auto: exhaustive check,
+    then compute or table; table: torch's own fp16 silu; compute forced)."""
+    import solution.kernels.swiglu as sw
+    from solution.kernels import _launches
+    from solution.kernels.swiglu import swiglu
+
+    monkeypatch.setattr(sw, "SILU_MODE", silu_mode)
+    g0, u0, dh = swiglu_inputs(13, 37, dtype, device, case)
+    res = []
+    for impl in ("ours", "stock"):
+        gl, ul = g0.detach().clone().requires_grad_(), u0.detach().clone().requires_grad_()
+        before = _launches.LAUNCHES["swiglu_bwd"]
+        with torch.autocast(device_type=device, dtype=F16, enabled=dtype == F16):
+            g, u = gl * 1, ul * 1  # non-leaf, as the projections' outputs: the in-place backward runs
+            h = swiglu(g, u, inplace_backward=True) if impl == "ours" else F.silu(g) * u
+        res.append((h, *torch.autograd.grad(h, (gl, ul), dh)))
+        assert (_launches.LAUNCHES["swiglu_bwd"] == before + 1) == (impl == "ours")  # not the fallback
+    t = _swiglu_tol(dtype)
+    for name, a, b in zip(("h", "dg", "du"), *res):
+        assert_like_stock(a, b, t, name, expect_nonfinite=name != "h" or case != "grads")
+
+
+@pytest.mark.parametrize("case", ["inputs", "grads", "both"])
+def test_swiglu_fp16_of_fp32(device, case):
+    """The fused NF4 MLP's SwiGLU (FP32_STOCK): fp16 storage of stock's fp32 tensors; stock is
+    silu(fp32 g) * fp32 u with fp32 autograd, cast to fp16 where the next fp16 GEMM casts."""
+    from solution.kernels import swiglu as sw
+
+    g16, u16, dh16 = swiglu_inputs(13, 37, F16, device, case)
+    h = sw.swiglu_fp16_of_fp32(g16, u16)
+    dg, du = torch.empty_like(g16), torch.empty_like(u16)
+    sw.swiglu_backward_fp16_of_fp32(dh16, g16, u16, dg, du)
+    g32, u32 = g16.float().requires_grad_(), u16.float().requires_grad_()
+    h32 = F.silu(g32) * u32
+    dg32, du32 = torch.autograd.grad(h32, (g32, u32), dh16.float())
+    for name, a, b in (("h", h, h32.half()), ("dg", dg, dg32.half()), ("du", du, du32.half())):
+        assert_like_stock(a, b, 2e-3, name, expect_nonfinite=name != "h" or case != "grads")
+
+
+# --------------------------------------------------------------------------------------------------
+# fp32 sums (solution/kernels/fp32_add.py)
+# --------------------------------------------------------------------------------------------------
+def test_fp32_add(device):
+    from solution.kernels import _launches, fp32_add
+
+    n = 1000 + 3
+    gen = torch.Generator().manual_seed(11)
+    a = torch.randn(n, generator=gen) * 100
+    b = torch.randn(n, generator=gen)
+    a[:6] = torch.tensor([INF, -INF, NAN, 3.0e38, FP16_MAX, INF])
+    b[:6] = torch.tensor([-INF, 1.0, 2.0, 3.0e38, FP16_MAX, INF])  # inf - inf, fp32 overflow, 131008
+    for a_dt, b_dt in ((F16, F16), (F32, F16), (F32, F32)):
+        aa, bb = a.to(a_dt).to(device), b.to(b_dt).to(device)
+        before = _launches.LAUNCHES["fp32_add_kernel"]
+        ours = fp32_add.add_as_fp32(aa, bb)
+        assert _launches.LAUNCHES["fp32_add_kernel"] == before + 1  # the kernel, not torch's fallback
+        assert_like_stock(ours, aa.float() + bb.float(), 0.0, f"{a_dt}+{b_dt}", exact=True, expect_nonfinite=True)
+
+
+def test_residual_add(device):
+    """residual (fp32) + fp16 MLP output and its autograd: the fp16 operand's gradient is the fp32
+    gradient rounded to fp16 (7e4 -> inf)."""
+    from solution.kernels import _launches, fp32_add
+
+    gen = torch.Generator().manual_seed(12)
+    res = torch.randn(3, 5, 64, generator=gen)
+    y = torch.randn(3, 5, 64, generator=gen)
+    dout = torch.randn(3, 5, 64, generator=gen)
+    res[0, 0, :3] = torch.tensor([INF, NAN, 1e30])
+    y[0, 0, :4] = torch.tensor([-INF, 1.0, FP16_MAX, INF])
+    dout[1, 1, :5] = torch.tensor([7.0e4, -7.0e4, INF, NAN, 65519.0])
+    res, y, dout = res.to(device), y.half().to(device), dout.to(device)
+    out = []
+    for fn in (fp32_add.residual_add, torch.add):
+        r, yy = res.clone().requires_grad_(), y.clone().requires_grad_()
+        before = _launches.LAUNCHES["fp32_add_kernel"]
+        o = fn(r, yy)
+        assert (_launches.LAUNCHES["fp32_add_kernel"] == before + 1) == (fn is fp32_add.residual_add)
+        out.append((o, *torch.autograd.grad(o, (r, yy), dout)))
+    for name, a, b in zip(("out", "dres", "dy"), *out):
+        assert_like_stock(a, b, 0.0, name, exact=True, expect_nonfinite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Attention layout moves (solution/kernels/attn_layout.py) and variable-length attention
+# (solution/kernels/attn_varlen.py)
+# --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("in_dtype,out_dtype", [(F32, F16), (F16, F16), (F32, F32)])
+def test_attn_pad_heads(device, in_dtype, out_dtype):
+    """pad_heads (pad + repeat_kv + autocast's cast): 70000 -> inf and 65519 -> 65504 in the cast,
+    inf / NaN copied; backward: the fp32 sum over each group of repeated heads (+inf + -inf = NaN,
+    65504 + 65504 = 131008, inf again when rounded to fp16)."""
+    from solution.kernels import attn_layout
+    from solution.step import packing
+    from tests.test_attn_layout import _reference_pad
+
+    lengths, seqlen, heads, rep, d = [5, 2, 7], 7, 2, 3, 16
+    info = packing.make_unpadded(lengths, seqlen, torch.device(device))
+    n = sum(lengths)
+    gen = torch.Generator().manual_seed(13)
+    rows = torch.randn(n, heads, d, generator=gen)
+    rows[0, 0, :5] = torch.tensor([INF, -INF, NAN, 70000.0, 65519.0])
+    rows[6, 1, :] = -FP16_MAX
+    rows = rows.to(in_dtype).to(device)
+    grad = torch.randn(len(lengths), heads * rep, seqlen, d, generator=gen)
+    grad[0, 0, 1, 0], grad[0, 1, 1, 0] = INF, -INF         # one group: +inf + -inf
+    grad[1, 3, 0, 2], grad[1, 4, 0, 2] = FP16_MAX, FP16_MAX  # 131008: inf only in fp16
+    grad[2, 5, 3, 7] = NAN
+    grad = grad.to(out_dtype).to(device)
+    res = []
+    for fn in (attn_layout.pad_heads, _reference_pad):
+        x = rows.clone().requires_grad_()
+        out = fn(x, info, rep, out_dtype)
+        res.append((out, torch.autograd.grad(out, x, grad)[0]))
+    assert_like_stock(res[0][0], res[1][0], 0.0, "padded", exact=True, expect_nonfinite=True)
+    assert_like_stock(res[0][1], res[1][1], 1e-6, "d_rows", expect_nonfinite=True)
+
+
+def test_attn_unpad_heads(device):
+    from solution.kernels import attn_layout
+    from solution.step import packing
+
+    lengths, seqlen, heads, d = [4, 6], 6, 3, 16
+    info = packing.make_unpadded(lengths, seqlen, torch.device(device))
+    gen = torch.Generator().manual_seed(14)
+    out = torch.randn(2, seqlen, heads, d, generator=gen)
+    out[0, 1, 2, :3] = torch.tensor([INF, NAN, -INF])
+    out[0, 5, 0, 0] = NAN  # a pad position: dropped
+    g = torch.randn(sum(lengths), heads, d, generator=gen)
+    g[3, 1, :2] = torch.tensor([INF, NAN])
+    out, g = out.half().to(device).transpose(1, 2), g.half().to(device)
+    res = []
+    for fn in (attn_layout.unpad_heads,
+               lambda t, i: packing.unpad_rows(t.transpose(1, 2).reshape(2 * seqlen, heads, d), i)):
+        x = out.clone().requires_grad_()
+        o = fn(x, info)
+        res.append((o, torch.autograd.grad(o, x, g)[0]))
+    assert_like_stock(res[0][0], res[1][0], 0.0, "rows", exact=True, expect_nonfinite=True)
+    assert_like_stock(res[0][1], res[1][1], 0.0, "d_padded", exact=True, expect_nonfinite=True)
+
+
+def _stock_padded_attention(q, k, v, lengths, scale):
+    """What stock runs: q / k / v [1, N, H, D] scattered into the padded [B, H, S, D] batch (pad
+    positions hold finite values, here zeros), SDPA with the boolean causal + key-padding mask
+    transformers builds for a right-padded batch, the real rows of the output."""
+    from solution.step import packing
+
+    b, s = len(lengths), max(lengths)
+    info = packing.make_unpadded(list(lengths), s, q.device)
+
+    def to_padded(t):
+        return packing.pad_rows(t[0], info).view(b, s, t.shape[2], t.shape[3]).transpose(1, 2)
+
+    pos = torch.arange(s, device=q.device)
+    real = pos[None, :] < torch.tensor(lengths, device=q.device)[:, None]  # [B, S] keys
+    mask = (pos[None, :] <= pos[:, None])[None, None] & real[:, None, None, :]
+    out = F.scaled_dot_product_attention(to_padded(q), to_padded(k), to_padded(v), attn_mask=mask, scale=scale)
+    return packing.unpad_rows(out.transpose(1, 2).reshape(b * s, q.shape[2], q.shape[3]), info).unsqueeze(0)
+
+
+@pytest.mark.parametrize("dtype", [F16, F32])
+@pytest.mark.parametrize("case", ["inputs", "grads"])
+def test_attn_varlen(device, dtype, case):
+    """Causal attention of packed rows (the GPU: PyTorch's variable-length kernel; the CPU: SDPA
+    row by row) against stock's padded SDPA: a NaN query, an inf key and a -inf value in the first
+    row must poison exactly what they poison in stock (never the other rows); gradients with inf /
+    NaN upstream likewise.
+    Accepted as "NaN or inf": none. Values: fp16 kernels with fp32 accumulation in another order,
+    tests/test_attn_varlen.py's 2e-3 (fp16) / 1e-5 (fp32)."""
+    from solution.kernels import attn_varlen
+    from solution.step import packing
+
+    lengths, heads, d = [7, 12, 1, 5], 2, 16
+    n = sum(lengths)
+    info = packing.make_unpadded(lengths, max(lengths), torch.device(device))
+    gen = torch.Generator().manual_seed(15)
+    q, k, v = (torch.randn(1, n, heads, d, generator=gen) for _ in range(3))
+    dout = torch.randn(1, n, heads, d, generator=gen)
+    if case == "inputs":
+        q[0, 3, 0, 2] = NAN            # row 0, query 3, head 0
+        k[0, 9, 1, 0] = INF            # row 1, key 2 (of 12), head 1
+        v[0, 15, 0, 4] = -INF          # row 1, key 8, head 0
+        v[0, 20, 1, :] = FP16_MAX      # row 3, every value 65504: the weighted mean stays finite
+    else:
+        dout[0, 2, 0, 1], dout[0, 10, 1, 3], dout[0, 19, 0, 0] = INF, NAN, -INF
+        dout[0, 21, 1, :] = FP16_MAX
+    q, k, v, dout = (t.to(dtype).to(device) for t in (q, k, v, dout))
+    scale = d ** -0.5
+    res = []
+    for fn in (lambda a, b, c: attn_varlen.varlen_causal_attention(a, b, c, info, scale),
+               lambda a, b, c: _stock_padded_attention(a, b, c, lengths, scale)):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = fn(qq, kk, vv)
+        res.append((out, *torch.autograd.grad(out, (qq, kk, vv), dout)))
+    tol = 2e-3 if dtype == F16 else 1e-5
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *res):
+        assert_like_stock(a, b, tol, name, expect_nonfinite=name != "out" or case == "inputs")
+        # row 2 (the one-token row) never sees another row's values
+        assert bool(torch.isfinite(a[0, 19]).all()) or case == "grads"
+
+
+# --------------------------------------------------------------------------------------------------
+# NF4 dequantization (solution/kernels/nf4_dequant.py) against bitsandbytes
+# --------------------------------------------------------------------------------------------------
+def _nan_bits(bits: int) -> float:
+    """A float32 NaN with the given bit pattern (0x7FFFFFFF is what NVIDIA GPUs produce for inf * 0
+    and NaN arithmetic; numpy / x86 keep the payload of a NaN operand, so the interpreter sees it too)."""
+    return torch.tensor([bits], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+
+@pytest.mark.parametrize("state_dtype", [F16, torch.bfloat16])
+@pytest.mark.parametrize("nested", [False, True])
+def test_nf4_dequant_special_scales(device, state_dtype, nested):
+    """Block scales that are +inf, NaN (two bit patterns) or so large that level * scale overflows
+    fp16 (1e5; 65519 / 65520 at level 1.0 round to 65504 / inf): bnb's fp32 product rounded to fp16
+    (forward), and for bf16 states its backward chain fp16(bf16(product)). Level 0.0 * inf = NaN."""
+    import bitsandbytes.functional as bnbF
+
+    from solution.kernels.nf4_dequant import dequantize_nf4
+    from tests.test_nf4_dequant import formula_ref, quantize, with_dtype
+
+    shape = (130, 128) if nested else (7, 64)  # nested: 260 blocks -> 2 second-level blocks
+    packed, qs = quantize(shape, state_dtype, nested, device, seed=3)
+    if nested:
+        qs.state2.absmax[0] = INF        # every scale of the first 256 blocks: code2 * inf + offset
+        qs.state2.absmax[1] = 1.0e9      # the others: huge, finite products overflow fp16
+    else:
+        qs.absmax[:6] = torch.tensor([INF, _nan_bits(0x7FFFFFFF), _nan_bits(0xFFC00000), 1.0e5, 65519.0, 65520.0])
+    want_fwd = bnbF.dequantize_4bit(packed, with_dtype(qs, F16))
+    ours_fwd = dequantize_nf4(packed, qs)
+    assert_like_stock(ours_fwd, want_fwd, 0.0, "forward", exact=True, expect_nonfinite=True)
+    assert_like_stock(ours_fwd.cpu(), formula_ref(packed, qs), 0.0, "forward vs formula", exact=True)
+    if state_dtype == torch.bfloat16:  # the backward's rounding chain (round_bwd)
+        want_bwd = bnbF.dequantize_4bit(packed, qs).to(F16)
+        ours_bwd = dequantize_nf4(packed, qs, rounding_dtype=torch.bfloat16)
+        assert_like_stock(ours_bwd, want_bwd, 0.0, "backward (bf16 rounding)", exact=True, expect_nonfinite=True)
+
+
+@pytest.mark.parametrize("separate", [False, True])
+def test_nf4_dequant_cast_launch(device, separate, monkeypatch):
+    """The fp16 casts fused into the dequantization launch (``_cast_block``), every mode the layers
+    use, on fp32 activations / gradients holding inf, NaN, 65504, 65519 (-> 65504), 65520 and 70000
+    (-> inf): mode A fp16(a) = torch's a.to(fp16); B=1 fp16(b); B=2 fp16(fp16(a) * s) = peft's fp16
+    ``g16 * scaling`` (40000 * 2 -> inf); B=3 fp16((a * keep) * scale) = torch.native_dropout's value
+    (inf * dropped = NaN), cast. separate: the same through SEPARATE_CAST's own kernel."""
+    import solution.kernels.nf4_dequant as nd
+    from tests.test_nf4_dequant import quantize
+
+    monkeypatch.setattr(nd, "SEPARATE_CAST", separate)
+    packed, qs = quantize((40, 96), F16, True, device)
+    plan = nd.DequantPlan(packed, qs)
+    gen = torch.Generator().manual_seed(16)
+    n = 2000 + 11
+    a = torch.randn(n, generator=gen) * 3
+    a[:10] = torch.tensor([INF, -INF, NAN, FP16_MAX, 65519.0, 65520.0, 70000.0, -70000.0, 40000.0, -40000.0])
+    a[10:20] = INF  # some of them dropped below
+    b = torch.randn(n, generator=gen)
+    b[:4] = torch.tensor([NAN, -INF, 65520.0, -65519.0])
+    a, b = a.to(device), b.to(device)
+    torch.manual_seed(17)
+    dropped_value, keep = torch.native_dropout(a, 0.3, True)
+    assert not bool(keep[10:20].all())  # an inf is dropped: stock makes it inf * 0 = NaN
+    from solution.kernels.lora_nf4 import _native_dropout_scale
+
+    w16 = torch.empty(qs.shape, dtype=F16, device=device)
+    for cast_b, bb, scaling, want_b in ((1, b, 1.0, b.to(F16)), (2, None, 2.0, a.to(F16) * 2.0),
+                                        (3, keep, _native_dropout_scale(0.3), dropped_value.to(F16))):
+        a16, b16 = torch.empty(n, dtype=F16, device=device), torch.empty(n, dtype=F16, device=device)
+        plan.launch(w16, a=a, a16=a16, b=bb, b16=b16, cast_b=cast_b, scaling=scaling)
+        assert_like_stock(a16, a.to(F16), 0.0, "fp16(a)", exact=True, expect_nonfinite=True)
+        assert_like_stock(b16, want_b, 0.0, f"cast mode {cast_b}", exact=True, expect_nonfinite=True)
+    # mode 2 from an fp16 gradient (CAST_A off: the LoRA backward with an fp16 incoming gradient)
+    a_half = a.to(F16)
+    b16 = torch.empty(n, dtype=F16, device=device)
+    plan.launch(w16, dequant=False, a=a_half, b16=b16, cast_b=2, scaling=2.0)
+    assert_like_stock(b16, a_half * 2.0, 0.0, "fp16 a * s", exact=True, expect_nonfinite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# NF4 linear (solution/kernels/nf4_linear.py) against bnb's Linear4bit.forward
+# --------------------------------------------------------------------------------------------------
+def _overflowing_rows(w16: torch.Tensor, value: float) -> torch.Tensor:
+    """[2, in] inputs whose fp16 GEMM with w16 [out, in] overflows: value * sign(w16[0]) (output 0
+    sums |w| * value) and its negative."""
+    s = torch.where(w16[0] >= 0, 1.0, -1.0).float().cpu()
+    return torch.stack([s * value, -s * value])
+
+
+def nf4_special_x(rows, k, w16, seed):
+    """fp32 activations [rows, k] (rows >= 8): +inf, -inf, NaN, 70000 / 65520 (inf after the fp16
+    cast), 65519 (-> 65504), rows whose GEMM overflows fp16 although every input is finite."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=gen)
+    x[1, 0], x[2, 3], x[3, 5] = INF, -INF, NAN
+    x[4, :3] = torch.tensor([70000.0, 65520.0, 65519.0])
+    x[5:7] = _overflowing_rows(w16, 3000.0)
+    x[7, :] = 300.0
+    return x
+
+
+def nf4_special_grad(rows, n_out, w16, seed):
+    """fp32 upstream gradients [rows, n_out]: inf, NaN, 7e4 (inf after the fp16 cast), and a row
+    whose input-gradient GEMM overflows fp16 (value * sign of a weight column)."""
+    gen = torch.Generator().manual_seed(seed)
+    g = torch.randn(rows, n_out, generator=gen)
+    g[0, 1], g[1, 2], g[2, 0], g[3, 4] = INF, NAN, 7.0e4, -INF
+    col = torch.where(w16[:, 0] >= 0, 1.0, -1.0).float().cpu()
+    g[4] = col * 3000.0
+    return g
+
+
+def _rows_for(device, rows):
+    """On CUDA, more rows than bnb's fused small-M GEMM limit (tests/test_nf4_linear.py's tokens):
+    our path only takes those; the specials sit in the first rows."""
+    from tests.test_nf4_linear import bnb_dequant_rows
+
+    return max(rows, bnb_dequant_rows(device))
+
+
+@pytest.mark.parametrize("case", ["inputs", "grads"])
+def test_nf4_linear(device, case):
+    """The bnb_linear4bit patch (NF4LinearFunction) against bnb's own forward / MatMul4Bit backward:
+    the same fp16 GEMMs on the same fp16 operands, so equal bit for bit on the CPU (the op's own
+    test: equal on both devices)."""
+    from solution.kernels import _launches
+    from solution.kernels.nf4_dequant import dequantize_nf4
+    from tests.conftest import dequant_launches
+    from tests.test_nf4_linear import Patched, make_linear4bit
+
+    k, n_out = 99, 40  # bnb's CPU dequantization is right for an odd last dim
+    layer = make_linear4bit(k, n_out, bias=True, device=device, seed=4)
+    w16 = dequantize_nf4(layer.weight, layer.weight.quant_state)
+    rows = _rows_for(device, 11)
+    x = nf4_special_x(rows, k, w16, seed=18) if case == "inputs" else torch.randn(rows, k)
+    g = nf4_special_grad(rows, n_out, w16, seed=19) if case == "grads" else torch.randn(rows, n_out)
+    x, g = x.to(device), g.to(device)
+    res = []
+    for patched in (True, False):
+        xx = x.clone().requires_grad_()
+        _launches.reset()
+        if patched:
+            with Patched():
+                out = layer(xx)
+                dx = torch.autograd.grad(out, xx, g)[0]
+        else:
+            out = layer(xx)
+            dx = torch.autograd.grad(out, xx, g)[0]
+        assert (dequant_launches() == 2) == patched  # forward + backward on our path, only there
+        res.append((out, dx))
+    assert_like_stock(res[0][0], res[1][0], 0.0, "out", exact=True, expect_nonfinite=case == "inputs")
+    assert_like_stock(res[0][1], res[1][1], 0.0, "dx", exact=True, expect_nonfinite=case == "grads")
+
+
+# --------------------------------------------------------------------------------------------------
+# LoRA on NF4 (solution/kernels/lora_nf4.py) against peft's lora.bnb.Linear4bit on bnb
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture
+def autocast_ctx(monkeypatch, device):
+    """torch.autocast(fp16) on the test device, with peft's torch.is_autocast_enabled() answering
+    for that device (tests/test_lora_nf4.py's fixture: on the CPU peft asks the CUDA autocast)."""
+    if device == "cpu":
+        original = torch.is_autocast_enabled
+
+        def is_autocast_enabled(device_type=None):
+            return original("cpu" if device_type is None else device_type)
+
+        monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
+    return lambda: torch.autocast(device_type=device, dtype=F16)
+
+
+@pytest.mark.parametrize("case", ["inputs", "grads"])
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_lora_nf4(device, autocast_ctx, dropout, case):
+    """The peft_lora_bnb + bnb_linear4bit patches (LoraNF4Function) against peft + bnb under fp16
+    autocast, fp32 x (the residual stream's normed values) and fp32 LoRA weights, the same dropout
+    draws: x with inf / NaN / values beyond fp16 / rows whose base GEMM overflows, and upstream
+    gradients with inf / NaN / 7e4 / a row whose input-gradient GEMM overflows. Dropout of an inf
+    is inf * 0 = NaN in stock (the CPU's x * noise, CUDA's native_dropout) and here. The same GEMMs
+    on the same fp16 operands: equal on the CPU; on the GPU within test_lora_nf4.py's 3e-3."""
+    from solution.kernels import _launches
+    from solution.kernels.nf4_dequant import dequantize_nf4
+    from tests.test_lora_nf4 import Patched, make_lora_layer
+
+    k, n_out = 99, 40
+    layer = make_lora_layer(k, n_out, dropout, F32, device, seed=5)
+    base = layer.get_base_layer()
+    w16 = dequantize_nf4(base.weight, base.weight.quant_state)
+    rows = _rows_for(device, 11)
+    x = nf4_special_x(rows, k, w16, seed=20) if case == "inputs" else torch.randn(rows, k)
+    g = nf4_special_grad(rows, n_out, w16, seed=21) if case == "grads" else torch.randn(rows, n_out)
+    x, g = x.to(device), g.to(device)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    res = []
+    for patched in (True, False):
+        xx = x.clone().requires_grad_()
+        ctx = Patched() if patched else contextlib_null()
+        _launches.reset()
+        with ctx:
+            torch.manual_seed(123)
+            with autocast_ctx():
+                out = layer(xx)
+            res.append((out, *torch.autograd.grad(out, (xx, a, b), g)))
+        assert (_launches.LAUNCHES["lora_combine"] == 1) == patched  # our path ran, and only there
+    exact = device == "cpu"
+    for name, o, s in zip(("out", "dx", "dA", "dB"), *res):
+        assert_like_stock(o, s, 3e-3, name, exact=exact,
+                          expect_nonfinite=name != ("out" if case == "grads" else "dx"))
+
+
+def contextlib_null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_lora_combine_and_grad_sum(device):
+    """The two elementwise kernels of the LoRA layer against the stock ops they fuse:
+    combine: fp32(base16) + fp32(fp16(lora16 * s)) (peft's fp16 ``output * scaling``: 40000 * 2 ->
+    inf); grad sum: fp32(a16) + dropout_backward(fp32(b16)) with CUDA's native_dropout_backward
+    (mask * grad * scale) or the CPU's grad * noise, summed in fp32 (inf + -inf = NaN)."""
+    from solution.kernels import lora_nf4
+
+    n = 3000 + 7
+    gen = torch.Generator().manual_seed(22)
+    base = torch.randn(n, generator=gen)
+    lora = torch.randn(n, generator=gen)
+    base[:5] = torch.tensor([INF, NAN, -INF, FP16_MAX, 1.0])
+    lora[:8] = torch.tensor([-INF, 1.0, INF, FP16_MAX, 40000.0, -40000.0, NAN, 32752.0])
+    base16, lora16 = base.half().to(device), lora.half().to(device)
+    for out_dtype in (F32, F16):
+        ours = lora_nf4.lora_combine(base16, lora16, 2.0, out_dtype)
+        stock = (base16.float() + (lora16 * 2.0).float()).to(out_dtype)
+        assert_like_stock(ours, stock, 0.0, f"combine -> {out_dtype}", exact=True, expect_nonfinite=True)
+    a16, b16 = lora16, base16
+    keep = torch.rand(n, generator=gen) > 0.3
+    keep[:8] = torch.tensor([True, False, True, False, True, True, False, True])
+    keep = keep.to(device)
+    for mode, m, scale in ((lora_nf4.NO_DROPOUT, None, 1.0),
+                           (lora_nf4.DROPOUT_MASK, keep, 1 / 0.7),
+                           (lora_nf4.DROPOUT_NOISE, keep.float() / 0.7, 1.0)):
+        ours = lora_nf4.lora_grad_sum(a16, b16, m, mode, scale, F32)
+        if mode == lora_nf4.NO_DROPOUT:
+            g = b16.float()
+        elif mode == lora_nf4.DROPOUT_MASK:
+            g = (m.float() * b16.float()) * lora_nf4._native_dropout_scale(0.3)
+        else:
+            g = b16.float() * m
+        stock = a16.float() + g
+        assert_like_stock(ours, stock, 1e-6, f"grad sum mode {mode}", exact=mode != lora_nf4.DROPOUT_MASK,
+                          expect_nonfinite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused NF4 MLP (solution/kernels/nf4_mlp.py) against stock Qwen2MLP on bnb NF4
+# --------------------------------------------------------------------------------------------------
+@pytest.fixture
+def mlp_patches(monkeypatch):
+    import solution
+    import solution._apply as apply_mod
+
+    monkeypatch.setattr(apply_mod, "PATCHES", ["solution.patches.bnb_linear4bit", "solution.patches.qwen2_mlp"])
+    solution.revert()
+    yield solution
+    solution.revert()
+
+
+@pytest.mark.parametrize("policy", ["speed", "memory"])
+@pytest.mark.parametrize("case", ["inputs", "grads"])
+def test_nf4_mlp(device, mlp_patches, monkeypatch, policy, case):
+    """fp32 x (the workload's stream) through gate / up / SwiGLU / down: inf / NaN inputs, rows
+    whose gate / up GEMMs overflow fp16 and rows whose fp32 silu(g) * u overflows the fp16 cast
+    down_proj makes; dy with inf / NaN / 7e4 and a row whose input-gradient GEMM overflows. Ours
+    returns fp16 (the residual add promotes it: stock's fp32 copy holds the same values).
+    Tolerance: tests/test_nf4_mlp.py's (the interpreter's exp is numpy's): 2e-3."""
+    from solution.kernels import _launches
+    from solution.kernels.nf4_dequant import dequantize_nf4
+    from tests.test_nf4_mlp import H, nf4_mlp_module
+
+    mlp = nf4_mlp_module(device)
+    wg = dequantize_nf4(mlp.gate_proj.weight, mlp.gate_proj.weight.quant_state)
+    wd = dequantize_nf4(mlp.down_proj.weight, mlp.down_proj.weight.quant_state)
+    rows = _rows_for(device, 12)
+    gen = torch.Generator().manual_seed(23)
+    x = torch.randn(rows, H, generator=gen)
+    dy = torch.randn(rows, H, generator=gen)
+    if case == "inputs":
+        x[1, 0], x[2, 3], x[3, 5] = INF, -INF, NAN
+        x[4, :2] = torch.tensor([70000.0, 65519.0])
+        x[5:7] = _overflowing_rows(wg, 3000.0)   # gate GEMM overflows fp16 (inf before silu)
+        x[7, :] = 60.0                          # large g and u: silu(g) * u beyond 65504 in fp32
+        x[8] = 20.0 * torch.where(wg[0] >= 0, 1.0, -1.0).float().cpu()
+    else:
+        dy[0, 1], dy[1, 2], dy[2, 0], dy[3, 4] = INF, NAN, 7.0e4, -INF
+        dy[4] = torch.where(wd[:, 0] >= 0, 1.0, -1.0).float().cpu() * 3000.0
+    x, dy = x.view(2, rows // 2, H).to(device), dy.view(2, rows // 2, H).to(device)
+    res = []
+    for patched in (False, True):
+        if patched:
+            monkeypatch.setenv("SOLUTION_MEMORY_POLICY", policy)
+            mlp_patches.apply(verbose=False)
+            before = _launches.LAUNCHES["swiglu_bwd"]
+        xx = x.clone().requires_grad_()
+        y = mlp(xx)
+        dx = torch.autograd.grad(y, xx, dy.to(y.dtype))[0]  # stock casts dy to fp16 inside: the same
+        res.append((y.float(), dx))
+    assert _launches.LAUNCHES["swiglu_bwd"] == before + 1  # the fused path ran
+    assert_like_stock(res[1][0], res[0][0], 2e-3, "y", expect_nonfinite=case == "inputs")
+    assert_like_stock(res[1][1], res[0][1], 2e-3, "dx", expect_nonfinite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# Fused LM head + loss (solution/kernels/lm_head_loss.py) against F.linear in fp16 + ForCausalLMLoss
+# --------------------------------------------------------------------------------------------------
+def _lm_head_overflow_inputs(device):
+    """hidden [1, 23, 32] fp32, head [1000, 32], labels with -100 at ~30% of the positions, and
+    rows (positions) that make stock's fp16 logits non-finite:
+      labelled: NaN hidden (NaN logits: NaN loss, NaN gradient row); a row with one logit -70000
+        at its label (-inf in fp16: the loss is +inf, the gradient stays finite); a row with one
+        -inf logit elsewhere (finite loss);
+      ignored (label -100): +inf hidden; a row with a logit of +70000 (inf in fp16). Stock's
+        log_softmax of such a row is NaN, and its backward, grad - exp(NaN) * 0, is NaN: the
+        ignored row poisons the hidden-state gradient (and so every LoRA gradient).
+    Every hidden value stays within fp16, as in the model (the normed final hidden state)."""
+    from tests.test_lm_head_loss import IGNORE_INDEX, make_inputs
+
+    h, w, labels = make_inputs(1, 23, 32, 1000, "cpu", scale=0.3, seed=24)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # position t's target
+    labelled = [t for t in range(22) if shift[0, t] != IGNORE_INDEX]
+    ignored = [t for t in range(23) if shift[0, t] == IGNORE_INDEX]
+    assert len(labelled) >= 4 and len(ignored) >= 3
+
+    def aimed(j, logit):  # a hidden row whose logit j is ``logit`` (others ~ cos(w_j, w_k) * logit)
+        wj = w[j].half().float()
+        return wj * (logit / float(wj @ wj))
+
+    h[0, labelled[0], 5] = NAN
+    t1 = labelled[1]
+    h[0, t1] = aimed(int(shift[0, t1]), -70000.0)
+    t2 = labelled[2]
+    h[0, t2] = aimed((int(shift[0, t2]) + 17) % 1000, -70000.0)
+    h[0, ignored[0], 3] = INF
+    h[0, ignored[1]] = aimed(11, 70000.0)
+    assert bool((h.abs() <= FP16_MAX).logical_or(~torch.isfinite(h)).all())
+    return h.to(device), w.to(device), labels.to(device)
+
+
+@pytest.mark.parametrize("block_rows", [None, 1])  # the interpreter's / the GPU's tile
+def test_lm_head_loss(device, block_rows):
+    """Loss, per-token loss, entropy and the hidden-state gradient where stock's fp16 logits hold
+    inf / NaN (see _lm_head_overflow_inputs), GradScaler's factor 65536 / n upstream.
+    Tolerances: tests/test_lm_head_loss.py's (loss and per-token values 1e-5 / 1e-4 on the GPU,
+    gradient 3e-3)."""
+    from tests.test_lm_head_loss import SMALL_BLOCK, ours, stock
+
+    h, w, labels = _lm_head_overflow_inputs(device)
+    n = 20
+    a = ours(h, w, labels, F16, num_items=n, grad_out=65536.0, block_v=SMALL_BLOCK, block_rows=block_rows)
+    s = stock(h, w, labels, F16, num_items=n, grad_out=65536.0)
+    val_tol = 1e-4 if device == "cuda" else 1e-5
+    assert_like_stock(a["loss"], s["loss"], val_tol, "loss", expect_nonfinite=True)
+    assert_like_stock(a["token_loss"], s["token_loss"], val_tol, "token_loss", expect_nonfinite=True)
+    assert_like_stock(a["entropy"], s["entropy"], val_tol, "entropy", expect_nonfinite=True)
+    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+    finite_rows = torch.isfinite(s["grad"]).all(-1)
+    assert bool(finite_rows.any()) and not bool(finite_rows.all())  # some rows poisoned, not all
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known, left: an inf / NaN upstream gradient (the loss's grad_output). Stock's nll_loss backward "
+    "writes nothing for ignored rows (0), so only labelled rows become non-finite; our backward multiplies "
+    "the saved gradient by grad_output / 1024, and 0 * inf is NaN in the ignored rows too. GradScaler "
+    "skips the step either way (labelled rows are non-finite in both); grad_output is scale / n, which "
+    "stays finite unless the loss scale reaches fp32's limit. A fix needs a per-row mask in backward "
+    "(an extra pass over [tokens, hidden])."))
+@pytest.mark.parametrize("upstream", [INF, NAN])
+def test_lm_head_loss_non_finite_upstream(device, upstream):
+    from tests.test_lm_head_loss import SMALL_BLOCK, make_inputs, ours, stock
+
+    h, w, labels = make_inputs(1, 23, 32, 1000, device, seed=25)
+    a = ours(h, w, labels, F16, num_items=20, grad_out=upstream, block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F16, num_items=20, grad_out=upstream)
+    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known, left: GradScaler factors at which stock's fp16 logit gradient overflows. Stock rounds "
+    "(softmax - onehot) * scale / n to fp16 (inf once it reaches 65520) and computes the hidden-state "
+    "gradient as an fp16 GEMM (inf beyond 65504); we round (softmax - onehot) * 1024 to fp16, GEMM, and "
+    "apply scale / n / 1024 in fp32, which does not overflow. With scale 2**22 and n = 20 stock's "
+    "gradient is inf, ours ~2e5 (finite, fp32): if the decoder's own fp16 casts do not overflow either "
+    "(a final norm that shrinks gradients), the solution takes a step stock skips. Not reached with "
+    "GradScaler's defaults in the workload (scale 2**16, n ~ 1000 label tokens: factor ~65, gradients "
+    "<< 65504). Matching it needs the per-row max |softmax - onehot| from the forward kernel and an "
+    "overflow check in backward: extra work, not done (reported)."))
+def test_lm_head_loss_scaler_factor_overflows_like_stock(device):
+    from tests.test_lm_head_loss import SMALL_BLOCK, make_inputs, ours, stock
+
+    h, w, labels = make_inputs(1, 23, 32, 1000, device, scale=0.3, seed=5)
+    a = ours(h, w, labels, F16, num_items=20, grad_out=2.0 ** 22, block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F16, num_items=20, grad_out=2.0 ** 22)
+    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+
+
+# --------------------------------------------------------------------------------------------------
+# The whole stack: a tiny QLoRA model (NF4 double quant, LoRA r=16 on q/v with dropout 0.05, fp16
+# autocast, every patch), tests/test_unpad.py's qlora_tiny_model
+# --------------------------------------------------------------------------------------------------
+OVERFLOW_TOKEN = 7
+
+
+def _qlora_tiny(model_dir, device):
+    """tests/test_unpad.py's qlora_tiny_model on the GPU; the same stack on the CPU (bitsandbytes
+    quantizes there too; our kernels run in the interpreter)."""
+    from tests.test_unpad import qlora_tiny_model
+
+    if device == "cuda":
+        return qlora_tiny_model(model_dir)
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                           bnb_4bit_compute_dtype=F16)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=F16, device_map={"": "cpu"})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    torch.manual_seed(1234)
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
+                                             target_modules=["q_proj", "v_proj"]))
+    return model.train()
+
+
+def _with_token_overflow(model):
+    """Make token OVERFLOW_TOKEN's hidden state overflow fp16 in layer 0, and no other token's.
+    Scaling an embedding row alone cannot do it: every use of the residual stream goes through an
+    RMSNorm, which removes the scale. So: channel 0 of every embedding is 0 except OVERFLOW_TOKEN's
+    (6e4, so the normed row is ~8 there), and layer 0's input_layernorm weights channel 0 by 1e4:
+    OVERFLOW_TOKEN's normed value is ~8e4, inf once bnb casts it to fp16 for q / k / v (and LoRA's
+    fp16 cast), while every other token has exactly 0 there. The final norm's channel 0 weight is 0,
+    so the tied LM head never sees the big embedding entry."""
+    base = model.base_model.model
+    with torch.no_grad():
+        emb = base.model.embed_tokens.weight  # fp32 (prepare_model_for_kbit_training), tied to the head
+        emb[:, 0] = 0.0
+        emb[OVERFLOW_TOKEN, 0] = 6.0e4
+        base.model.layers[0].input_layernorm.weight[0] = 1.0e4
+        base.model.norm.weight[0] = 0.0
+    return model
+
+
+def _batches(specs, seqlen, device):
+    """Right-padded batches (tests/test_unpad.py's, ids < 100): OVERFLOW_TOKEN only where asked, at
+    row 0, position 2 (a prompt position: every later position of the row attends to it)."""
+    from tests.test_unpad import _right_padded_batch
+
+    out = []
+    for i, (lens, overflow) in enumerate(specs):
+        ids, mask, labels = _right_padded_batch(lens, seqlen, vocab=100, seed=i, device=device)
+        ids = torch.where(ids == OVERFLOW_TOKEN, OVERFLOW_TOKEN + 1, ids)
+        labels = torch.where(labels == OVERFLOW_TOKEN, OVERFLOW_TOKEN + 1, labels)
+        if overflow:
+            ids[0, 2] = OVERFLOW_TOKEN
+        out.append((ids, mask, labels))
+    return out
+
+
+def _non_finite(grads: dict) -> set:
+    return {n for n, g in grads.items() if not bool(torch.isfinite(g).all())}
+
+
+@pytest.mark.gpu
+def test_graphed_decoder_overflows_like_eager_gpu(device, tmp_path, monkeypatch):
+    """CUDA graphs over the decoder layers (solution/step/cuda_graphs.py) against the eager layers
+    and stock, on batches where token OVERFLOW_TOKEN's hidden state overflows in layer 0
+    (_with_token_overflow) and batches without it, interleaved, two buckets: each step's loss is
+    NaN / finite alike, the same parameters get non-finite gradients (every LoRA tensor on an
+    overflowing batch, none otherwise: no NaN left behind in a graph's static buffers for the next
+    replay), finite losses agree (rel 1e-3), graphs' finite gradients agree with eager's
+    (tests/test_decoder_graphs.py's 3e-2), and graphs and eager consume the same random numbers."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.step import cuda_graphs, lengths
+    from workload.model_standin import write_standin
+
+    monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "16")
+    model_dir = write_standin(tmp_path / "tiny", size="tiny")
+    specs = [([40, 17, 64, 9], False), ([38, 20, 64, 9], True), ([40, 17, 64, 9], False),
+             ([12, 30, 5, 60], True), ([12, 30, 5, 60], False), ([38, 20, 64, 9], True)]
+    batches = _batches(specs, 64, "cuda")
+
+    def run(mode):
+        monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1" if mode == "graphs" else "0")
+        solution.revert()
+        if mode != "stock":
+            assert "qwen2_unpad" in solution.apply(verbose=False)
+        lengths.clear()
+        try:
+            model = _with_token_overflow(_qlora_tiny(model_dir, "cuda"))
+            torch.manual_seed(0)
+            torch.cuda.manual_seed(0)
+            steps = []
+            for ids, mask, labels in batches:
+                model.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", dtype=F16), fused_lm_head_requested():
+                    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
+                                num_items_in_batch=torch.tensor(50, device="cuda"))
+                (out.loss * 65536.0).backward()  # GradScaler's default scale
+                grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+                steps.append((out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()))
+            runner = cuda_graphs.runner_of(model.base_model.model.model)
+            return steps, (None if runner is None else (len(runner.graphs), runner.failed))
+        finally:
+            solution.revert()
+
+    stock, _ = run("stock")
+    eager, none = run("eager")
+    graphed, state = run("graphs")
+    assert none is None and state is not None and state[0] >= 1 and state[1] is None, state
+    for i, ((_, overflow), s, e, g) in enumerate(zip(specs, stock, eager, graphed)):
+        assert g[2] == e[2], f"step {i}: the generator moved differently"
+        for name, other in (("eager", e), ("graphs", g)):
+            assert_like_stock(other[0], s[0], 1e-3, f"step {i} loss ({name})", expect_nonfinite=overflow)
+            bad = _non_finite(other[1])
+            assert bad == _non_finite(s[1]), (i, name, sorted(bad ^ _non_finite(s[1])))
+            assert bool(bad) == overflow and (not overflow or bad == set(s[1])), (i, name, sorted(bad))
+            assert set(other[1]) == set(s[1]) and any("lora_B" in n for n in s[1])
+        # finite gradients: graphs against eager as tests/test_decoder_graphs.py compares them (the
+        # values against stock are tests/test_unpad.py's subject)
+        for n, grad in g[1].items():
+            if n not in _non_finite(e[1]):
+                assert rel_err(grad, e[1][n]) < 3e-2, (i, n)
+
+
+def _grad_scaler_run(device, model_dir, batches, patched, init_scale, final_norm_scale, autocast_ctx):
+    """An fp16 training loop with torch.amp.GradScaler (stock, or after solution.apply()): for each
+    step the scale after update(), whether the step was skipped (update() backed the scale off) and
+    the loss."""
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+
+    solution.revert()
+    if patched:
+        assert "qwen2_lm_head_loss" in solution.apply(verbose=False)
+    try:
+        model = _qlora_tiny(model_dir, device)
+        with torch.no_grad():
+            model.base_model.model.model.norm.weight.mul_(final_norm_scale)
+        params = [p for p in model.parameters() if p.requires_grad]
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        scaler = torch.amp.GradScaler(device, init_scale=init_scale, backoff_factor=0.25, growth_interval=3)
+        torch.manual_seed(0)
+        if device == "cuda":
+            torch.cuda.manual_seed(0)
+        scales, skipped, losses = [], [], []
+        for ids, mask, labels in batches:
+            opt.zero_grad(set_to_none=True)
+            with autocast_ctx(), fused_lm_head_requested():
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+            scaler.scale(out.loss).backward()
+            before = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+            skipped.append(scales[-1] < before)
+            losses.append(out.loss.detach().float().cpu())
+        return scales, skipped, torch.stack(losses)
+    finally:
+        solution.revert()
+
+
+def _check_grad_scaler(device, tmp_path, autocast_ctx, init_scale, n_steps, final_norm_scale, seqlen):
+    from workload.model_standin import write_standin
+
+    model_dir = write_standin(tmp_path / "tiny", size="tiny")
+    rows = [[40, 17, 64, 9], [38, 20, 64, 9], [12, 30, 5, 60], [64, 64, 64, 1]]
+    rows = [[max(1, n * seqlen // 64) for n in r] for r in rows]
+    batches = _batches([(rows[i % 4], False) for i in range(n_steps)], seqlen, device)
+    s_scales, s_skipped, s_losses = _grad_scaler_run(device, model_dir, batches, False, init_scale,
+                                                     final_norm_scale, autocast_ctx)
+    o_scales, o_skipped, o_losses = _grad_scaler_run(device, model_dir, batches, True, init_scale,
+                                                     final_norm_scale, autocast_ctx)
+    assert any(s_skipped) and not all(s_skipped), s_scales  # the test reaches both kinds of step
+    assert o_skipped == s_skipped, (o_scales, s_scales)
+    assert o_scales == s_scales
+    assert_like_stock(o_losses, s_losses, 2e-3, "losses")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("final_norm_scale", [
+    1.0,
+    pytest.param(0.02, marks=pytest.mark.xfail(strict=True, reason=(
+        "known, left: the LM head's overflow (test_lm_head_loss_scaler_factor_overflows_like_stock) end to "
+        "end. A final norm that shrinks gradients (weight x 0.02 here; large final hidden states in a "
+        "trained model do the same) leaves the decoder's fp16 casts finite at scales where stock's fp16 "
+        "logit gradient already overflows: stock skips steps the solution takes. Seen on the CPU "
+        "(interpreter), 2026-12-01: from 2**26, stock skips 3 steps (2**26, 2**24, 2**22), the "
+        "solution 1.")))])
+def test_grad_scaler_skips_the_same_steps_as_stock_gpu(device, tmp_path, autocast_ctx, final_norm_scale):
+    """fp16 autocast + torch.amp.GradScaler(init_scale=2**40, backoff 0.25, growth every 3 steps) on
+    the tiny QLoRA model, stock and after solution.apply(), the same seeds and batches: the first
+    steps overflow; the solution skips exactly the steps stock skips and has the same scale after
+    every step (then grows it at the same steps)."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    init = 2.0 ** 40 if final_norm_scale == 1.0 else 2.0 ** 26
+    _check_grad_scaler(device, tmp_path, autocast_ctx, init, 16 if final_norm_scale == 1.0 else 6,
+                       final_norm_scale, seqlen=64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("final_norm_scale", [
+    1.0,
+    pytest.param(0.02, marks=pytest.mark.xfail(strict=True, reason="see test_grad_scaler_skips_the_same_steps_as_stock_gpu"))])
+def test_grad_scaler_skips_the_same_steps_as_stock_cpu(device, tmp_path, autocast_ctx, final_norm_scale):
+    """The same loop on the CPU (bitsandbytes on the CPU, our kernels in the interpreter; ~1 min each):
+    shorter rows, from 2**30 (the GPU test starts at 2**40)."""
+    if device != "cpu":
+        pytest.skip("the GPU machine runs test_grad_scaler_skips_the_same_steps_as_stock_gpu")
+    init = 2.0 ** 30 if final_norm_scale == 1.0 else 2.0 ** 26
+    _check_grad_scaler(device, tmp_path, autocast_ctx, init, 10 if final_norm_scale == 1.0 else 5,
+                       final_norm_scale, seqlen=32)
