@@ -127,7 +127,7 @@ def _gqa_reference(q, k, v, dout, lengths, scale):
     return out.detach(), grads
 
 
-def test_varlen_failure_falls_back_to_the_padded_layout_once(monkeypatch, capsys):
+def test_varlen_failure_falls_back_to_the_padded_layout_once(device, monkeypatch, capsys):
     """If PyTorch's variable-length kernel refuses this machine (never run on a real T4), the
     attention runs on the padded layout, with one message, and varlen stays off afterwards."""
     from solution.step import attention
@@ -141,8 +141,9 @@ def test_varlen_failure_falls_back_to_the_padded_layout_once(monkeypatch, capsys
     monkeypatch.setattr(attention, "_VARLEN_FAILED", None)
     monkeypatch.setattr(attn_varlen, "varlen_causal_attention", refuse)
     monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1")
-    info = packing.make_unpadded([3, 5], 5, torch.device("cpu"))
-    q, k, v = (t.transpose(1, 2) for t in _qkv(8, 2, 16, torch.float32, "cpu"))
+    # on the device the kernels run on (CPU tensors on a CUDA machine are no input of theirs)
+    info = packing.make_unpadded([3, 5], 5, torch.device(device))
+    q, k, v = (t.transpose(1, 2) for t in _qkv(8, 2, 16, torch.float32, device))
     _launches.reset()
     out, _ = attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
     assert out.shape == (1, 8, 2, 16) and _launches.LAUNCHES["pad_rows_kernel"] > 0

@@ -379,7 +379,8 @@ def test_tiny_qwen2_model_matches_stock(device, monkeypatch, checkpointing, auto
     for patches in (("qwen2_rope",), ("qwen2_rmsnorm", "qwen2_rope")):
         monkeypatch.setattr(apply_mod, "PATCHES", [f"solution.patches.{p}" for p in patches])
         try:
-            assert set(solution.apply(verbose=False)) == set(patches)
+            # on CUDA apply() also sets the allocator's expandable segments (not a patch of the list)
+            assert set(solution.apply(verbose=False)) - {"cuda_allocator"} == set(patches)
             _launches.reset()
             loss_o, grads_o = _loss_and_grads(model, input_ids, labels, attention_mask, autocast)
             results[patches] = loss_o, grads_o, dict(_launches.LAUNCHES)
