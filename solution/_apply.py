@@ -7,7 +7,7 @@ import os
 
 from solution import precompile
 from solution.step import cuda_graphs
-from solution.env import check_support, memory_policy
+from solution.env import check_flags, check_support, memory_policy
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
 
@@ -75,6 +75,7 @@ def check_settings() -> None:
     accepts) for the first invalid one. apply() calls it before installing anything; bench.compare
     calls it before its first run."""
     memory_policy()  # $SOLUTION_MEMORY_POLICY
+    check_flags()  # the on/off settings (solution.env.FLAGS)
     cuda_graphs.check_settings()  # $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
     precompile.check_settings()  # $SOLUTION_PRECOMPILE
     check_skipped_patches()  # $SOLUTION_SKIP_PATCHES

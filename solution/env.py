@@ -92,3 +92,42 @@ def memory_policy() -> str:
         raise ValueError(f"${MEMORY_POLICY_ENV}={raw!r} is not a memory policy: "
                          f"expected one of {', '.join(MEMORY_POLICIES)}")
     return value
+
+
+# The on/off settings, each with its default (docs: README "Settings"). Every one is read through
+# ``flag``, so that one spelling rule holds for all of them, and check_flags() refuses a bad value
+# before apply() installs anything.
+FLAGS = {
+    "SOLUTION_PRECOMPILE": True,
+    "SOLUTION_ATTN_VARLEN": True,
+    "SOLUTION_ATTN_LAYOUT_KERNELS": True,
+    "SOLUTION_ATTN_TRITON": False,
+    "SOLUTION_ADD_KERNEL": True,
+    "SOLUTION_DEFER_DROPOUT": True,
+    "SOLUTION_LM_HEAD_WEIGHT_CACHE": True,
+    "SOLUTION_SEPARATE_CAST": False,
+}
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def flag(name: str) -> bool:
+    """The on/off setting ``name`` (one of FLAGS): 1/true/on/yes or 0/false/off/no, any case;
+    unset or empty: its default. ValueError naming the variable for anything else (before, a
+    value such as "false" read as "not 0", that is on)."""
+    raw = os.environ.get(name)
+    value = (raw or "").strip().lower()
+    if not value:
+        return FLAGS[name]
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"${name}={raw!r} is not an on/off value: expected one of "
+                     f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+
+
+def check_flags() -> None:
+    """ValueError for the first on/off setting with a bad value (apply() calls it first)."""
+    for name in FLAGS:
+        flag(name)

@@ -44,6 +44,8 @@ import threading
 import time
 from pathlib import Path
 
+from solution.env import flag
+
 ENV = "SOLUTION_PRECOMPILE"
 MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurements: a scratch one)
 MANIFEST = Path(__file__).resolve().parent / "kernels" / "compile_manifest.json"
@@ -56,15 +58,13 @@ _thread: threading.Thread | None = None
 
 
 def requested() -> bool:
-    """On by default; $SOLUTION_PRECOMPILE=0 turns it off (check_settings rejects other values)."""
-    return os.environ.get(ENV, "1") != "0"
+    """On by default; $SOLUTION_PRECOMPILE=0 (or false/off/no) turns it off (solution.env.flag)."""
+    return flag(ENV)
 
 
 def check_settings() -> None:
     """Raise ValueError for an invalid $SOLUTION_PRECOMPILE (apply() calls it before installing)."""
-    value = os.environ.get(ENV)
-    if value is not None and value not in ("0", "1"):
-        raise ValueError(f"${ENV} must be 0 or 1, got {value!r}")
+    flag(ENV)
 
 
 def manifest_path() -> Path:

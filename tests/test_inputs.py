@@ -104,7 +104,7 @@ def test_compare_sh_tells_bench_compare_the_callers_directory(tmp_path):
 # --- 2. the solution's settings, before the first run --------------------------------------------
 
 @pytest.mark.parametrize("name, value", [("SOLUTION_MEMORY_POLICY", "fast"), ("SOLUTION_CUDA_GRAPHS", "maybe"),
-                                         ("SOLUTION_GRAPH_BUCKET", "0"), ("SOLUTION_PRECOMPILE", "yes"),
+                                         ("SOLUTION_GRAPH_BUCKET", "0"), ("SOLUTION_PRECOMPILE", "sometimes"),
                                          ("SOLUTION_SKIP_PATCHES", "qwen2_mlp,qwen2_mpl")])
 def test_bad_solution_settings_are_refused_before_the_first_run(tmp_path, monkeypatch, capsys, no_runs, name, value):
     monkeypatch.setenv(name, value)

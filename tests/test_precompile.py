@@ -84,7 +84,7 @@ def test_on_by_default_on_cuda_only_and_settings_checked(monkeypatch):
     monkeypatch.setenv(precompile.ENV, "0")
     assert not precompile.requested()
     assert precompile.start("cuda", say=said.append) is None and said == []
-    monkeypatch.setenv(precompile.ENV, "yes")
+    monkeypatch.setenv(precompile.ENV, "sometimes")
     with pytest.raises(ValueError, match="SOLUTION_PRECOMPILE"):
         precompile.check_settings()
 
@@ -168,3 +168,25 @@ def test_worker_count_leaves_a_core_for_soup(monkeypatch):
     assert precompile.worker_count(23) == 1
     cores(1)
     assert precompile.worker_count(23) == 0  # one core: the thread compiles in this process
+
+
+@pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ADD_KERNEL", "SOLUTION_DEFER_DROPOUT",
+                                  "SOLUTION_LM_HEAD_WEIGHT_CACHE", "SOLUTION_ATTN_LAYOUT_KERNELS",
+                                  "SOLUTION_ATTN_TRITON", "SOLUTION_SEPARATE_CAST", "SOLUTION_PRECOMPILE"])
+def test_on_off_settings_share_one_parser(monkeypatch, name):
+    """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
+    apply() refuses anything else before installing (before, "false" read as on)."""
+    import solution
+    from solution.env import FLAGS, flag
+
+    monkeypatch.delenv(name, raising=False)
+    assert flag(name) is FLAGS[name]
+    for value, expected in (("false", False), ("OFF", False), ("no", False), ("0", False),
+                            ("True", True), ("on", True), ("yes", True), ("1", True), ("", FLAGS[name])):
+        monkeypatch.setenv(name, value)
+        assert flag(name) is expected, value
+    monkeypatch.setenv(name, "maybe")
+    solution.revert()
+    with pytest.raises(ValueError, match=name):
+        solution.apply(verbose=False)
+    assert solution.installed() == {}

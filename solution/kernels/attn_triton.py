@@ -49,13 +49,12 @@ the candidate that issue 5.3 asks to measure against PyTorch's kernel. Off by de
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from solution.env import interpreter_enabled
+from solution.env import flag, interpreter_enabled
 from solution.kernels._launches import cdiv, launch
 
 ENV = "SOLUTION_ATTN_TRITON"
@@ -64,7 +63,7 @@ LOG2E = 1.4426950408889634
 
 def enabled() -> bool:
     """Off by default until measured on a GPU; $SOLUTION_ATTN_TRITON=1 turns it on."""
-    return os.environ.get(ENV, "0") == "1"
+    return flag(ENV)
 
 
 def supported(head_dim: int, q_heads: int, kv_heads: int, dtype: torch.dtype, device: torch.device) -> bool:

@@ -30,13 +30,12 @@ residual add of the MLP's fp16 output.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from solution.env import interpreter_enabled
+from solution.env import flag, interpreter_enabled
 from solution.kernels._launches import cdiv, launch
 
 ENV = "SOLUTION_ADD_KERNEL"
@@ -47,7 +46,7 @@ INTERPRETER_BLOCK = 1 << 16
 
 def enabled() -> bool:
     """On by default (measured: module doc, point 5); $SOLUTION_ADD_KERNEL=0 keeps torch's adds."""
-    return os.environ.get(ENV, "1") != "0"
+    return flag(ENV)
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -40,7 +40,6 @@ would cost a third [N, H] x [H, V] matmul (~25 ms per step on a T4) to save noth
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass
 
@@ -48,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from solution.env import flag
 from solution.kernels._launches import cdiv, launch, record
 
 IGNORE_INDEX = -100
@@ -285,7 +285,7 @@ def _weight_key(weight: torch.Tensor, dtype: torch.dtype):
 
 def cast_frozen_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``weight.to(dtype)``: the same values, reused across calls for a frozen weight."""
-    if weight.dtype == dtype or weight.requires_grad or os.environ.get(WEIGHT_CACHE_ENV, "1") == "0":
+    if weight.dtype == dtype or weight.requires_grad or not flag(WEIGHT_CACHE_ENV):
         return weight.to(dtype)
     key = _weight_key(weight, dtype)
     hit = _WEIGHT_CACHE.get("entry")

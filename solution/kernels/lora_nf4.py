@@ -40,7 +40,6 @@ autocast cast's backward gives them.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +47,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
+from solution.env import flag
 from solution.step import packing
 from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
@@ -137,7 +137,7 @@ def defer_dropout_enabled() -> bool:
     """Make fp16(dropout(x)) inside the cast launch on the packed path (``_Deferred``). On by default
     since the H200 measurement of 2026-11-30 (~03:2x UTC): PyTorch copy/cast kernels 0.217 -> 0.183 s,
     GPU time 1.637 -> 1.617 s over steps 3-64; $SOLUTION_DEFER_DROPOUT=0 lets torch make it."""
-    return os.environ.get(DEFER_ENV, "1") != "0"
+    return flag(DEFER_ENV)
 
 
 class _Deferred:

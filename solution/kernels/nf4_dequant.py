@@ -39,12 +39,12 @@ no bf16 instructions).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from solution.env import flag
 from solution.kernels._launches import cdiv, launch
 
 KERNEL_NAME = "nf4_dequant"
@@ -250,7 +250,10 @@ GPU_CAST_BLOCK = 2048
 # Dequantize and cast in two launches (nf4_dequant_kernel + fp16_cast_kernel) instead of one fused
 # launch. Off: measured slower on the H200 (2026-11-30: 2.24 vs 2.21 s of GPU time over steps 3-64,
 # the standalone casts no faster than the fused cast programs). $SOLUTION_SEPARATE_CAST=1 turns it on.
-SEPARATE_CAST = os.environ.get("SOLUTION_SEPARATE_CAST", "0") == "1"
+try:  # read once, at import; a bad value is refused by apply() (solution.env.check_flags), not here
+    SEPARATE_CAST = flag("SOLUTION_SEPARATE_CAST")
+except ValueError:
+    SEPARATE_CAST = False
 SEPARATE_CAST_BLOCK = 1024
 SEPARATE_CAST_WARPS = 4
 INTERPRETER_CAST_BLOCK = 1 << 16

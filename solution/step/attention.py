@@ -13,10 +13,10 @@ instead of set to -inf). patches/qwen2_unpad.py routes transformers' "sdpa" entr
 """
 from __future__ import annotations
 
-import os
 
 import torch
 
+from solution.env import flag
 from solution.kernels import attn_layout, attn_triton, attn_varlen
 from solution.step import packing
 from solution.step.packing import packed_layout
@@ -73,7 +73,7 @@ def varlen_enabled() -> bool:
     kernels 0.246 -> 0.180 s and GPU time 1.637 -> 1.558 s over steps 3-64, peak allocated 5.52 ->
     5.40 GiB, loss within 1.0e-5 (docs/kernels/attn_varlen.md); $SOLUTION_ATTN_VARLEN=0 keeps the
     padded layout. Needs the layout kernels (it repeats KV heads with them)."""
-    return _VARLEN_FAILED is None and os.environ.get(VARLEN_ENV, "1") != "0"
+    return _VARLEN_FAILED is None and flag(VARLEN_ENV)
 
 
 _VARLEN_FAILED: str | None = None
@@ -122,7 +122,7 @@ def layout_kernels_enabled() -> bool:
     torch's index ops. On by default since the H200 measurement of 2026-11-30 01:5x UTC (GPU time
     2.21 -> 2.04 s over steps 3-64, peak allocated 7.46 -> 7.10 GiB, loss within 1.6e-5:
     docs/kernels/attn_layout.md); $SOLUTION_ATTN_LAYOUT_KERNELS=0 keeps torch's index ops."""
-    return os.environ.get(LAYOUT_KERNELS_ENV, "1") != "0"
+    return flag(LAYOUT_KERNELS_ENV)
 
 
 def _sdpa_input_dtype(query, key, value):
