@@ -5,7 +5,7 @@
 #   !git clone <this repo> soup-kernels && cd soup-kernels && bash scripts/t4_run.sh
 # Prints the same report as scripts/compare.sh and writes runs/<timestamp>/report.{md,json,png}.
 # With T4_VARIANTS=1 it then also profiles the solution's settings side by side (the default, the
-# memory policies "balanced" and "memory", the padded attention layout, our own Triton attention,
+# memory policies "balanced" and "memory", the padded attention layout,
 # the decoder layers without CUDA graphs and with 64-token buckets), timed runs included (step time):
 # runs/variants-t4/variants.md, ~14 more runs.
 set -euo pipefail
@@ -25,7 +25,7 @@ log=$(ls -t runs/*/solution-hostsplit/compiles.json 2>/dev/null | head -1 || tru
 if [ -n "$log" ]; then python3 -m solution.precompile add "$log" || true; fi
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
   python3 -m bench.variants --out runs/variants-t4 --timed default balanced=SOLUTION_MEMORY_POLICY=balanced \
-    memory=SOLUTION_MEMORY_POLICY=memory padded=SOLUTION_ATTN_VARLEN=0 triton=SOLUTION_ATTN_TRITON=1 \
+    memory=SOLUTION_MEMORY_POLICY=memory padded=SOLUTION_ATTN_VARLEN=0 \
     eager=SOLUTION_CUDA_GRAPHS=0 bucket64=SOLUTION_GRAPH_BUCKET=64
 fi
 exit $rc

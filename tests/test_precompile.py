@@ -172,7 +172,7 @@ def test_worker_count_leaves_a_core_for_soup(monkeypatch):
 
 @pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ADD_KERNEL", "SOLUTION_DEFER_DROPOUT",
                                   "SOLUTION_LM_HEAD_WEIGHT_CACHE", "SOLUTION_ATTN_LAYOUT_KERNELS",
-                                  "SOLUTION_ATTN_TRITON", "SOLUTION_SEPARATE_CAST", "SOLUTION_PRECOMPILE"])
+                                  "SOLUTION_SEPARATE_CAST", "SOLUTION_PRECOMPILE"])
 def test_on_off_settings_share_one_parser(monkeypatch, name):
     """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
     apply() refuses anything else before installing (before, "false" read as on)."""

@@ -11,8 +11,7 @@ torch-op path (zeros + index_copy, repeat_kv, autocast's casts, index_select); "
 attention with the layout moves in solution/kernels/attn_layout.py
 ($SOLUTION_ATTN_LAYOUT_KERNELS=1, the default); "varlen" the packed rows through PyTorch's
 variable-length memory-efficient attention, no padded positions (solution/kernels/attn_varlen.py,
-$SOLUTION_ATTN_VARLEN=1, the default); "triton" our own causal attention for packed rows with
-grouped KV heads (solution/kernels/attn_triton.py, $SOLUTION_ATTN_TRITON=1). Also: whether the
+$SOLUTION_ATTN_VARLEN=1, the default). Also: whether the
 outputs and gradients agree, host time and GPU work per call.
 """
 from __future__ import annotations
@@ -28,7 +27,6 @@ import torch  # noqa: E402
 from bench.kernels._common import (bench_args, median_ms, print_stock_vs_ours, profile_call,  # noqa: E402
                                   profile_cells)
 from solution import padding  # noqa: E402
-from solution.kernels import attn_triton  # noqa: E402
 from solution.step import attention  # noqa: E402
 
 HQ, HKV, D = 12, 2, 128
@@ -38,13 +36,12 @@ class _Attn(torch.nn.Module):
     num_key_value_groups = HQ // HKV
 
 
-IMPLS = ("stock", "ours", "varlen", "triton")
+IMPLS = ("stock", "ours", "varlen")
 
 
 def run_case(lengths, seqlen, impl: str):
     os.environ[attention.LAYOUT_KERNELS_ENV] = "0" if impl == "stock" else "1"
     os.environ[attention.VARLEN_ENV] = "1" if impl == "varlen" else "0"
-    os.environ[attn_triton.ENV] = "1" if impl == "triton" else "0"
     info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
     n = sum(lengths)
     torch.manual_seed(0)
@@ -95,7 +92,6 @@ def main() -> int:
         results += [stock] + [res for res, _, _ in others]
     os.environ.pop(attention.LAYOUT_KERNELS_ENV, None)
     os.environ.pop(attention.VARLEN_ENV, None)
-    os.environ.pop(attn_triton.ENV, None)
     print(f"GPU: {torch.cuda.get_device_name()}\n")
     print_stock_vs_ours(results, [("impl", "impl"), ("tokens", "tokens"), ("seqlen", "seqlen")], group=len(IMPLS))
     print("\n| impl | tokens | host ms | GPU ops | GPU ms | our launches | out max abs diff | grads max rel diff |")

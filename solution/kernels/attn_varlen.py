@@ -20,8 +20,8 @@
    positions), in the same single pass per tensor as on the padded path.
    This is PyTorch's own kernel (not a kernel library). It is the default rather than a Triton
    attention because Triton >= 3.3 runs ``tl.dot`` on a T4 without tensor cores (field notes); our
-   own Triton attention (solution/kernels/attn_triton.py, SOLUTION_ATTN_TRITON=1) is built to be
-   measured against it, and stays off until it wins.
+   own Triton attention was built and measured against it and lost (docs/PERFORMANCE.md, "Code
+   removed because it lost its measurement").
 
 4. Correctness risks. Per real query the set of keys is the padded path's (causal within the row);
    what can differ is the order of the fp32 sums inside the kernel (other tile counts for other

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from solution.env import flag
-from solution.kernels import attn_layout, attn_triton, attn_varlen
+from solution.kernels import attn_layout, attn_varlen
 from solution.step import packing
 from solution.step.packing import packed_layout
 
@@ -25,16 +25,13 @@ from solution.step.packing import packed_layout
 def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **kwargs):
     """Attention of packed rows: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> [1, N, Hq, D]
     (the layout stock's sdpa_attention_forward returns). By default on the packed rows themselves
-    (PyTorch's variable-length kernel; our Triton kernel with $SOLUTION_ATTN_TRITON=1), else
+    (PyTorch's variable-length kernel), else
     through the padded layout (our layout kernels, or torch's ops with the layout kernels off)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
     if layout_kernels_enabled():
         dtype = _sdpa_input_dtype(query, key, value)
         if dtype is not None:
-            if (attn_triton.enabled() and dropout == 0.0 and info.cu_seqlens is not None
-                    and attn_triton.supported(query.shape[-1], query.shape[1], key.shape[1], dtype, query.device)):
-                return _sdpa_triton(query, key, value, info, scaling)
             if varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None:
                 try:
                     return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
@@ -100,21 +97,6 @@ def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
     if scaling is None:
         scaling = query.shape[-1] ** -0.5  # SDPA's default
     return attn_varlen.varlen_causal_attention(q, k, v, info, scaling), None
-
-
-def _sdpa_triton(query, key, value, info, scaling):
-    """sdpa_unpadded on our own Triton attention (solution/kernels/attn_triton.py, off by default,
-    $SOLUTION_ATTN_TRITON=1): q / k / v cast to fp16 on the packed layout by the layout kernel
-    (KV heads NOT repeated: the kernel reads KV head h // groups), causal within each row.
-    Returns [1, N, Hq, D] like stock."""
-    layout = packed_layout(info)
-    # [1, H, N, D] views of [1, N, H, D] memory -> [N, H, D]
-    q, k, v = (attn_layout.pad_heads(t[0].transpose(0, 1), layout, 1, torch.float16).transpose(1, 2)[0]
-               for t in (query, key, value))
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5  # SDPA's default
-    out = attn_triton.triton_varlen_attention(q, k, v, info.cu_seqlens, info.max_len, scaling)
-    return out.unsqueeze(0), None
 
 
 def layout_kernels_enabled() -> bool:

@@ -49,7 +49,6 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from solution import precompile
-from solution.kernels import attn_triton
 from solution.step import attention, lengths, packing
 
 ENV = "SOLUTION_CUDA_GRAPHS"
@@ -561,7 +560,7 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
         return reason
     if torch.cuda.is_current_stream_capturing():
         return "already inside a CUDA graph capture"
-    if not (attention.layout_kernels_enabled() and (attention.varlen_enabled() or attn_triton.enabled())):
+    if not (attention.layout_kernels_enabled() and attention.varlen_enabled()):
         return "attention on the padded layout (host-dependent indices)"
     if hooked:
         return "hooks on the decoder layers (they would run only at capture)"
