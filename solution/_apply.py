@@ -77,7 +77,6 @@ def check_settings() -> None:
     memory_policy()  # $SOLUTION_MEMORY_POLICY
     check_flags()  # the on/off settings (solution.env.FLAGS)
     cuda_graphs.check_settings()  # $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
-    precompile.check_settings()  # $SOLUTION_PRECOMPILE
     check_skipped_patches()  # $SOLUTION_SKIP_PATCHES
 
 

@@ -127,6 +127,7 @@ def flag(name: str) -> bool:
 
 
 def check_flags() -> None:
-    """ValueError for the first on/off setting with a bad value (apply() calls it first)."""
+    """ValueError for the first on/off setting with a bad value ($SOLUTION_PRECOMPILE among them;
+    apply() calls it first)."""
     for name in FLAGS:
         flag(name)

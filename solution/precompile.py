@@ -62,11 +62,6 @@ def requested() -> bool:
     return flag(ENV)
 
 
-def check_settings() -> None:
-    """Raise ValueError for an invalid $SOLUTION_PRECOMPILE (apply() calls it before installing)."""
-    flag(ENV)
-
-
 def manifest_path() -> Path:
     return Path(os.environ.get(MANIFEST_ENV) or MANIFEST)
 

@@ -58,6 +58,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import rel_err
+from tests.test_nf4_mlp import mlp_patches  # noqa: F401 - the fixture, shared
+from tests.test_unpad import qlora_tiny_model
 
 pytestmark = [
     # Triton's interpreter computes with numpy, which warns on every inf / NaN it meets
@@ -795,17 +797,6 @@ def test_lora_combine_and_grad_sum(device):
 # --------------------------------------------------------------------------------------------------
 # Fused NF4 MLP (solution/kernels/nf4_mlp.py) against stock Qwen2MLP on bnb NF4
 # --------------------------------------------------------------------------------------------------
-@pytest.fixture
-def mlp_patches(monkeypatch):
-    import solution
-    import solution._apply as apply_mod
-
-    monkeypatch.setattr(apply_mod, "PATCHES", ["solution.patches.bnb_linear4bit", "solution.patches.qwen2_mlp"])
-    solution.revert()
-    yield solution
-    solution.revert()
-
-
 @pytest.mark.parametrize("policy", ["speed", "memory"])
 @pytest.mark.parametrize("case", ["inputs", "grads"])
 def test_nf4_mlp(device, mlp_patches, monkeypatch, policy, case):
@@ -950,26 +941,6 @@ def test_lm_head_loss_scaler_factor_overflows_like_stock(device):
 OVERFLOW_TOKEN = 7
 
 
-def _qlora_tiny(model_dir, device):
-    """tests/test_unpad.py's qlora_tiny_model on the GPU; the same stack on the CPU (bitsandbytes
-    quantizes there too; our kernels run in the interpreter)."""
-    from tests.test_unpad import qlora_tiny_model
-
-    if device == "cuda":
-        return qlora_tiny_model(model_dir)
-    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-    q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                           bnb_4bit_compute_dtype=F16)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=F16, device_map={"": "cpu"})
-    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
-    torch.manual_seed(1234)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
-                                             target_modules=["q_proj", "v_proj"]))
-    return model.train()
-
-
 def _with_token_overflow(model):
     """Make token OVERFLOW_TOKEN's hidden state overflow fp16 in layer 0, and no other token's.
     Scaling an embedding row alone cannot do it: every use of the residual stream goes through an
@@ -1037,7 +1008,7 @@ def test_graphed_decoder_overflows_like_eager_gpu(device, tmp_path, monkeypatch)
             assert "qwen2_unpad" in solution.apply(verbose=False)
         lengths.clear()
         try:
-            model = _with_token_overflow(_qlora_tiny(model_dir, "cuda"))
+            model = _with_token_overflow(qlora_tiny_model(model_dir, "cuda"))
             torch.manual_seed(0)
             torch.cuda.manual_seed(0)
             steps = []
@@ -1084,7 +1055,7 @@ def _grad_scaler_run(device, model_dir, batches, patched, init_scale, final_norm
     if patched:
         assert "qwen2_lm_head_loss" in solution.apply(verbose=False)
     try:
-        model = _qlora_tiny(model_dir, device)
+        model = qlora_tiny_model(model_dir, device)
         with torch.no_grad():
             model.base_model.model.model.norm.weight.mul_(final_norm_scale)
         params = [p for p in model.parameters() if p.requires_grad]

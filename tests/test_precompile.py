@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from solution import precompile
+from solution.env import check_flags
 
 
 def _spec(key: str, arch: str = "sm90") -> str:
@@ -79,14 +80,14 @@ def test_on_by_default_on_cuda_only_and_settings_checked(monkeypatch):
     said = []
     monkeypatch.delenv(precompile.ENV, raising=False)
     assert precompile.requested()
-    precompile.check_settings()
+    check_flags()
     assert precompile.start("interpreter", say=said.append) is None and said == []  # no GPU: nothing to say
     monkeypatch.setenv(precompile.ENV, "0")
     assert not precompile.requested()
     assert precompile.start("cuda", say=said.append) is None and said == []
     monkeypatch.setenv(precompile.ENV, "sometimes")
     with pytest.raises(ValueError, match="SOLUTION_PRECOMPILE"):
-        precompile.check_settings()
+        check_flags()
 
 
 def test_apply_refuses_a_bad_precompile_setting_before_installing(monkeypatch):

@@ -284,8 +284,9 @@ def test_sft_trainer_logs_match_stock_with_packed_batches(device, tmp_path, monk
             assert abs(o[key] - s[key]) <= 1e-5 * max(1.0, abs(s[key])), (key, o[key], s[key])
 
 
-def qlora_tiny_model(model_dir):
-    """The workload's stack on the tiny stand-in, on the GPU: NF4 double-quant weights
+def qlora_tiny_model(model_dir, device="cuda"):
+    """The workload's stack on the tiny stand-in, on the GPU (or the CPU: bitsandbytes quantizes
+    there too, our kernels then run in the interpreter): NF4 double-quant weights
     (bitsandbytes, fp16 compute), prepare_model_for_kbit_training without checkpointing, peft LoRA
     r=16 alpha=32 on q/v with dropout 0.05 (LoRA A drawn after torch.manual_seed(1234): the same A
     in every run), in train mode."""
@@ -295,7 +296,7 @@ def qlora_tiny_model(model_dir):
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                            bnb_4bit_compute_dtype=torch.float16)
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=torch.float16,
-                                                 device_map={"": 0})
+                                                 device_map={"": 0 if device == "cuda" else "cpu"})
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(1234)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
