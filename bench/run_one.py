@@ -40,7 +40,7 @@ def _sync():
 class StepClock:
     """Trainer callback: step end times (after a device sync), logs, optional profiler."""
 
-    def __init__(self, profile: bool, cprofile=None, host_split=None):
+    def __init__(self, profile: bool, cprofile=None, host_split=None, cprofile_steps=(SKIP_STEPS + 1, None)):
         from transformers import TrainerCallback
 
         clock = self
@@ -55,11 +55,14 @@ class StepClock:
                     clock.host_split.attach_late(clock.trainer, kw.get("model"))
                 if clock.profile and state.global_step == SKIP_STEPS and clock.prof is None:
                     clock.start_profiler()
-                if clock.cprofile is not None and state.global_step == SKIP_STEPS:
-                    clock.cprofile.enable()  # host time of steps 3..end only
+                if clock.cprofile is not None and state.global_step == clock.cprofile_steps[0] - 1:
+                    clock.cprofile.enable()  # host time of the chosen steps only (default 3..end)
 
             def on_step_end(self, args, state, control, **kw):
                 _sync()
+                last = clock.cprofile_steps[1]
+                if clock.cprofile is not None and last is not None and state.global_step == last:
+                    clock.cprofile.disable()
                 clock.step_ends.append(time.perf_counter())
                 if clock.host_split is not None:
                     clock.host_split.mark()
@@ -77,6 +80,7 @@ class StepClock:
         self.callback = _CB()
         self.profile = profile
         self.cprofile = cprofile
+        self.cprofile_steps = cprofile_steps
         self.host_split = host_split
         self.trainer = None
         self.linear4bit_layers = None  # NF4 layers of the trained model (count_linear4bit)
@@ -234,6 +238,19 @@ def output_files(out_dir: Path) -> dict:
     return {"present": present, "adapter_keys": keys, "rewind_rows": rewind_rows, "dir": str(out_dir)}
 
 
+def parse_steps(text: str) -> tuple[int, int | None]:
+    """'FIRST-LAST' (1-based, inclusive; LAST may be 'end') -> (first, last or None)."""
+    first, sep, last = text.partition("-")
+    try:
+        lo = int(first)
+        hi = None if not sep or last in ("", "end") else int(last)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want FIRST-LAST steps such as 1-1 or 3-end, got {text!r}") from None
+    if lo < 1 or (hi is not None and hi < lo):
+        raise argparse.ArgumentTypeError(f"want 1 <= FIRST <= LAST, got {text!r}")
+    return lo, hi
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=["baseline", "solution"], required=True)
@@ -243,6 +260,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", default=None, help="workload YAML (default: workload/workload.yaml)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--cprofile", help="write a cProfile summary of the host (Python) time of steps 3..end to this file")
+    ap.add_argument("--cprofile-steps", type=parse_steps, default=(SKIP_STEPS + 1, None), metavar="FIRST-LAST",
+                    help="the steps --cprofile covers, 1-based and inclusive (default 3-end; e.g. 1-1: the first step)")
     ap.add_argument("--host-split", help="write where the wall time of steps 3..end goes, phase by phase "
                     "(Trainer phases and the decoder forward; bench/host_split.py) to this file")
     ap.add_argument("--compile-log", help="write which Triton kernels compiled in which step and how long each "
@@ -293,7 +312,7 @@ def main(argv=None) -> int:
         from bench.host_split import HostSplit
 
         split = HostSplit()
-    clock = StepClock(profile=args.profile, cprofile=cprof, host_split=split)
+    clock = StepClock(profile=args.profile, cprofile=cprof, host_split=split, cprofile_steps=args.cprofile_steps)
     compile_log = None
     if args.compile_log:
         from bench.compile_log import CompileLog

@@ -4,7 +4,7 @@
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
 #   bash scripts/gpu_run.sh [tests] [bench] [compare] [compare-shapes] [compare-cold] [compare-all] [cprofile] [hostsplit]
-#                           [precompile] [memory] [variants]
+#                           [precompile] [memory] [variants] [timed]
 #   (default: the first three)
 # The comparison in three steps, each meant for its own 10-minute call (not yet timed): compare (the shipped
 # shape: timed, profiled and host-split passes; no cold pass), compare-shapes (the long and short
@@ -19,7 +19,9 @@
 # Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile;
 #      added to each compare step's own options, so it can override them),
 #      VARIANTS (bench.variants labels, e.g. "default padded=SOLUTION_ATTN_VARLEN=0"),
-#      VARIANT_ARGS (e.g. --baseline), MEMORY_VARIANTS (default "solution"),
+#      VARIANT_ARGS (e.g. --baseline), TIMED_VARIANTS (timed solution runs, one table: "LABEL[=VAR=VALUE,...]
+#      ...", a label "baseline" runs the baseline; TIMED_COLD=1: each in its own empty Triton cache;
+#      TIMED_EXTRA: bench.run_one options, @L for the label), TIMED_TIMEOUT, MEMORY_VARIANTS (default "solution"),
 #      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT, HOSTSPLIT_VARIANTS, HOSTSPLIT_TIMEOUT,
 #      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
@@ -123,6 +125,24 @@ PY
     memory)
       # What is alive at the peak of allocated memory, by allocating line (bench/memory_peak.py).
       run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;
+    timed)
+      # Settings side by side, one unprofiled run each (bench/timed_table.py prints the table).
+      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
+      python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
+      specs=()
+      for spec in ${TIMED_VARIANTS:-default}; do
+        label=${spec%%=*}; settings=""; [ "$label" != "$spec" ] && settings=${spec#*=}
+        v=solution; [ "$label" = baseline ] && v=baseline
+        envs=(); IFS=, read -ra envs <<< "$settings"
+        cache=$OUT/timed-$label/triton-cache; rm -rf "$cache"
+        [ "${TIMED_COLD:-0}" = 1 ] && envs+=("TRITON_CACHE_DIR=$cache" "TORCHINDUCTOR_CACHE_DIR=$cache-inductor")
+        env "${envs[@]}" timeout ${TIMED_TIMEOUT:-150} python3 -m bench.run_one --variant $v --model $M \
+          --data workload/data/kazakh_instructions.jsonl --workdir "$OUT/timed-$label" \
+          $(echo "${TIMED_EXTRA:-}" | sed "s/@L/$label/g") > "$OUT/timed-$label.log" 2>&1 || rc=1
+        grep -h "^\[solution\]" "$OUT/timed-$label.log" | grep -v "^\[solution\] captured" | head -8
+        specs+=("$label=$OUT/timed-$label/result.json")
+      done
+      python3 -m bench.timed_table "${specs[@]}" | tee "$OUT/timed.md" ;;
     variants)
       timeout ${VARIANTS_TIMEOUT:-540} python3 -m bench.variants --out "$OUT/variants" ${VARIANT_ARGS:-} ${VARIANTS:-default} 2>&1 | tail -30 || rc=1 ;;
     compare|compare-shapes|compare-cold|compare-all)

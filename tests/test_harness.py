@@ -384,3 +384,28 @@ def test_compile_log_records_steps_and_restores_triton_hooks(tmp_path):
     assert line.startswith("Triton JIT compiles in the solution's host-split pass: 4 (step 1: 2")
 
 
+
+
+def test_cprofile_steps_parse_and_refuse():
+    import argparse
+
+    from bench.run_one import parse_steps
+
+    assert parse_steps("1-1") == (1, 1)
+    assert parse_steps("3-end") == (3, None)
+    assert parse_steps("2") == (2, None)
+    for bad in ("0-1", "3-2", "a-b"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_steps(bad)
+
+
+def test_timed_table_reads_a_result(tmp_path, capsys):
+    from bench import timed_table
+
+    r = {"step_times_s": [1.5, 2.5, 0.1], "train_excl_first2_s": 0.1, "tracker": {"runs": [{"duration_secs": 4.2}]},
+         "cuda_graphs": {"captures": [{"seconds": 0.2, "step": 2}], "capture_s_excl_first2": 0.0, "decisions": []},
+         "peak_mem_reserved_bytes": 2**30, "peak_mem_allocated_bytes": 2**29}
+    (tmp_path / "r.json").write_text(json.dumps(r), encoding="utf-8")
+    timed_table.main([f"a={tmp_path / 'r.json'}", f"b={tmp_path / 'missing.json'}"])
+    out = capsys.readouterr().out
+    assert "| a | 1.50 | 2.50 | 0.10 | 4.20 | 1 / 0.20 / 0.00 | 1.00 / 0.50 |" in out and "| b | no result" in out

@@ -159,6 +159,7 @@ def _workload(tmp_path, mutate, name="w.yaml") -> Path:
     ("training", "examples", True, "training.examples must be an integer"),
     ("training", "precision", "bf16", "training.precision must be 'fp16'"),
     ("data", "format", "sharegpt", "data.format must be 'alpaca'"),
+    ("training", "gradient_checkpointing", "yes", "training.gradient_checkpointing must be true or false"),
 ])
 def test_workload_values_are_checked(tmp_path, section, key, value, message):
     path = _workload(tmp_path, lambda w: w[section].__setitem__(key, value))
@@ -171,6 +172,13 @@ def test_workload_steps_message_names_both_counts(tmp_path):
     path = _workload(tmp_path, lambda w: w["training"].__setitem__("steps", 65))
     with pytest.raises(WorkloadConfigError, match=r"give 64 steps, but the workload says steps: 65"):
         load_workload(path)
+
+
+def test_gradient_checkpointing_reaches_soup_only_when_set(tmp_path):
+    off = load_workload(_workload(tmp_path, lambda w: None)).soup_dict("/m", "/d.jsonl", "/o")
+    assert "gradient_checkpointing" not in off["training"]  # Soup's own default stays Soup's
+    on = _workload(tmp_path, lambda w: w["training"].__setitem__("gradient_checkpointing", True), "gc.yaml")
+    assert "gradient_checkpointing: true" in load_workload(on).soup_yaml("/m", "/d.jsonl", "/o")
 
 
 def test_descriptive_workload_keys_are_optional_and_the_used_ones_used(tmp_path, monkeypatch, capsys):

@@ -19,6 +19,8 @@ Keys that do not become Soup settings:
   descriptive only). Soup decides precision and compute dtype itself (fp16 on a T4, which every
   GPU is made to take by ``bench/run_one.py``'s T4 emulation; fp32 on a CPU), so when present they
   must say the only values a GPU run has: ``float16`` and ``fp16``.
+- ``training.gradient_checkpointing`` (optional, used): true or false, passed to Soup only when
+  present (absent: Soup's default, off). For measuring the case where the challenge's YAML sets it.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ _ALLOWED = {
     "lora": {"r": True, "alpha": True, "target_modules": True},
     "training": {"batch_size": True, "max_length": True, "examples": True, "steps": True, "epochs": True,
                  "gradient_accumulation_steps": True, "val_split": True, "lr": True, "seed": True,
-                 "logging_steps": True, "precision": False},
+                 "logging_steps": True, "precision": False, "gradient_checkpointing": False},
     "data": {"format": True},
 }
 # Integers, with their smallest allowed value.
@@ -57,7 +59,8 @@ _SOUP_KEYS = {"training -> lr": "training.lr", "training -> batch_size": "traini
               "training -> logging_steps": "training.logging_steps", "training -> seed": "training.seed",
               "training -> lora -> r": "lora.r", "training -> lora -> alpha": "lora.alpha",
               "training -> lora -> target_modules": "lora.target_modules", "data -> format": "data.format",
-              "data -> max_length": "training.max_length", "data -> val_split": "training.val_split"}
+              "data -> max_length": "training.max_length", "data -> val_split": "training.val_split",
+              "training -> gradient_checkpointing": "training.gradient_checkpointing"}
 
 
 class WorkloadConfigError(ValueError):
@@ -113,6 +116,8 @@ class Workload:
                 "logging_steps": t["logging_steps"],
                 "seed": t["seed"],
                 "lora": {"r": lora["r"], "alpha": lora["alpha"], "target_modules": list(lora["target_modules"])},
+                # only when the workload sets it: Soup's default (off) stays Soup's
+                **({"gradient_checkpointing": t["gradient_checkpointing"]} if "gradient_checkpointing" in t else {}),
             },
             "output": str(output),
         }
@@ -161,6 +166,9 @@ def _check_values(raw: dict) -> str | None:
     if isinstance(lr_value, bool) or not isinstance(lr_value, (int, float)) or not math.isfinite(lr_value) \
             or lr_value <= 0:
         return f"training.lr must be a positive number, got {_describe(lr)}"
+    gc = raw["training"].get("gradient_checkpointing", False)
+    if not isinstance(gc, bool):
+        return f"training.gradient_checkpointing must be true or false, got {_describe(gc)}"
     vs = raw["training"]["val_split"]
     if isinstance(vs, bool) or not isinstance(vs, (int, float)) or vs != 0:
         return f"training.val_split must be 0 (every row trains), got {_describe(vs)}"
