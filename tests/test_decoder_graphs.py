@@ -225,14 +225,57 @@ def test_filler_row_leaves_real_tokens_unchanged(device, extra):
         assert rel_err(grads_b[k], g_ref) < 1e-5, k
 
 
+def _four_batches():
+    return [_right_padded_batch(lens, 64, vocab=100, seed=i, device="cuda")
+            for i, lens in enumerate([[40, 17, 64, 9], [38, 20, 64, 9], [12, 30, 5, 60], [64, 64, 64, 1]])]
+
+
+def _train_steps(model_dir, batches, plan, graphs: str, monkeypatch, profile=None):
+    """The tiny QLoRA model trained on ``plan`` ((batch index, zero_grad first) per step) with
+    $SOLUTION_CUDA_GRAPHS=graphs, every patch on: per step (loss, gradients, generator offset), and
+    (graphs captured, failure) of the model's runner (None: no runner). ``profile``: row lengths
+    noted as patches/trainer_lengths does, so that their buckets are captured ahead."""
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from tests.test_unpad import qlora_tiny_model
+
+    monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", graphs)
+    solution.revert()
+    assert "qwen2_unpad" in solution.apply(verbose=False)
+    lengths.clear()
+    if profile is not None:  # as a profile whose simulated runs all meet them
+        lengths.note(profile, batch=1, steps=len(profile))
+    try:
+        model = qlora_tiny_model(model_dir)
+        torch.manual_seed(0)
+        torch.cuda.manual_seed(0)
+        steps = []
+        for b, zero in plan:
+            ids, mask, labels = batches[b]
+            if zero:
+                model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
+                # num_items_in_batch: the Trainer passes it; transformers hands it to every layer
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
+                            num_items_in_batch=torch.tensor(50, device="cuda"))
+            out.loss.backward()
+            grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+            steps.append((out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()))
+        runner = cuda_graphs.runner_of(model.base_model.model.model)
+        return steps, (None if runner is None else (len(runner.graphs), runner.failed))
+    finally:
+        lengths.clear()
+        solution.revert()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("bucket,ahead", [("64", False), ("16", False), ("16", True)])
 def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahead):
     """Graphs against eager on 4 QLoRA steps: same generator offsets, losses and gradients. With
     ``ahead`` a length profile is noted (as patches/trainer_lengths does) that predicts the
     batches' buckets: they are captured ahead, in the first step, from zeros, and the replays
-    of the later steps still train as eager does."""
-    """The workload's stack on a tiny model (NF4 double quant, LoRA r=16 on q/v, dropout 0.05,
+    of the later steps still train as eager does.
+    The workload's stack on a tiny model (NF4 double quant, LoRA r=16 on q/v, dropout 0.05,
     fp16 autocast, every patch): four forward/backward steps on batches of different lengths
     (two in one bucket, a new bucket, and a gradient accumulation of two batches), with graphs and
     eagerly, the same seeds. After every step the CUDA generator must be at the same offset (the
@@ -240,44 +283,16 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahea
     filler rows change the GEMMs' token dimension: other cuBLAS tiles, fp16 sums)."""
     if device != "cuda":
         pytest.skip("needs CUDA")
-    import solution
-    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
-    from tests.test_unpad import qlora_tiny_model
     from workload.model_standin import write_standin
 
     monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", bucket)
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
-    batches = [_right_padded_batch(lens, 64, vocab=100, seed=i, device="cuda")
-               for i, lens in enumerate([[40, 17, 64, 9], [38, 20, 64, 9], [12, 30, 5, 60], [64, 64, 64, 1]])]
+    batches = _four_batches()
     plan = [(0, True), (1, True), (2, True), (3, False)]  # (batch, zero_grad first): the last accumulates
 
     def run(graphs: bool):
-        monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1" if graphs else "0")
-        solution.revert()
-        assert "qwen2_unpad" in solution.apply(verbose=False)
-        lengths.clear()
-        if ahead:  # every batch's total, as a profile whose simulated runs all meet them
-            lengths.note([int(m.sum()) for _, m, _ in batches], batch=1, steps=4)
-        try:
-            model = qlora_tiny_model(model_dir)
-            torch.manual_seed(0)
-            torch.cuda.manual_seed(0)
-            steps = []
-            for b, zero in plan:
-                ids, mask, labels = batches[b]
-                if zero:
-                    model.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
-                    # num_items_in_batch: the Trainer passes it; transformers hands it to every layer
-                    out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
-                                num_items_in_batch=torch.tensor(50, device="cuda"))
-                out.loss.backward()
-                grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-                steps.append((out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()))
-            runner = cuda_graphs.runner_of(model.base_model.model.model)
-            return steps, (None if runner is None else (len(runner.graphs), runner.failed))
-        finally:
-            solution.revert()
+        return _train_steps(model_dir, batches, plan, "1" if graphs else "0", monkeypatch,
+                            profile=[int(m.sum()) for _, m, _ in batches] if ahead else None)
 
     first_capture = len(cuda_graphs.CAPTURES)
     eager, none = run(False)
@@ -294,6 +309,48 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahea
         assert set(grads_g) == set(grads_e) and any("lora_B" in n for n in grads_e)
         for name, g in grads_e.items():
             assert rel_err(grads_g[name], g) < 3e-2, (i, name)
+
+
+@pytest.mark.gpu
+def test_failed_capture_falls_back_to_eager_and_draws_again_gpu(device, tmp_path, monkeypatch):
+    """A capture that an operation invalidates (here a device sync inside it, as a host read of a
+    tensor would be) must leave the run as if graphs had never been asked for: the first error
+    named in the failure, the CUDA generator usable again (dropout draws in the eager layers), and
+    losses, gradients and generator offsets exactly the eager run's."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from workload.model_standin import write_standin
+
+    model_dir = write_standin(tmp_path / "tiny", size="tiny")
+    batches, plan = _four_batches(), [(0, True), (1, True), (2, True)]
+    eager, _ = _train_steps(model_dir, batches, plan, "0", monkeypatch)
+    real = cuda_graphs.run_layers
+
+    def sync_inside_capture(*args):
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()  # not permitted while capturing: invalidates the capture
+        return real(*args)
+
+    monkeypatch.setattr(cuda_graphs, "run_layers", sync_inside_capture)
+    failed, state = _train_steps(model_dir, batches, plan, "1", monkeypatch)
+    assert state is not None and state[0] == 0 and state[1] and "first:" in state[1], state
+    for i, ((loss_e, grads_e, off_e), (loss_f, grads_f, off_f)) in enumerate(zip(eager, failed)):
+        assert off_f == off_e, i
+        assert torch.equal(loss_f, loss_e), i
+        assert set(grads_f) == set(grads_e) and all(torch.equal(grads_f[n], g) for n, g in grads_e.items()), i
+
+
+def test_describe_failure_names_the_first_error():
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        finally:
+            raise RuntimeError("operation failed due to a previous error during capture")
+    except RuntimeError as exc:
+        text = cuda_graphs._describe_failure(exc)
+    assert text == ("RuntimeError: operation failed due to a previous error during capture; "
+                    "first: RuntimeError: operation not permitted when stream is capturing")
+    assert cuda_graphs._describe_failure(ValueError("x")) == "ValueError: x"
 
 
 def test_predicted_buckets_from_row_lengths():

@@ -318,6 +318,37 @@ def _cuda_generator(device: torch.device):
         return None
 
 
+def _describe_failure(exc: BaseException) -> str:
+    """One line for a failed capture: the exception, and the first one of its chain when it differs.
+    A capture that an operation invalidated fails again at capture_end ("operation failed due to a
+    previous error during capture"), and that second exception replaces the first in Python's
+    ``finally``: the first is its ``__context__``, and it names the operation at fault."""
+    def line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
+
+    first = exc
+    while first.__context__ is not None and first.__context__ is not first:
+        first = first.__context__
+    return line(exc) if first is exc else f"{line(exc)}; first: {line(first)}"
+
+
+def _release_capture_state(device: torch.device) -> None:
+    """After a failed capture, give the CUDA generator a state that is not capturing. capture_begin
+    registers the generator's state with the graph and capture_end releases it, but only once
+    cudaStreamEndCapture has succeeded: after an invalidated capture the state still counts itself
+    as capturing, and every later random draw (the eager dropout the layers fall back to) fails
+    with "Offset increment outside graph capture encountered unexpectedly". A clone of the state has
+    the same seed and offset and is not capturing (checked on the GPU: test_decoder_graphs.py's
+    failed-capture test)."""
+    gen = _cuda_generator(device)
+    if gen is None:
+        return
+    try:
+        gen.graphsafe_set_state(gen.clone_state())
+    except Exception as exc:  # noqa: BLE001 - a torch without these: say it, the draws will tell
+        _say(f"could not reset the CUDA generator after the failed capture ({type(exc).__name__}: {exc})")
+
+
 def run_layers(layers, h, info, cos, sin, pos):
     """The decoder loop of step/decoder.py on packed rows (no KV cache, no extra arguments)."""
     x = h
@@ -500,9 +531,10 @@ class DecoderGraphs:
             if first and g is not None and self.ahead:
                 self._capture_ahead(layers, binfo, h, cos, dropouts)
         except Exception as exc:  # noqa: BLE001 - a refused capture: eager from now on, said once
-            self.failed = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:200]}"
+            self.failed = _describe_failure(exc)
             FAILURES.append(self.failed)
             self.graphs.clear()
+            _release_capture_state(self.device)
             _say(f"decoder CUDA graphs disabled ({self.failed}); the layers run eagerly")
             g = None
         if g is None:
