@@ -38,6 +38,22 @@ def take_snapshot() -> dict:
 _SKIP = ("/torch/", "/contextlib.py", "/functools.py", "<frozen", "/triton/")
 
 
+def pool_split(segments: list[dict]) -> list[dict]:
+    """Reserved and allocated bytes per allocator pool, from torch.cuda.memory_snapshot()'s
+    segments (no history needed): pool "(0, 0)" is the ordinary (eager) pool; any other is a
+    private pool, such as the one the decoder's CUDA graphs share. A graph pool's blocks count as
+    allocated only while a capture holds them: during replays its activations are reserved but
+    not allocated, so peak allocated memory leaves them out. Largest pool first."""
+    pools: dict[str, dict] = {}
+    for seg in segments:
+        key = str(tuple(seg.get("segment_pool_id") or (0, 0)))
+        p = pools.setdefault(key, {"pool": key, "reserved_bytes": 0, "allocated_bytes": 0, "segments": 0})
+        p["reserved_bytes"] += int(seg.get("total_size", 0))
+        p["allocated_bytes"] += int(seg.get("allocated_size", 0))
+        p["segments"] += 1
+    return sorted(pools.values(), key=lambda p: -p["reserved_bytes"])
+
+
 def _frame(fr: dict) -> str:
     """'file:line function' with the site-packages / checkout prefix cut off."""
     short = fr.get("filename", "?").split("site-packages/")[-1].split("/work/main/")[-1]

@@ -190,6 +190,7 @@ def _cuda_graph_lines(rep: dict) -> list[str]:
 FIGURES = [("soup_duration_s", "Soup's duration (s)"), ("train_excl_first2_s", "steps 3-N (s)"),
            ("first_step_s", "first step (s)"), ("gpu_kernel_s", "GPU kernel time, steps 3-N (s)"),
            ("peak_reserved_gib", "peak reserved (GiB)"), ("peak_allocated_gib", "peak allocated (GiB)"),
+           ("graph_pool_gib", "CUDA-graph pool, reserved at the end (GiB)"),
            ("loss_max_rel_diff", "loss max rel diff"),
            ("capture_s_in_timed_steps", "graph captures in steps 3-N (s)"),
            ("first_step_compiles", "Triton compiles in step 1")]
@@ -218,9 +219,20 @@ def run_figures(result: dict, split: dict | None = None, base: dict | None = Non
             "gpu_kernel_s": split["total_gpu_s"] if split else None,
             "peak_reserved_gib": _mem(result, "peak_mem_reserved_bytes"),
             "peak_allocated_gib": _mem(result, "peak_mem_allocated_bytes"),
+            "graph_pool_gib": _graph_pool_gib(result),
             "loss_max_rel_diff": loss,
             "capture_s_in_timed_steps": graphs.get("capture_s_excl_first2") if graphs.get("captures") else None,
             "first_step_compiles": _first_step_compiles(result)}
+
+
+def _graph_pool_gib(result: dict) -> float | None:
+    """Reserved memory of the private allocator pools at the end of training (the decoder graphs'
+    pool: its activations are reserved, never counted as allocated during replays); None when the
+    run did not record its pools, 0 when it had none."""
+    pools = result.get("memory_pools_at_end")
+    if pools is None:
+        return None
+    return sum(p["reserved_bytes"] for p in pools if p["pool"] != "(0, 0)") / GIB
 
 
 def _first_step_compiles(result: dict) -> int | None:

@@ -37,6 +37,17 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def _pools():
+    """Reserved / allocated bytes per allocator pool at the end of training (bench/memory_peak.py)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    from bench.memory_peak import pool_split
+
+    return pool_split(torch.cuda.memory_snapshot())
+
+
 class StepClock:
     """Trainer callback: step end times (after a device sync), logs, optional profiler."""
 
@@ -73,6 +84,7 @@ class StepClock:
             def on_train_end(self, args, state, control, **kw):
                 _sync()
                 clock.t_end = time.perf_counter()
+                clock.pools = _pools()
                 clock.stop_profiler()
                 if clock.cprofile is not None:
                     clock.cprofile.disable()
@@ -86,6 +98,7 @@ class StepClock:
         self.linear4bit_layers = None  # NF4 layers of the trained model (count_linear4bit)
         self.prof = None
         self.t_begin = self.t_end = None
+        self.pools = None
         self.step_ends: list[float] = []
         self.logs: list[dict] = []
         self.kernel_times: dict[str, float] = {}
@@ -204,9 +217,12 @@ def precompile_summary(clock) -> dict:
     from solution import precompile
 
     st = precompile.wait(timeout=0)
-    finished = st.get("finished_t")
-    st["finished_before_training"] = (None if finished is None or clock.t_begin is None
-                                      else finished <= clock.t_begin)
+    finished, started, begin = st.get("finished_t"), st.get("started_t"), clock.t_begin
+    st["finished_before_training"] = None if finished is None or begin is None else finished <= begin
+    # seconds from the precompile's start to training's, and from training's start to its end
+    # (negative: it had finished before training began)
+    st["start_to_training_s"] = None if started is None or begin is None else begin - started
+    st["training_to_finish_s"] = None if finished is None or begin is None else finished - begin
     return st
 
 
@@ -382,6 +398,7 @@ def main(argv=None) -> int:
         "linear4bit_layers": clock.linear4bit_layers,
         "wall_s": wall,
         "train_s": (clock.t_end - clock.t_begin) if clock.t_end else None,
+        "setup_s": (clock.t_begin - t_start) if clock.t_begin else None,  # apply() and Soup's loading
         "steps": len(steps),
         "step_times_s": steps,
         "train_excl_first2_s": sum(timed) if timed else None,
@@ -391,6 +408,7 @@ def main(argv=None) -> int:
         "tokens_per_s_excl_first2": (tokens_after_skip / sum(timed)) if tokens_after_skip and timed else None,
         "peak_mem_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         "peak_mem_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
+        "memory_pools_at_end": clock.pools,
         "trainer_logs": clock.logs,
         "tracker": read_tracker(work / "soup.db"),
         "outputs": output_files(out_dir),

@@ -21,19 +21,26 @@ def row(label: str, r: dict) -> str:
     early = sum(c["seconds"] for c in caps if c.get("step", 0) <= 2)
     late = graphs.get("capture_s_excl_first2") or 0.0
     pre = r.get("precompile") or {}
+    private = sum(p["reserved_bytes"] for p in r.get("memory_pools_at_end") or [] if p["pool"] != "(0, 0)")
     cells = [label, f"{st[0]:.2f}" if st else "-", f"{st[1]:.2f}" if len(st) > 1 else "-",
              f"{r['train_excl_first2_s']:.2f}" if r.get("train_excl_first2_s") else "-",
              f"{soup_duration(r):.2f}" if soup_duration(r) else "-",
              f"{len(caps)} / {early:.2f} / {late:.2f}",
-             f"{(r.get('peak_mem_reserved_bytes') or 0) / GIB:.2f} / {(r.get('peak_mem_allocated_bytes') or 0) / GIB:.2f}",
-             str(pre.get("finished_before_training", "-")),
+             f"{(r.get('peak_mem_reserved_bytes') or 0) / GIB:.2f} / {(r.get('peak_mem_allocated_bytes') or 0) / GIB:.2f}"
+             f" / {private / GIB:.2f}",
+             _seconds(r.get("setup_s")), _seconds(pre.get("training_to_finish_s")),
              "; ".join(d.get("reason", "")[:60] for d in graphs.get("decisions") or []) or "-"]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = ("| run | step 1 (s) | step 2 (s) | steps 3-N (s) | Soup's duration (s) | captures: n / s in steps 1-2 / s after "
-          "| peak reserved / allocated (GiB) | precompile done before training | graphs decision |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |")
+          "| peak reserved / allocated / graph pool at end (GiB) | setup before training (s) "
+          "| precompile finished, s after training began | graphs decision |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+
+
+def _seconds(v) -> str:
+    return "-" if v is None else f"{v:.2f}"
 
 
 def main(argv=None) -> int:

@@ -53,7 +53,7 @@ OWN_PREFIX = "solution.kernels."
 
 # finished_t: time.perf_counter() when the thread ended (None while it runs or never started)
 STATE: dict = {"started": False, "entries": 0, "done": 0, "failed": 0, "seconds": None, "errors": [],
-               "finished_t": None, "workers": 0, "worker_compiled": None, "worker_seconds": None}
+               "started_t": None, "finished_t": None, "workers": 0, "worker_compiled": None, "worker_seconds": None}
 _thread: threading.Thread | None = None
 
 
@@ -202,27 +202,39 @@ def worker_count(n_entries: int) -> int:
 MAX_WORKERS = 4
 
 
-def _compile_in_workers(entries: list[dict], target: tuple, workers: int) -> int:
-    """Compile ``entries`` for ``target`` (backend, arch, warp size) in ``workers`` child processes
-    (``python -m solution.precompile compile``), round robin; returns how many they compiled. The
-    children use no GPU and hold no GIL of this process: Soup's loading keeps its core."""
+def _start_workers(entries: list[dict], target: tuple, workers: int):
+    """Start ``workers`` child processes (``python -m solution.precompile compile``) that compile
+    ``entries`` for ``target`` (backend, arch, warp size), round robin; returns what
+    ``_wait_workers`` needs. The children use no GPU and hold no GIL of this process: Soup's
+    loading keeps its core. None (and the error noted) when they cannot start: the entries then
+    compile in this process, at preload."""
     import subprocess
     import sys
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="solution-precompile-") as tmp:
+    try:
+        tmp = tempfile.TemporaryDirectory(prefix="solution-precompile-")
         procs = []
         for w in range(workers):
-            part = Path(tmp) / f"entries-{w}.json"
+            part = Path(tmp.name) / f"entries-{w}.json"
             part.write_text(json.dumps(entries[w::workers]), encoding="utf-8")
-            out = Path(tmp) / f"done-{w}.json"
+            out = Path(tmp.name) / f"done-{w}.json"
             cmd = [sys.executable, "-m", "solution.precompile", "compile", str(part), "--target",
                    ":".join(map(str, target)), "--done", str(out)]
             # they compile for the GPU target, never in Triton's interpreter
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
             procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                            cwd=str(Path(__file__).resolve().parent.parent)), out))
-        done = 0
+    except Exception as exc:  # noqa: BLE001 - no child processes here
+        STATE["errors"].append(f"workers: {type(exc).__name__}: {exc}"[:300])
+        return None
+    return tmp, procs
+
+
+def _wait_workers(tmp, procs) -> int:
+    """Wait for the children of ``_start_workers``; returns how many entries they compiled."""
+    done = 0
+    with tmp:
         for proc, out in procs:
             proc.wait()
             try:
@@ -236,11 +248,25 @@ def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> N
     """The background thread's body: with ``workers`` > 0, child processes compile the entries
     for ``target`` into Triton's disk cache first (true parallelism, no GPU); then every entry is
     preloaded here into the JIT's in-memory cache (a disk hit for what the children compiled, a
-    compile for the rest). Failures are counted, never raised."""
+    compile for the rest). Failures are counted, never raised.
+    First, while the children start, Triton's own version key is computed here (it hashes
+    Triton's sources and its ~100 MB-scale native library, once per process, at the first
+    compile or cache lookup): otherwise the first kernel launch of the training step pays it."""
     t0 = time.perf_counter()
+    STATE["started_t"] = t0
     if workers > 0 and target is not None:
+        pending = _start_workers(entries, target, workers)
+    else:
+        pending = None
+    try:
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+    except Exception:  # noqa: BLE001 - another Triton layout: the first lookup computes it
+        pass
+    if pending is not None:
         try:
-            STATE["worker_compiled"] = _compile_in_workers(entries, target, workers)
+            STATE["worker_compiled"] = _wait_workers(*pending)
         except Exception as exc:  # noqa: BLE001 - no child processes here: compile in this process
             STATE["errors"].append(f"workers: {type(exc).__name__}: {exc}"[:300])
         STATE["worker_seconds"] = time.perf_counter() - t0
@@ -283,7 +309,8 @@ def start(device: str, say=print) -> threading.Thread | None:
             "kernels compile at first use")
         return None
     workers = worker_count(len(entries))
-    STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[], finished_t=None,
+    STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[], started_t=None,
+                 finished_t=None,
                  workers=workers, worker_compiled=None, worker_seconds=None)
     target = ("cuda", major * 10 + minor, 32)
     _thread = threading.Thread(target=run, args=(entries, target, workers), name="solution-precompile", daemon=True)

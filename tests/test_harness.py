@@ -408,4 +408,15 @@ def test_timed_table_reads_a_result(tmp_path, capsys):
     (tmp_path / "r.json").write_text(json.dumps(r), encoding="utf-8")
     timed_table.main([f"a={tmp_path / 'r.json'}", f"b={tmp_path / 'missing.json'}"])
     out = capsys.readouterr().out
-    assert "| a | 1.50 | 2.50 | 0.10 | 4.20 | 1 / 0.20 / 0.00 | 1.00 / 0.50 |" in out and "| b | no result" in out
+    assert "| a | 1.50 | 2.50 | 0.10 | 4.20 | 1 / 0.20 / 0.00 | 1.00 / 0.50 / 0.00 | - | - |" in out, out
+    assert "| b | no result" in out
+
+
+def test_pool_split_by_pool():
+    from bench.memory_peak import pool_split
+
+    segs = [{"segment_pool_id": (0, 0), "total_size": 4, "allocated_size": 3},
+            {"segment_pool_id": (0, 7), "total_size": 10, "allocated_size": 0},
+            {"segment_pool_id": (0, 0), "total_size": 2, "allocated_size": 2}]
+    assert pool_split(segs) == [{"pool": "(0, 7)", "reserved_bytes": 10, "allocated_bytes": 0, "segments": 1},
+                                {"pool": "(0, 0)", "reserved_bytes": 6, "allocated_bytes": 5, "segments": 2}]

@@ -123,7 +123,7 @@ def test_recorded_entries_compile_for_this_gpu(device):
         os.environ["TRITON_CACHE_DIR"] = cache
         try:
             # the child processes compile for this GPU into the disk cache ...
-            assert precompile._compile_in_workers(entries, ("cuda", major * 10 + minor, 32), workers=2) == len(entries)
+            assert precompile._wait_workers(*precompile._start_workers(entries, ("cuda", major * 10 + minor, 32), workers=2)) == len(entries)
             # kernel binaries and their IR (not the C launchers and driver module, built at first launch)
             before = sorted(p.name for p in Path(cache).rglob("*") if p.is_file() and p.suffix != ".so")
             for e in entries:  # ... and the JIT's own preload here finds every binary there (no new file)
@@ -151,7 +151,7 @@ def test_compile_processes_fill_the_disk_cache_without_a_gpu(tmp_path, monkeypat
     if not entries:
         pytest.skip("the shipped manifest is empty")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
-    assert precompile._compile_in_workers(entries, ("cuda", 75, 32), workers=2) == 2
+    assert precompile._wait_workers(*precompile._start_workers(entries, ("cuda", 75, 32), workers=2)) == 2
     cubins = list((tmp_path / "cache").rglob("*.cubin"))
     assert len(cubins) == 2
 

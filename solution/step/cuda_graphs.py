@@ -10,7 +10,7 @@
    backward once in two CUDA graphs (torch.cuda.CUDAGraph) and from then on replays them: two
    host calls a step for all 28 layers. A graph replays fixed shapes and fixed host values, so:
    - token count: the packed tokens (N) are padded to the bucket size (a multiple of
-     $SOLUTION_GRAPH_BUCKET, 128 by default, at least one token more than N) by one extra packed
+     $SOLUTION_GRAPH_BUCKET, 256 by default, at least one token more than N) by one extra packed
      row (packing.make_unpadded(extra=...)): copies of the first tokens of the longest row, with
      their own attention row, so they never touch a real token and get a zero gradient;
    - attention's longest row: the bucket size is passed as the bound (Unpadded.max_len_bound);
@@ -53,7 +53,7 @@ from solution.step import attention, lengths, packing
 
 ENV = "SOLUTION_CUDA_GRAPHS"
 BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
-DEFAULT_BUCKET = 128
+DEFAULT_BUCKET = 256  # the trade-off (captures against filler tokens) measured in docs/cuda_graphs.md
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
 
 
@@ -73,7 +73,7 @@ def enabled() -> bool:
 
 
 def bucket_size() -> int:
-    """Token bucket of the graphs ($SOLUTION_GRAPH_BUCKET, default 128); ValueError when invalid."""
+    """Token bucket of the graphs ($SOLUTION_GRAPH_BUCKET, default DEFAULT_BUCKET); ValueError when invalid."""
     raw = os.environ.get(BUCKET_ENV, "").strip()
     if not raw:
         return DEFAULT_BUCKET
@@ -419,9 +419,7 @@ class DecoderGraphs:
                 self.full_said = True
                 _say(f"{MAX_GRAPHS} decoder graphs captured: new batch sizes run eagerly")
             return None
-        if self.arena is None or not self.arena.fits(h, cos):
-            capacity = max([n, bucketed_tokens(binfo.batch * binfo.seqlen, bucket_size())] + (self.ahead or []))
-            self.arena = _Arena(capacity, h, cos)
+        self._ensure_arena(binfo, h, cos)
         g = _LayerGraphs(self.arena, n, len(binfo.lengths), h.requires_grad, self.device)
         g.load(binfo, h, cos, sin)
         g.param_grads = self.grads
@@ -433,6 +431,14 @@ class DecoderGraphs:
              f"({len(self.graphs) + 1} buckets{', ahead' if ahead else ''})")
         self.graphs[key] = g
         return g
+
+    def _ensure_arena(self, binfo, h, cos) -> None:
+        """Buffers for the largest bucket this run can meet: its batch at the padded length, or a
+        bucket predicted ahead, or this one (an arena that no longer fits is replaced; the graphs
+        recorded on the old one keep their own buffers)."""
+        if self.arena is None or not self.arena.fits(h, cos):
+            capacity = max([h.shape[1], bucketed_tokens(binfo.batch * binfo.seqlen, bucket_size())] + (self.ahead or []))
+            self.arena = _Arena(capacity, h, cos)
 
     def _capture(self, g: _LayerGraphs, layers, binfo, autocast, dropouts: int) -> None:
         masks = g.arena.masks
@@ -489,14 +495,19 @@ class DecoderGraphs:
             raise RuntimeError(f"the captured layers took {taken} dropout masks, expected {dropouts} "
                                "(one per LoRA dropout): some dropout would draw inside the graph")
 
-    def _capture_ahead(self, layers, binfo, h, cos, dropouts: int) -> None:
+    def _capture_ahead(self, layers, binfo, h, cos, dropouts: int, larger: bool) -> None:
         """Capture the buckets that lengths.py predicts for this run (``self.ahead``) and that are
         not captured yet, in this (untimed) step, so that they are not captured inside the timed
-        steps. A bucket's graphs depend only on its token count, its number of rows and dtypes:
-        they are recorded from zeros shaped like a batch of ``binfo.batch`` rows (a capture runs no
-        kernel; the values the replays use are loaded before each replay)."""
-        for nb in self.ahead or []:
-            if nb == h.shape[1] or nb > self.arena.capacity:
+        steps: those ``larger`` than this step's bucket (called before its capture), or the
+        smaller ones (after it), largest first. Largest first because all graphs share one memory
+        pool: a smaller bucket's capture then reuses the blocks a larger one freed, where the other
+        order would grow the pool at each larger capture (predicted: less peak reserved memory;
+        measured in docs/cuda_graphs.md). A bucket's graphs depend only on its token count, its
+        number of rows and dtypes: they are recorded from zeros shaped like a batch of
+        ``binfo.batch`` rows (a capture runs no kernel; the values the replays use are loaded
+        before each replay)."""
+        for nb in sorted(self.ahead or [], reverse=True):
+            if nb == h.shape[1] or nb > self.arena.capacity or (nb > h.shape[1]) != larger:
                 continue
             real = nb - 1  # one filler token, as bucketed_tokens always leaves at least one
             rows = [real // binfo.batch + (1 if i < real % binfo.batch else 0) for i in range(binfo.batch)]
@@ -527,9 +538,12 @@ class DecoderGraphs:
                 _say(f"decoder CUDA graphs: {len(self.ahead)} buckets predicted from the dataset's row lengths "
                      f"({self.ahead[0]}-{self.ahead[-1]} tokens), captured ahead in this step")
         try:
+            if first and self.ahead:
+                self._ensure_arena(binfo, h, cos)
+                self._capture_ahead(layers, binfo, h, cos, dropouts, larger=True)
             g = self._graphs_for(layers, binfo, h, cos, sin, dropouts)
             if first and g is not None and self.ahead:
-                self._capture_ahead(layers, binfo, h, cos, dropouts)
+                self._capture_ahead(layers, binfo, h, cos, dropouts, larger=False)
         except Exception as exc:  # noqa: BLE001 - a refused capture: eager from now on, said once
             self.failed = _describe_failure(exc)
             FAILURES.append(self.failed)
