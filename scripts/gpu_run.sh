@@ -20,7 +20,7 @@
 #      added to each compare step's own options, so it can override them),
 #      VARIANTS (bench.variants labels, e.g. "default padded=SOLUTION_ATTN_VARLEN=0"),
 #      VARIANT_ARGS (e.g. --baseline), TIMED_VARIANTS (timed solution runs, one table: "LABEL[=VAR=VALUE,...]
-#      ...", a label "baseline" runs the baseline; TIMED_COLD=1: each in its own empty Triton cache;
+#      ...", a label starting with "baseline" runs the baseline; TIMED_COLD=1: each in its own empty Triton cache;
 #      TIMED_EXTRA: bench.run_one options, @L for the label), TIMED_TIMEOUT, MEMORY_VARIANTS (default "solution"),
 #      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT, HOSTSPLIT_VARIANTS, HOSTSPLIT_TIMEOUT,
 #      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
@@ -132,7 +132,7 @@ PY
       specs=()
       for spec in ${TIMED_VARIANTS:-default}; do
         label=${spec%%=*}; settings=""; [ "$label" != "$spec" ] && settings=${spec#*=}
-        v=solution; [ "$label" = baseline ] && v=baseline
+        v=solution; case $label in baseline*) v=baseline ;; esac
         envs=(); IFS=, read -ra envs <<< "$settings"
         cache=$OUT/timed-$label/triton-cache; rm -rf "$cache"
         [ "${TIMED_COLD:-0}" = 1 ] && envs+=("TRITON_CACHE_DIR=$cache" "TORCHINDUCTOR_CACHE_DIR=$cache-inductor")
