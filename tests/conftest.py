@@ -32,6 +32,18 @@ def device():
     return "cuda" if HAS_CUDA else "cpu"
 
 
+def pythonpath_without_repo(*first: str) -> str:
+    """$PYTHONPATH for a child process: ``first``, then this process's entries other than the
+    repository (site folders it needs, e.g. the GPU machine's wheels in /tmp/site), never the
+    repository itself."""
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+            if p and Path(p).resolve() != repo]
+    return os.pathsep.join([*first, *keep])
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """||out - ref|| / ||ref|| in float64 (NaN-safe: NaN anywhere gives inf)."""
     out64, ref64 = out.detach().double().cpu(), ref.detach().double().cpu()

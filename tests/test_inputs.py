@@ -16,6 +16,7 @@ import yaml
 
 from bench import compare, report, rules
 from workload import model_standin
+from tests.conftest import pythonpath_without_repo
 from workload.config import WORKLOAD_FILE, WorkloadConfigError, load_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -313,7 +314,7 @@ def test_a_signal_stops_the_running_child_and_keeps_what_was_written(tmp_path, s
     driver = tmp_path / "driver.py"
     driver.write_text(DRIVER, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SOLUTION_")}
-    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONPATH"] = pythonpath_without_repo(str(ROOT))
     proc = subprocess.Popen([sys.executable, str(driver), str(pidfile), str(out), "1" if stubborn else "0"],
                             cwd=str(ROOT), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     child = None

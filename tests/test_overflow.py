@@ -557,17 +557,25 @@ def test_attn_varlen(device, dtype, case):
         res.append((out, *torch.autograd.grad(out, (qq, kk, vv), dout)))
     tol = 2e-3 if dtype == F16 else 1e-5
     if device == "cuda" and case == "inputs":
-        # Stock's padded kernel on a GPU adds the mask to the scores it computed: a +inf score at a
-        # masked position (a query before the inf key) becomes NaN (inf - inf); the variable-length
-        # kernel never computes a masked score. So ours is held to attention's definition (each
-        # query over the keys it sees), and stock must be poisoned wherever ours is (it is more).
+        # On a GPU both kernels compute a whole tile of scores and then mask it, and each poisons
+        # some masked positions in its own way: stock's padded kernel adds the mask to a +inf score
+        # (inf - inf = NaN, at queries before the inf key); both multiply a masked -inf value by its
+        # zero weight (0 * -inf = NaN, at queries before the -inf value; seen on the H200,
+        # 2026-12-01). So the positions are bounded on both sides: ours is poisoned at least where
+        # attention's definition (each query over the keys it sees, fp64) is, and at most where
+        # stock is; finite values agree with stock where all three are finite.
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
         ref = _visible_keys_attention(qq, kk, vv, lengths, scale)
         ref_grads = torch.autograd.grad(ref, (qq, kk, vv), dout.double())
         for name, a, r, b in zip(("out", "dq", "dk", "dv"), res[0], (ref, *ref_grads), res[1]):
-            assert_like_stock(a, r.to(dtype), tol, f"{name} (definition)", expect_nonfinite=True,
-                              any_nonfinite=name != "out")
-            assert bool((torch.isfinite(b) | ~torch.isfinite(a)).all()), f"{name}: poisoned where stock is not"
+            bad_a, bad_r, bad_b = (~torch.isfinite(t.detach().cpu().double()) for t in (a, r, b))
+            assert bool(bad_r.any()), f"{name}: the inputs never reach a non-finite result"
+            assert bool((bad_a | ~bad_r).all()), f"{name}: finite where attention's definition is not"
+            assert bool((bad_b | ~bad_a).all()), f"{name}: non-finite where stock is finite"
+            fin = ~(bad_a | bad_b)
+            err = rel_err(a.detach().cpu()[fin], b.detach().cpu()[fin])
+            assert err < tol, f"{name}: finite values rel. error {err:.3g} >= {tol}"
+        assert bool(torch.isfinite(res[0][0][0, 19]).all())  # the one-token row sees no other row
         return
     for name, a, b in zip(("out", "dq", "dk", "dv"), *res):
         assert_like_stock(a, b, tol, name, expect_nonfinite=name != "out" or case == "inputs",

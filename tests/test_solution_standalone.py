@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import pythonpath_without_repo
+
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTION = ROOT / "solution"
 PROJECT_ONLY = ("bench", "workload", "tests")  # this repository's other top-level packages
@@ -110,7 +112,8 @@ def test_solution_folder_alone_installs_and_reverts(tmp_path):
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP", "PYTHONSAFEPATH")}
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(tmp_path), PYTHONDONTWRITEBYTECODE="1",
+    # the copy first; the caller's other site folders (not the repository) stay reachable
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=pythonpath_without_repo(str(tmp_path)), PYTHONDONTWRITEBYTECODE="1",
                SOLUTION_PRECOMPILE="0", TOKENIZERS_PARALLELISM="false")
     for k in [k for k in env if k.startswith("SOLUTION_")]:
         if k != "SOLUTION_PRECOMPILE":
@@ -141,7 +144,8 @@ def test_the_isolation_would_catch_an_import_of_the_project(tmp_path):
     init = tmp_path / "solution" / "__init__.py"
     init.write_text("import workload.config  # planted\n" + init.read_text(encoding="utf-8"), encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP")}
-    env.update(TRITON_INTERPRET="1", PYTHONPATH=str(tmp_path), PYTHONDONTWRITEBYTECODE="1", SOLUTION_PRECOMPILE="0")
+    env.update(TRITON_INTERPRET="1", PYTHONPATH=pythonpath_without_repo(str(tmp_path)), PYTHONDONTWRITEBYTECODE="1",
+               SOLUTION_PRECOMPILE="0")
     proc = subprocess.run([sys.executable, "-c", _CHILD, str(ROOT)], cwd=str(tmp_path), env=env,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "No module named 'workload'" in proc.stderr, proc.stdout + proc.stderr
