@@ -22,7 +22,8 @@ Every step of it, in plain words:
    FLOP/s); a memory-bound kernel's by (H200 achievable bandwidth) / (T4 achievable bandwidth).
    "Achievable" = the datasheet peak times a fraction (the constants below say which fractions
    have a source and which are assumptions). The sum, divided by the profiled steps, is the
-   projected T4 GPU time per step. Not modelled: that a kernel tuned for the H200 may pick other
+   projected T4 GPU time per step (kernels are taken to run one after another, as on one
+   stream; kernels that overlapped on the H200 are counted in full). Not modelled: that a kernel tuned for the H200 may pick other
    tiles on a T4, caches of other sizes, launch latency, and that small kernels reach neither
    machine's peak (one calibration factor, step 4, absorbs the average of these errors).
 2. Host time. What the CPU spends per step (Python, PyTorch's dispatcher, kernel launches) is not

@@ -23,8 +23,8 @@ def timed(per_step, graphs=False, capture_s=0.0, n=STEPS, tokens=64567, mem=13.1
     g = ({"captures": [{"tokens": 1792, "seconds": 0.3 + capture_s, "step": 2}], "failed": [],
           "capture_s_excl_first2": capture_s} if graphs else None)
     logs = [{"step": i + 1, "loss": 2.0 - 0.01 * i, "num_tokens": 1000 * (i + 1)} for i in range(n)]
-    return {"variant": "x", "device": "NVIDIA H200", "steps": n, "step_times_s": steps, "train_excl_first2_s": sum(steps[2:]),
-            "trainer_logs": logs, "tokens_total": tokens, "peak_mem_allocated_bytes": mem, "cuda_graphs": g}
+    return {"variant": "x", "device": "NVIDIA H200", "steps": n, "step_times_s": steps,
+            "train_excl_first2_s": sum(steps[2:]), "trainer_logs": logs, "tokens_total": tokens, "peak_mem_allocated_bytes": mem, "cuda_graphs": g}
 
 
 def profiled(kernel_times, n=STEPS):
