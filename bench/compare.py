@@ -44,6 +44,7 @@ import time
 from pathlib import Path
 
 from bench import report as report_mod
+from bench import t4_projection
 from bench.own_kernels import categorize, is_own_kernel
 from bench.rules import check_run, check_static, print_rows
 
@@ -457,6 +458,9 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
         rep["shapes"][key] = shape_entry(runs["data"], runs["baseline"], runs["solution"],
                                          runs.get("baseline-profiled"), runs.get("solution-profiled"))
         rep["shape_runs"][key] = {v: runs[v] for v in VARIANTS}
+    # T4 projection (issue 13.5, bench/t4_projection.py): a model from this shape's profiled and timed passes
+    rep["t4_projection"] = t4_projection.project(base, base_prof, sol, sol_prof, steps=workload.steps,
+                                                 device=rep["gpu"]["name"], shape=shape)
     rep["rules"] = check_static() + check_run(rep)
     return rep
 

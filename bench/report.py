@@ -1,6 +1,8 @@
 """Report rendering: Markdown table (baseline, solution, ratio), summary, PNG plot, summary.json."""
 from __future__ import annotations
 
+from bench import t4_projection
+
 GIB = 2**30
 
 
@@ -125,6 +127,7 @@ def summary_table(rep: dict) -> str:
     lines.append(f"own-kernel share of training time (excl. first 2): "
                  f"{'n/a' if share is None else f'{share:.1%}'}")
     lines += [ln for ln in _cuda_graph_lines(rep) if ln]
+    lines.append(t4_projection.console_line(rep.get("t4_projection")))  # issue 13.5
     shapes = _shapes(rep)
     if len(shapes) > 1:
         lines.append(f"solution / baseline by run ({timed_steps(rep)}, first step, GPU kernel time, "
@@ -285,7 +288,8 @@ def _shapes_section(rep: dict) -> list[str]:
 def summary(rep: dict) -> dict:
     """summary.json: the report's runs, figures only, for comparing sessions by machine."""
     return {"gpu": rep["gpu"]["name"], "date": rep["date"], "commit": rep.get("commit") or "unknown",
-            "runs": {key: {"baseline": e["baseline"], "solution": e["solution"]} for key, e in _shapes(rep).items()}}
+            "runs": {key: {"baseline": e["baseline"], "solution": e["solution"]} for key, e in _shapes(rep).items()},
+            "t4_projection": t4_projection.summary(rep.get("t4_projection"))}  # issue 13.5
 
 
 def write_summary(rep: dict, path) -> None:
@@ -365,6 +369,7 @@ def markdown(rep: dict) -> str:
     out += [f"Own kernels that ran: {', '.join(rep.get('own_kernels_ran') or []) or 'none'}", ""]
     out += _cuda_graph_lines(rep)
     out += _targets_section(rep)
+    out += t4_projection.section(rep.get("t4_projection"))  # issue 13.5: a model, not a measurement
     for variant in ("baseline", "solution"):
         ks = rep["kernel_split"][variant]
         if not ks:

@@ -224,7 +224,7 @@ def test_summary_schema_from_a_synthetic_report(synthetic_report, tmp_path):
     assert list(rep["shapes"]) == ["shipped", "long", "shipped-cold"]
     assert set(rep["shape_runs"]) == {"long", "shipped-cold"}
     s = report.summary(rep)
-    assert set(s) == {"gpu", "date", "commit", "runs"}
+    assert set(s) == {"gpu", "date", "commit", "runs", "t4_projection"}
     assert isinstance(s["gpu"], str) and isinstance(s["date"], str) and s["commit"] == rep["commit"]
     assert list(s["runs"]) == ["shipped", "long", "shipped-cold"]
     for runs in s["runs"].values():

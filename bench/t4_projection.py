@@ -1,0 +1,322 @@
+"""T4 projection: what the measured H200 runs would take on a T4. A MODEL, NOT A MEASUREMENT.
+
+No T4 was available to the project; every GPU report is measured on an H200 made to take the
+T4's code paths (bench/run_one.py: emulate_t4_paths). This module turns one such report's
+figures into an estimate of the 64-step training time on a T4, with a simple "roofline" model.
+Every step of it, in plain words:
+
+1. GPU time. The profiled pass lists every GPU kernel with its total seconds over steps 3..N
+   (result.json: profile.kernel_times_s). Each kernel is put in one of three classes by its name:
+   - FLOP-bound: matrix multiplications (cuBLAS / CUTLASS GEMMs, bench/own_kernels.py's
+     "matmul" category) and attention (PyTorch's memory-efficient SDPA kernels, "attention").
+     Attention is counted as FLOP-bound: its inner work is tensor-core matmuls on tiles held in
+     on-chip memory, and at head size 128 and rows up to 512 tokens it does far more arithmetic
+     per byte read than either GPU's balance point (~200 FLOP/byte on both). cuBLAS's split-K
+     reduction kernels (names with "splitKreduce") only add partial sums: memory-bound.
+   - transfer: copies between the host and the GPU ("Memcpy HtoD" / "Memcpy DtoH"): scaled by
+     the PCIe link (the T4 has PCIe 3.0 x16, the H200 PCIe 5.0 x16: 4x slower).
+   - memory-bound: everything else (our Triton kernels, bitsandbytes' dequantization, PyTorch's
+     elementwise / copy / cast / softmax / reduction / optimizer kernels, memsets, device copies):
+     they read and write much and compute little.
+   A FLOP-bound kernel's seconds are multiplied by (H200 achievable FLOP/s) / (T4 achievable
+   FLOP/s); a memory-bound kernel's by (H200 achievable bandwidth) / (T4 achievable bandwidth).
+   "Achievable" = the datasheet peak times a fraction (the constants below say which fractions
+   have a source and which are assumptions). The sum, divided by the profiled steps, is the
+   projected T4 GPU time per step (kernels are taken to run one after another, as on one
+   stream; kernels that overlapped on the H200 are counted in full). Not modelled: that a kernel tuned for the H200 may pick other
+   tiles on a T4, caches of other sizes, launch latency, and that small kernels reach neither
+   machine's peak (one calibration factor, step 4, absorbs the average of these errors).
+2. Host time. What the CPU spends per step (Python, PyTorch's dispatcher, kernel launches) is not
+   recorded as such; it is derived: on the H200 the GPU is busy a small part of each step (it waits
+   for the host), so the timed pass's wall time per step (train_excl_first2_s / (steps - 2)) is
+   taken as the host time per step. It is an upper bound: it includes the wait for the last kernels
+   at each step's end. Seconds of CUDA-graph captures inside the timed steps (a one-time cost) are
+   taken out first. The Kaggle T4 machine's CPU is assumed KAGGLE_CPU_FACTOR times slower.
+   With and without CUDA graphs: the solution's timed run uses graphs where its first step measured
+   host-bound (solution/step/cuda_graphs.py: decide()); its wall time is then the host time *with*
+   graphs. Its host time *without* graphs (eager) is not measured in that run: the baseline's host
+   time per step is used instead, an upper bound (the solution's eager step does the stock step's
+   host work or less: fewer, fused launches). On the T4 decide() would say "off" (GPU-bound) when
+   the projected GPU time exceeds GPU_BOUND_RATIO times the eager host time: then the eager host
+   time is the one that counts.
+3. Step time = max(host, GPU) per step: the slower side sets the pace (the other one waits).
+   64-step training time = 64 x the step time (the first two steps' extra costs, compiles and
+   warm-up, are not modelled separately).
+4. Calibration. The official T4 figure for the baseline is ~80 s of training for 64 steps (~900
+   tokens/s, ~14 GB). One factor = 80 s / (projected baseline) is applied to both runs: the
+   calibrated baseline is 80 s by construction, and the raw projection's distance from 80 s
+   (the calibration error) says how far the bare model was off. The solution's calibrated figure
+   assumes that the model errs by the same factor for both runs, which is itself an assumption
+   (the two runs have different kernel mixes).
+
+Usage: project(base_timed, base_profiled, sol_timed, sol_profiled) -> dict (bench/compare.py puts
+it in report.json under "t4_projection"; bench/report.py renders it and copies it to summary.json).
+Pure: it reads the result dicts of bench/run_one.py and computes; no GPU, no files.
+"""
+from __future__ import annotations
+
+from bench.own_kernels import categorize
+
+# --- the machines ---------------------------------------------------------------------------------
+# NVIDIA T4 datasheet: 65 TFLOPS mixed-precision (fp16 in, fp32 accumulate) tensor-core peak,
+# 320 GB/s GDDR6, PCIe 3.0 x16, 70 W.
+T4_FP16_TENSOR_FLOPS = 65e12
+T4_MEM_BW = 320e9
+# NVIDIA H200 SXM datasheet: 1,979 TFLOPS fp16/bf16 tensor "with sparsity", i.e. ~989 dense;
+# 4.8 TB/s HBM3e; PCIe 5.0 x16.
+H200_FP16_TENSOR_FLOPS = 989e12
+H200_MEM_BW = 4.8e12
+
+# --- achievable fractions of those peaks ------------------------------------------------------------
+# T4 FLOP: SOURCED. A cuBLAS fp16 GEMM of 4096 x 4096 x 4096 on a T4 sustains ~24 TFLOP/s (37% of
+# 65): the 70 W power cap lowers the clock under continuous matrix work (NVIDIA developer forums,
+# "About GPU peak performance", forums.developer.nvidia.com/t/about-gpu-peak-performance/264462,
+# with NVIDIA's answer that this is expected).
+T4_FLOP_FRACTION = 24 / 65
+# T4 bandwidth: ASSUMPTION. A streaming copy on a GDDR6 card typically reaches ~75-85% of the
+# datasheet bandwidth; 80% (256 GB/s) is assumed, not measured.
+T4_BW_FRACTION = 0.80
+# H200 FLOP: ASSUMPTION. Large dense fp16 GEMMs on Hopper reach ~65-75% of the dense peak; 70%
+# (~690 TFLOP/s) is assumed, not measured on this machine.
+H200_FLOP_FRACTION = 0.70
+# H200 bandwidth: ASSUMPTION. HBM3e streaming reaches ~85-90% of the datasheet; 85% (~4.1 TB/s)
+# is assumed, not measured on this machine.
+H200_BW_FRACTION = 0.85
+# PCIe: T4 3.0 x16 (~15.8 GB/s a direction) against the H200's 5.0 x16 (~63 GB/s), the same
+# achievable fraction assumed on both: transfers 4x slower on the T4.
+PCIE_SCALE = 4.0
+
+FLOP_SCALE = (H200_FP16_TENSOR_FLOPS * H200_FLOP_FRACTION) / (T4_FP16_TENSOR_FLOPS * T4_FLOP_FRACTION)
+MEM_SCALE = (H200_MEM_BW * H200_BW_FRACTION) / (T4_MEM_BW * T4_BW_FRACTION)
+
+# --- the host --------------------------------------------------------------------------------------
+# ASSUMPTION: Kaggle's T4 sessions run on a 2.0-2.2 GHz Intel Xeon (a few vCPUs); the H200 machine's
+# host is a current server CPU boosting well above 3 GHz. Single-thread Python and launch work is
+# taken as 2x slower on Kaggle (the pessimistic end of a 1.5-2x guess; not measured).
+KAGGLE_CPU_FACTOR = 2.0
+# solution/step/cuda_graphs.py: GPU_BOUND_RATIO (a copy, checked equal by tests/test_t4_projection.py):
+# decide() turns graphs off when the GPU time exceeds this many times the host time.
+GPU_BOUND_RATIO = 1.15
+
+# --- the official T4 baseline (the challenge's figures, 64 steps of the workload) -----------------
+OFFICIAL_BASELINE_TRAIN_S = 80.0
+OFFICIAL_BASELINE_TOKENS_PER_S = 900.0
+OFFICIAL_BASELINE_MEMORY_GB = 14.0
+
+SKIP_STEPS = 2  # bench/run_one.py: the profile and the timed figures cover steps 3..N
+SOURCE_GPU = "H200"  # the machine whose peaks the constants above describe
+LABEL = "T4 projection (a model, not a measurement)"
+
+FLOP, MEMORY, TRANSFER = "flop-bound", "memory-bound", "transfer"
+
+
+def kernel_class(name: str) -> str:
+    """FLOP, MEMORY or TRANSFER for one profiled kernel name (see the module docstring, step 1)."""
+    low = name.lower()
+    if low.startswith("memcpy htod") or low.startswith("memcpy dtoh"):
+        return TRANSFER
+    if "splitkreduce" in low:
+        return MEMORY
+    cat = categorize(name)
+    if cat.startswith("matmul") or cat.startswith("attention"):
+        return FLOP
+    return MEMORY
+
+
+SCALE = {FLOP: FLOP_SCALE, MEMORY: MEM_SCALE, TRANSFER: PCIE_SCALE}
+
+
+def _timed_steps(result: dict) -> int:
+    """Steps 3..N of a run (its step_times_s)."""
+    return max(len(result.get("step_times_s") or []) - SKIP_STEPS, 0)
+
+
+def gpu_split(profiled: dict) -> dict:
+    """The profiled pass's kernel seconds per step by class, on the H200 and projected on the T4."""
+    times = profiled["profile"]["kernel_times_s"]
+    steps = _timed_steps(profiled)
+    if not steps:
+        raise ValueError("the profiled pass has no steps after the first two")
+    h200 = {FLOP: 0.0, MEMORY: 0.0, TRANSFER: 0.0}
+    for name, t in times.items():
+        h200[kernel_class(name)] += t
+    h200 = {k: v / steps for k, v in h200.items()}
+    t4 = {k: v * SCALE[k] for k, v in h200.items()}
+    return {"profiled_steps": steps, "window_s": profiled["profile"].get("window_s"),
+            "h200_s_per_step": h200, "h200_gpu_s_per_step": sum(h200.values()),
+            "t4_s_per_step": t4, "t4_gpu_s_per_step": sum(t4.values())}
+
+
+def host_per_step(timed: dict) -> float:
+    """The timed pass's wall time per step 3..N, less CUDA-graph captures inside them (module
+    docstring, step 2): the H200 host time per step (an upper bound)."""
+    steps = _timed_steps(timed)
+    wall = timed.get("train_excl_first2_s")
+    if not steps or not wall:
+        raise ValueError("the timed pass has no timed steps")
+    captures = (timed.get("cuda_graphs") or {}).get("capture_s_excl_first2") or 0.0
+    return (wall - captures) / steps
+
+
+def used_graphs(timed: dict) -> bool:
+    """Whether the run's timed pass replayed CUDA graphs (it captured at least one)."""
+    return bool((timed.get("cuda_graphs") or {}).get("captures"))
+
+
+def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = None, steps: int = 64) -> dict:
+    """One run on a T4, uncalibrated. ``eager_host_h200``: the H200 host time per step without
+    graphs, for a run whose timed pass used graphs (None: its own wall time is the eager one)."""
+    gpu = gpu_split(profiled)
+    host = host_per_step(timed)
+    graphs = used_graphs(timed)
+    if graphs:
+        host_graphs, host_eager = host, eager_host_h200
+        eager_source = "the baseline's host time per step (upper bound: this run's eager host time is not measured)"
+    else:
+        host_graphs, host_eager = None, host
+        eager_source = "this run's timed wall time per step (no CUDA graphs)"
+    if host_eager is None:
+        raise ValueError("a run with CUDA graphs needs the eager host time (eager_host_h200)")
+    t4_gpu = gpu["t4_gpu_s_per_step"]
+    t4_eager = host_eager * KAGGLE_CPU_FACTOR
+    t4_graphs = None if host_graphs is None else host_graphs * KAGGLE_CPU_FACTOR
+    # decide() on the T4: graphs stay off where the eager step is GPU-bound
+    graphs_on_t4 = t4_graphs is not None and not (t4_gpu > GPU_BOUND_RATIO * t4_eager)
+    t4_host = t4_graphs if graphs_on_t4 else t4_eager
+    step = max(t4_host, t4_gpu)
+    return {
+        "h200": {"gpu_s_per_step": gpu["h200_gpu_s_per_step"], "by_class_s_per_step": gpu["h200_s_per_step"],
+                 "host_s_per_step": host, "host_eager_s_per_step": host_eager,
+                 "host_graphs_s_per_step": host_graphs, "graphs": graphs, "host_eager_source": eager_source,
+                 "profiled_steps": gpu["profiled_steps"]},
+        "t4": {"gpu_s_per_step": t4_gpu, "by_class_s_per_step": gpu["t4_s_per_step"],
+               "host_eager_s_per_step": t4_eager, "host_graphs_s_per_step": t4_graphs,
+               "graphs": graphs_on_t4, "host_s_per_step": t4_host, "step_s": step,
+               "bound": "GPU" if t4_gpu >= t4_host else "host"},
+        "steps": steps,
+        "train_s_raw": step * steps,
+    }
+
+
+def skipped(base_timed, base_prof, sol_timed, sol_prof, device: str | None = None,
+            shape: str = "shipped") -> str | None:
+    """Why no projection can be made from these runs (None: it can)."""
+    if shape != "shipped":
+        return f"the report's runs are of the {shape} shape; the official baseline's figures are the shipped data's"
+    if device is not None and SOURCE_GPU not in device:
+        return (f"measured on {device}: the model's constants describe an {SOURCE_GPU} "
+                "(a real T4 run needs no projection)")
+    for label, r in (("baseline", base_prof), ("solution", sol_prof)):
+        if not r or not (r.get("profile") or {}).get("kernel_times_s"):
+            return f"no profiled pass of the {label} (GPU kernel times are the model's input)"
+    for label, r in (("baseline", base_timed), ("solution", sol_timed)):
+        if not r or not _timed_steps(r) or not r.get("train_excl_first2_s"):
+            return f"no timed steps of the {label}"
+    return None
+
+
+def project(base_timed: dict, base_prof: dict, sol_timed: dict, sol_prof: dict, steps: int = 64,
+            device: str | None = None, shape: str = "shipped") -> dict:
+    """Both runs on a T4, calibrated against the official baseline (module docstring). Returns
+    {"model", "skipped": why} when the runs cannot be projected (no profile, not an H200, another
+    shape than the shipped one)."""
+    why = skipped(base_timed, base_prof, sol_timed, sol_prof, device, shape)
+    if why:
+        return {"model": LABEL, "skipped": why}
+    base = project_run(base_timed, base_prof, steps=steps)
+    sol = project_run(sol_timed, sol_prof, eager_host_h200=base["h200"]["host_s_per_step"], steps=steps)
+    factor = OFFICIAL_BASELINE_TRAIN_S / base["train_s_raw"]
+    error = base["train_s_raw"] / OFFICIAL_BASELINE_TRAIN_S - 1
+    for r in (base, sol):
+        r["calibrated_step_s"] = r["t4"]["step_s"] * factor
+        r["train_s_calibrated"] = r["train_s_raw"] * factor
+    tokens = base_timed.get("tokens_total")
+    mem = base_timed.get("peak_mem_allocated_bytes")
+    return {
+        "model": LABEL,
+        "baseline_train_s": base["train_s_calibrated"],
+        "solution_train_s": sol["train_s_calibrated"],
+        "baseline_train_s_raw": base["train_s_raw"],
+        "solution_train_s_raw": sol["train_s_raw"],
+        "calibration_factor": factor,
+        "calibration_error": error,
+        "calibration": (f"one factor {factor:.3f} = {OFFICIAL_BASELINE_TRAIN_S:.0f} s (official T4 baseline, "
+                        f"{steps} steps) / {base['train_s_raw']:.1f} s (raw projected baseline), applied to "
+                        f"both runs; raw model error on the baseline {error:+.1%}"),
+        "steps": steps,
+        "speedup": base["train_s_raw"] / sol["train_s_raw"],
+        "baseline": base,
+        "solution": sol,
+        "checks": {  # the official baseline's other figures beside this run's (not part of the model)
+            "baseline_tokens_per_s_at_official_time": tokens / OFFICIAL_BASELINE_TRAIN_S if tokens else None,
+            "official_tokens_per_s": OFFICIAL_BASELINE_TOKENS_PER_S,
+            "baseline_peak_allocated_gb": mem / 1e9 if mem else None,
+            "official_memory_gb": OFFICIAL_BASELINE_MEMORY_GB,
+        },
+        "constants": {"flop_scale": FLOP_SCALE, "memory_scale": MEM_SCALE, "pcie_scale": PCIE_SCALE,
+                      "kaggle_cpu_factor": KAGGLE_CPU_FACTOR, "t4_flop_fraction": T4_FLOP_FRACTION,
+                      "t4_bw_fraction": T4_BW_FRACTION, "h200_flop_fraction": H200_FLOP_FRACTION,
+                      "h200_bw_fraction": H200_BW_FRACTION},
+    }
+
+
+def section(proj: dict | None) -> list[str]:
+    """The report's Markdown lines for a projection (bench/report.py)."""
+    out = [f"## {LABEL}", ""]
+    if not proj:
+        return out + ["Not projected: this report was made before bench/t4_projection.py.", ""]
+    if proj.get("skipped"):
+        return out + [f"Not projected: {proj['skipped']}.", ""]
+    c = proj["constants"]
+    out += [f"A roofline model (bench/t4_projection.py; its docstring states every assumption), not a T4 "
+            f"run: each profiled kernel's H200 time scaled by its bound (FLOP-bound GEMMs and attention "
+            f"x{c['flop_scale']:.1f}, memory-bound kernels x{c['memory_scale']:.1f}, host transfers "
+            f"x{c['pcie_scale']:.0f}), the host time per step (timed pass) x{c['kaggle_cpu_factor']:g} "
+            "for a Kaggle CPU, step = max(host, GPU); calibrated on the official T4 baseline "
+            f"({OFFICIAL_BASELINE_TRAIN_S:.0f} s for {proj['steps']} steps).", "",
+            "| run | T4 GPU s/step | T4 host s/step | graphs on T4 | step s (bound) | "
+            f"{proj['steps']}-step training, raw (s) | calibrated (s) |",
+            "| --- | ---: | ---: | --- | ---: | ---: | ---: |"]
+    for variant in ("baseline", "solution"):
+        r = proj[variant]
+        t4 = r["t4"]
+        out.append(f"| {variant} | {t4['gpu_s_per_step']:.3f} | {t4['host_s_per_step']:.3f} | "
+                   f"{'on' if t4['graphs'] else 'off'} | {t4['step_s']:.3f} ({t4['bound']}) | "
+                   f"{r['train_s_raw']:.1f} | **{r['train_s_calibrated']:.1f}** |")
+    chk = proj["checks"]
+    tok = chk.get("baseline_tokens_per_s_at_official_time")
+    mem = chk.get("baseline_peak_allocated_gb")
+    out += ["", f"Calibration: {proj['calibration']}. Projected solution / baseline: "
+            f"{1 / proj['speedup']:.3f} ({proj['speedup']:.2f}x faster).",
+            f"Solution's host time without graphs: {proj['solution']['h200']['host_eager_source']}.",
+            "Beside the official baseline's other figures (not part of the model): this run's tokens at "
+            f"{OFFICIAL_BASELINE_TRAIN_S:.0f} s give {'n/a' if tok is None else f'{tok:.0f}'} tokens/s "
+            f"(official ~{OFFICIAL_BASELINE_TOKENS_PER_S:.0f}); peak allocated "
+            f"{'n/a' if mem is None else f'{mem:.1f}'} GB (official ~{OFFICIAL_BASELINE_MEMORY_GB:.0f} GB).", ""]
+    return out
+
+
+def summary(proj: dict | None) -> dict | None:
+    """summary.json's "t4_projection": the calibrated times, the calibration, the raw figures and
+    each run's step (None: not in the report)."""
+    if not proj:
+        return None
+    if proj.get("skipped"):
+        return {"model": proj["model"], "skipped": proj["skipped"]}
+    keys = ("baseline_train_s", "solution_train_s", "calibration", "baseline_train_s_raw", "solution_train_s_raw",
+            "calibration_factor", "calibration_error", "steps", "model")
+    out = {k: proj[k] for k in keys}
+    for variant in ("baseline", "solution"):
+        t4 = proj[variant]["t4"]
+        out[variant] = {"gpu_s_per_step": t4["gpu_s_per_step"], "host_s_per_step": t4["host_s_per_step"],
+                        "graphs": t4["graphs"], "step_s": t4["step_s"], "bound": t4["bound"]}
+    return out
+
+
+def console_line(proj: dict | None) -> str:
+    """One line for bench.compare's printed summary."""
+    if not proj or proj.get("skipped"):
+        return f"{LABEL}: {'not projected' if not proj else 'not projected: ' + proj['skipped']}"
+    return (f"{LABEL}: {proj['steps']}-step training baseline {proj['baseline_train_s']:.1f} s, solution "
+            f"{proj['solution_train_s']:.1f} s (calibrated; raw {proj['baseline_train_s_raw']:.1f} / "
+            f"{proj['solution_train_s_raw']:.1f} s, calibration error {proj['calibration_error']:+.1%})")

@@ -1,0 +1,180 @@
+"""bench/t4_projection.py: the T4 roofline model (pure arithmetic on synthetic result dicts; no GPU)."""
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from bench import compare, report
+from bench import t4_projection as t4
+from workload.config import load_workload
+
+GEMM = "ampere_fp16_s16816gemm_fp16_128x128_ldg8_f2f_stages_32x5_tn"
+NVJET = "nvjet_sm90_hsh_192x128_64x5_1x2_h_bz_coopB_NNT"
+ATTN = ("fmha_cutlassB_f16_aligned_128x128_k128_sm80(PyTorchMemEffAttention::AttentionBackwardKernel"
+        "<cutlass::arch::Sm80, cutlass::half_t, true, false, true, 128, 128, 128, false>::Params)")
+COPY = "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>"
+DEQUANT = "void kDequantizeBlockwise<__half, 512, 64, 8, 2>(float*, unsigned char*, float*, __half*, int, int)"
+H2D = "Memcpy HtoD (Pageable -> Device)"
+STEPS = 64
+
+
+def timed(per_step, graphs=False, capture_s=0.0, n=STEPS, tokens=64567, mem=13.17 * 2**30):
+    steps = [0.8, 0.5] + [per_step] * (n - 2)
+    g = ({"captures": [{"tokens": 1792, "seconds": 0.3 + capture_s, "step": 2}], "failed": [],
+          "capture_s_excl_first2": capture_s} if graphs else None)
+    logs = [{"step": i + 1, "loss": 2.0 - 0.01 * i, "num_tokens": 1000 * (i + 1)} for i in range(n)]
+    return {"variant": "x", "device": "NVIDIA H200", "steps": n, "step_times_s": steps,
+            "train_excl_first2_s": sum(steps[2:]), "trainer_logs": logs, "tokens_total": tokens, "peak_mem_allocated_bytes": mem, "cuda_graphs": g}
+
+
+def profiled(kernel_times, n=STEPS):
+    return {"step_times_s": [1.0] * n, "profile": {"window_s": 20.0, "kernel_times_s": kernel_times}}
+
+
+@pytest.mark.parametrize("name, cls", [
+    (GEMM, t4.FLOP), (NVJET, t4.FLOP), ("turing_fp16_s1688gemm_fp16_128x128_ldg8_f2f_tn", t4.FLOP),
+    ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_f16_s161616gemm_f16_32x32_128x2_tn_align8>(Params)", t4.FLOP),
+    (ATTN, t4.FLOP), ("fmha_cutlassF_f16_aligned_64x128_rf_sm80(PyTorchMemEffAttention::AttentionKernel)", t4.FLOP),
+    ("void splitKreduce_kernel<32, 16, int, __half, __half, float, __half, true, false>(cublasSplitKParams<float>)",
+     t4.MEMORY),
+    ("nf4_dequant_kernel", t4.MEMORY), ("_swiglu_fwd_kernel", t4.MEMORY), ("_lm_head_ce_rows_kernel", t4.MEMORY),
+    (COPY, t4.MEMORY), (DEQUANT, t4.MEMORY),
+    ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float, float, float>", t4.MEMORY),
+    ("void at::native::multi_tensor_apply_kernel<at::native::FusedAdamMathFunctor>", t4.MEMORY),
+    (H2D, t4.TRANSFER), ("Memcpy DtoH (Device -> Pinned)", t4.TRANSFER),
+    ("Memcpy DtoD (Device -> Device)", t4.MEMORY), ("Memset (Device)", t4.MEMORY),
+])
+def test_kernels_are_classed_by_their_bound(name, cls):
+    assert t4.kernel_class(name) == cls
+
+
+def test_scales_are_the_stated_roofline_ratios():
+    assert t4.FLOP_SCALE == pytest.approx(989e12 * 0.70 / 24e12)  # T4 sustains 24 of its 65 TFLOP/s
+    assert t4.MEM_SCALE == pytest.approx(4.8e12 * 0.85 / (320e9 * 0.80))
+    assert t4.PCIE_SCALE == 4.0
+    assert 20 < t4.FLOP_SCALE < 40 and 10 < t4.MEM_SCALE < 20
+
+
+def test_gpu_time_is_each_kernel_scaled_by_its_bound_per_profiled_step():
+    g = t4.gpu_split(profiled({GEMM: 1.0, ATTN: 0.5, COPY: 2.0, DEQUANT: 1.0, H2D: 0.1}))
+    n = STEPS - 2  # the profile covers steps 3..64
+    assert g["profiled_steps"] == n
+    assert g["h200_s_per_step"][t4.FLOP] == pytest.approx(1.5 / n)
+    assert g["t4_s_per_step"][t4.FLOP] == pytest.approx(1.5 / n * t4.FLOP_SCALE)
+    assert g["t4_s_per_step"][t4.MEMORY] == pytest.approx(3.0 / n * t4.MEM_SCALE)
+    assert g["t4_s_per_step"][t4.TRANSFER] == pytest.approx(0.1 / n * t4.PCIE_SCALE)
+    assert g["t4_gpu_s_per_step"] == pytest.approx(sum(g["t4_s_per_step"].values()))
+
+
+def test_step_is_the_slower_of_host_and_gpu():
+    gpu_bound = t4.project_run(timed(0.25), profiled({COPY: 3.0}))  # 3 s x15.9 / 62 = 0.77 s > 0.5 s
+    assert gpu_bound["t4"]["bound"] == "GPU"
+    assert gpu_bound["t4"]["step_s"] == pytest.approx(3.0 / 62 * t4.MEM_SCALE)
+    host_bound = t4.project_run(timed(0.25), profiled({COPY: 0.3}))
+    assert host_bound["t4"]["bound"] == "host"
+    assert host_bound["t4"]["step_s"] == pytest.approx(0.25 * t4.KAGGLE_CPU_FACTOR)
+    assert host_bound["h200"]["host_s_per_step"] == pytest.approx(0.25)
+    assert host_bound["train_s_raw"] == pytest.approx(STEPS * 0.25 * t4.KAGGLE_CPU_FACTOR)
+
+
+def test_graph_captures_in_the_timed_steps_are_not_host_time_per_step():
+    r = t4.project_run(timed(0.1, graphs=True, capture_s=6.2), profiled({COPY: 0.1}), eager_host_h200=0.3)
+    assert r["h200"]["host_graphs_s_per_step"] == pytest.approx(0.1 - 6.2 / 62)
+
+
+def test_a_gpu_bound_t4_runs_the_solution_without_graphs():
+    """decide() would say off: the eager host time counts (here the baseline's, an upper bound)."""
+    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 3.0}), eager_host_h200=0.2)
+    assert r["h200"]["graphs"] is True and r["t4"]["graphs"] is False
+    assert r["t4"]["host_s_per_step"] == pytest.approx(0.2 * t4.KAGGLE_CPU_FACTOR)
+    assert r["t4"]["bound"] == "GPU"
+    # a host-bound T4 step keeps the graphs, and their (smaller) host time counts
+    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 0.3}), eager_host_h200=0.2)
+    assert r["t4"]["graphs"] is True
+    assert r["t4"]["host_s_per_step"] == pytest.approx(0.05 * t4.KAGGLE_CPU_FACTOR)
+    with pytest.raises(ValueError, match="eager host time"):
+        t4.project_run(timed(0.05, graphs=True), profiled({COPY: 0.3}))
+
+
+def test_the_bound_ratio_is_the_solutions_own():
+    from solution.step import cuda_graphs
+
+    assert t4.GPU_BOUND_RATIO == cuda_graphs.GPU_BOUND_RATIO
+
+
+def _pair():
+    base_k = {COPY: 1.9, NVJET: 0.9, ATTN: 0.36, DEQUANT: 0.26, H2D: 0.06}
+    sol_k = {NVJET: 0.7, "nf4_dequant_cast_kernel": 0.47, ATTN: 0.19, COPY: 0.13, H2D: 0.04}
+    return timed(15.5 / 62), profiled(base_k), timed(4.0 / 62, graphs=True), profiled(sol_k)
+
+
+def test_calibration_puts_the_baseline_at_the_official_80_s_and_keeps_the_ratio():
+    p = t4.project(*_pair(), device="NVIDIA H200")
+    assert p["baseline_train_s"] == pytest.approx(80.0)
+    assert p["calibration_factor"] == pytest.approx(80.0 / p["baseline_train_s_raw"])
+    assert p["calibration_error"] == pytest.approx(p["baseline_train_s_raw"] / 80.0 - 1)
+    assert p["solution_train_s"] == pytest.approx(p["solution_train_s_raw"] * p["calibration_factor"])
+    assert p["solution_train_s"] / p["baseline_train_s"] == pytest.approx(
+        p["solution_train_s_raw"] / p["baseline_train_s_raw"])
+    assert p["baseline"]["train_s_raw"] == pytest.approx(STEPS * p["baseline"]["t4"]["step_s"])
+    # the solution's eager host time is the baseline's (its own is not measured with graphs)
+    assert p["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
+    assert "applied to both runs" in p["calibration"] and "%" in p["calibration"]
+    assert p["checks"]["baseline_tokens_per_s_at_official_time"] == pytest.approx(64567 / 80)
+
+
+@pytest.mark.parametrize("change, why", [
+    (lambda a: a[1].update(profile=None), "no profiled pass of the baseline"),
+    (lambda a: a[3]["profile"].update(kernel_times_s={}), "no profiled pass of the solution"),
+    (lambda a: a[2].update(step_times_s=[1.0, 1.0]), "no timed steps of the solution"),
+])
+def test_runs_that_cannot_be_projected_say_why(change, why):
+    args = list(_pair())
+    change(args)
+    assert why in t4.project(*args)["skipped"]
+
+
+def test_only_an_h200_shipped_run_is_projected():
+    assert "NVIDIA T4" in t4.project(*_pair(), device="NVIDIA T4")["skipped"]
+    assert "cpu" in t4.project(*_pair(), device="cpu")["skipped"]
+    assert "long shape" in t4.project(*_pair(), device="NVIDIA H200", shape="long")["skipped"]
+
+
+@pytest.fixture
+def h200_report(monkeypatch):
+    monkeypatch.setattr(compare, "_gpu", lambda: {"name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8})
+    base, base_prof, sol, sol_prof = _pair()
+    return compare.build_report(SimpleNamespace(argv=[]), "stand-in (full)", base, sol, base_prof, sol_prof,
+                                load_workload(), shape="shipped", data="k.jsonl")
+
+
+def test_report_and_summary_carry_the_projection(h200_report, tmp_path):
+    rep = h200_report
+    assert rep["t4_projection"]["baseline_train_s"] == pytest.approx(80.0)
+    md = report.markdown(rep)
+    assert "## T4 projection (a model, not a measurement)" in md
+    sec = md.split("## T4 projection")[1].split("\n## ")[0]
+    assert "| baseline |" in sec and "| solution |" in sec and "**80.0**" in sec and "Calibration: one factor" in sec
+    s = report.summary(rep)["t4_projection"]
+    assert {"baseline_train_s", "solution_train_s", "calibration"} <= set(s)
+    assert s["baseline_train_s"] == pytest.approx(80.0) and isinstance(s["calibration"], str)
+    assert s["solution"]["bound"] in ("GPU", "host") and s["baseline"]["graphs"] is False
+    assert "T4 projection" in report.summary_table(rep) and "calibration error" in report.summary_table(rep)
+    # re-rendered from report.json (bench.report's main): the same section and summary
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(rep, default=str), encoding="utf-8")
+    assert report.main([str(path)]) == 0
+    assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["t4_projection"] == s
+    assert "## T4 projection (a model, not a measurement)" in (tmp_path / "report.md").read_text(encoding="utf-8")
+
+
+def test_a_report_without_a_projection_says_so(monkeypatch):
+    monkeypatch.setattr(compare, "_gpu", lambda: {"name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8})
+    rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (tiny)", timed(0.1), timed(0.1), None, None,
+                               load_workload())
+    assert "no profiled pass" in rep["t4_projection"]["skipped"]
+    assert "Not projected: no profiled pass" in report.markdown(rep)
+    assert report.summary(rep)["t4_projection"]["skipped"] == rep["t4_projection"]["skipped"]
+    rep.pop("t4_projection")  # a report.json from before the projection
+    assert "made before bench/t4_projection.py" in report.markdown(rep)
+    assert report.summary(rep)["t4_projection"] is None
