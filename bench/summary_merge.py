@@ -38,8 +38,12 @@ def merge(summaries: list[dict], names: list[str] | None = None) -> tuple[dict, 
                 notes.append(f"{key}: kept from {origin[key]}, also in {name}")
                 continue
             runs[key], origin[key] = figures, name
+    # the T4 projection (bench/t4_projection.py) comes from the shipped shape's report: the first
+    # summary that has one with figures (not skipped) gives it
+    projections = [s.get("t4_projection") for s in summaries if isinstance(s.get("t4_projection"), dict)]
+    projection = next((p for p in projections if "skipped" not in p), projections[0] if projections else None)
     return {"gpu": first["gpu"], "date": first["date"], "commit": first["commit"], "runs": runs,
-            "merged_from": list(names)}, notes
+            "t4_projection": projection, "merged_from": list(names)}, notes
 
 
 def main(argv=None) -> int:

@@ -307,6 +307,16 @@ def test_merge_joins_the_runs_of_one_commit(tmp_path, capsys):
     assert list(merged["runs"]) == ["shipped", "long", "short", "shipped-cold"]
     assert merged["commit"] == "abc1234" and merged["merged_from"] == [a, b, c]
     assert "shipped: kept from" in capsys.readouterr().err
+    assert merged["t4_projection"] is None  # none of them had one
+
+
+def test_merge_keeps_the_t4_projection_that_has_figures(tmp_path):
+    a = _summary(runs=("long",))
+    a["t4_projection"] = {"skipped": "shape long"}
+    b = _summary(runs=("shipped",))
+    b["t4_projection"] = {"baseline_train_s": 80.0, "solution_train_s": 30.0, "calibration": "x"}
+    merged, _ = summary_merge.merge([a, b])
+    assert merged["t4_projection"] == b["t4_projection"]
 
 
 @pytest.mark.parametrize("field, other", [("commit", "def5678"), ("gpu", "Tesla T4")])
