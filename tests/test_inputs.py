@@ -295,7 +295,7 @@ real = subprocess.Popen
 compare.subprocess.Popen = lambda cmd, **kw: real([sys.executable, "-c", child, pidfile], **kw)  # a "training" child
 compare.resolve_inputs = lambda args, workload=None: ("model", "data.jsonl", "stand-in (test)")
 compare.GRACE_S = 1.0
-sys.exit(compare.main(["--out", out]))
+sys.exit(compare.main(["--out", out, "--shapes", "shipped"]))  # on a GPU the default shapes need a tokenizer
 """
 
 
