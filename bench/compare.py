@@ -55,6 +55,7 @@ DEFAULT_DATA = ROOT / "workload" / "data" / "kazakh_instructions.jsonl"
 SHAPES = ("shipped", "long", "short")  # dataset shapes; long and short from workload/data/kazakh.py
 VARIANTS = ("baseline", "solution")
 COLD = "shipped-cold"  # the cold pass's run key
+MACHINE_FILE = "machine.json"  # the comparison's GPU, versions and command, written before its runs
 CACHE_ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # emptied for a cold run
 
 
@@ -527,6 +528,12 @@ def _main(args) -> int:
     args.out_dir = out
     cold = cuda if args.cold is None else args.cold
     print(f"[compare] {model_label}, data {data}, output {out}", flush=True)
+    # what bench.rebuild_report needs if this comparison is cut before it writes its report
+    (out / MACHINE_FILE).write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                                                "gpu": _gpu(), "versions": _versions(), "argv": args.argv,
+                                                "model_label": model_label, "commit": git_commit(),
+                                                "workload": args.workload, "data": data}, indent=1),
+                                    encoding="utf-8")
     datas = {"shipped": data, COLD: data}
     if set(shapes) - {"shipped"}:
         from transformers import AutoTokenizer

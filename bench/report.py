@@ -349,7 +349,8 @@ def markdown(rep: dict) -> str:
            *([f"- **no 4-bit quantization: these runs trained without NF4** ({why}): the NF4 and LoRA-on-NF4 "
               "kernels did not take part, and the figures are not the QLoRA workload's"] if why else []),
            f"- date: {rep['date']}", f"- GPU: {rep['gpu']['name']}"
-           + (f" (sm {rep['gpu']['capability']}, {rep['gpu'].get('memory_gib')} GiB)" if rep['gpu'].get('capability') else ""),
+           + (f" (sm {rep['gpu']['capability']}" + (f", {rep['gpu']['memory_gib']} GiB" if rep['gpu'].get('memory_gib') else "")
+              + ")" if rep['gpu'].get('capability') else ""),
            "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
            f"- command: `{rep['command']}`",
            f"- workload: {rep['workload']['examples']} examples, batch {rep['workload']['batch_size']}, "

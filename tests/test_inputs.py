@@ -292,7 +292,9 @@ child = ("import os, signal, sys, time\\n"
          + "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); os.rename(sys.argv[1] + '.tmp', sys.argv[1])\\n"
          + "time.sleep(120)\\n")
 real = subprocess.Popen
-compare.subprocess.Popen = lambda cmd, **kw: real([sys.executable, "-c", child, pidfile], **kw)  # a "training" child
+# a "training" child in place of bench.run_one (other commands, such as git's, run as they are)
+compare.subprocess.Popen = lambda cmd, **kw: (real([sys.executable, "-c", child, pidfile], **kw)
+                                              if "bench.run_one" in cmd else real(cmd, **kw))
 compare.resolve_inputs = lambda args, workload=None: ("model", "data.jsonl", "stand-in (test)")
 compare.GRACE_S = 1.0
 sys.exit(compare.main(["--out", out, "--shapes", "shipped"]))  # on a GPU the default shapes need a tokenizer

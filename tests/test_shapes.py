@@ -343,3 +343,37 @@ def test_profile_shapes_limits_the_profiled_passes():
     plan = plan_runs(["shipped", "long", "short"], cuda=True, host_split=False, cold=True, profile_shapes=["shipped"])
     assert [(k, m) for k, v, m in plan if v == "solution"] == [
         ("shipped", "timed"), ("shipped", "profiled"), ("long", "timed"), ("short", "timed"), ("shipped-cold", "timed")]
+
+
+# --- a report rebuilt from the run folders (bench/rebuild_report.py) ------------------------------
+
+def test_rebuild_report_from_run_folders(tmp_path):
+    """A comparison cut before its report: the finished pairs are reported with bench.compare's
+    code, a half-finished pair is left out and named, the machine is the comparison's."""
+    from bench import rebuild_report
+
+    losses = [2.0, 1.9, 1.8, 1.7]
+
+    def put(rel, result):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "result.json").write_text(json.dumps(result), encoding="utf-8")
+        (tmp_path / rel / "log.txt").write_text("Training Complete!", encoding="utf-8")
+
+    put("baseline", _result("baseline", losses))
+    put("solution", _result("solution", losses, 0.5, 1.0))
+    put("baseline-profiled", {**_result("baseline", losses), **_profiled(3.0)})
+    put("solution-profiled", {**_result("solution", losses, 0.5), **_profiled(1.5)})
+    put("long/baseline", _result("baseline", losses, 2.0))
+    put("long/solution", _result("solution", losses, 1.0))
+    put("shipped-cold/baseline", _result("baseline", losses))  # its solution never finished
+    machine = {"gpu": {"name": "NVIDIA H200", "capability": "9.0"}, "versions": {"torch": "x"},
+               "argv": ["--no-host-split"], "commit": "abc1234"}
+    rep = rebuild_report.rebuild(tmp_path, machine, "cut by a test")
+    assert list(rep["shapes"]) == ["shipped", "long"]
+    assert rep["rebuilt"]["missing_runs"] == ["shipped-cold/solution",
+                                              "shipped-cold/baseline (finished, left out: its pair did not)"]
+    assert rep["gpu"]["name"] == "NVIDIA H200" and rep["commit"] == "abc1234"
+    assert rep["shapes"]["shipped"]["solution"]["gpu_kernel_s"] == 1.5
+    assert (tmp_path / "report.md").read_text(encoding="utf-8").startswith("> **Rebuilt** by `bench.rebuild_report`")
+    assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["commit"] == "abc1234"
+    assert compare._gpu.__name__ == "_gpu" and compare.git_commit.__name__ == "git_commit"  # put back
