@@ -1,18 +1,20 @@
 #!/usr/bin/env bash
 # Our kernels under other Triton versions, without a GPU: for each version, the sm_75 compile
 # check (python -m solution.kernels.sm75_check) and the kernel tests in Triton's interpreter.
-# Needs the project's .venv (scripts/setup_env.sh) and ~1.3 GB of downloads (cached in
-# .cache/triton-versions). Usage: bash scripts/triton_versions.sh [VERSION ...]
-# (default: 3.0.0 3.1.0 3.2.0 3.3.1 3.4.0 3.5.1; the .venv's own Triton is the CI run).
+# Needs the project's .venv (scripts/setup_env.sh; PY=<python> runs another one, whose own
+# packages stay as they are: each Triton goes to .cache) and ~2 GB of downloads (cached in
+# .cache/triton-versions). Usage: [PY=<python>] bash scripts/triton_versions.sh [VERSION ...]
+# (default: 3.0.0 3.1.0 3.2.0 3.3.1 3.4.0 3.5.1 3.7.1 3.8.0 3.9.0; the .venv's own Triton, 3.6.0,
+# is the CI run).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=.venv/bin/python
+PY=${PY:-.venv/bin/python}
 CACHE=.cache/triton-versions
 mkdir -p "$CACHE"
 TESTS="tests/test_launches.py tests/test_rmsnorm.py tests/test_swiglu.py tests/test_rope.py tests/test_fp32_add.py
   tests/test_nf4_dequant.py tests/test_nf4_linear.py tests/test_lora_nf4.py tests/test_add_rmsnorm.py
   tests/test_attn_layout.py tests/test_lm_head_loss.py tests/test_nf4_mlp.py tests/test_unpad.py tests/test_attn_varlen.py"
-for v in ${*:-3.0.0 3.1.0 3.2.0 3.3.1 3.4.0 3.5.1}; do
+for v in ${*:-3.0.0 3.1.0 3.2.0 3.3.1 3.4.0 3.5.1 3.7.1 3.8.0 3.9.0}; do
   d=$CACHE/$v
   if [ ! -d "$d/triton" ]; then
     $PY -m pip download -q --no-deps -d "$CACHE/wheels" "triton==$v" &&

@@ -284,15 +284,19 @@ def test_report_main_refuses_a_bad_report_and_writes_nothing(tmp_path, capsys):
 # --- 7. SIGTERM / SIGINT stop the running child ---------------------------------------------------
 
 DRIVER = """
-import os, subprocess, sys
+import os, subprocess, sys, types
 from bench import compare
 pidfile, out, stubborn = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 child = ("import os, signal, sys, time\\n"
          + ("signal.signal(signal.SIGTERM, signal.SIG_IGN)\\n" if stubborn else "")
          + "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); os.rename(sys.argv[1] + '.tmp', sys.argv[1])\\n"
          + "time.sleep(120)\\n")
+# compare's Popen starts a "training" child; only compare's: its own copy of the subprocess module,
+# since other Popen calls in this process must stay real (torch 2.15's import runs ldconfig -p
+# through ctypes.util.find_library, which the stand-in child used to answer, hanging the import)
 real = subprocess.Popen
-# a "training" child in place of bench.run_one (other commands, such as git's, run as they are)
+compare.subprocess = types.SimpleNamespace(**vars(subprocess))
+# a "training" child in place of bench.run_one (any other command compare starts runs as it is)
 compare.subprocess.Popen = lambda cmd, **kw: (real([sys.executable, "-c", child, pidfile], **kw)
                                               if "bench.run_one" in cmd else real(cmd, **kw))
 compare.resolve_inputs = lambda args, workload=None: ("model", "data.jsonl", "stand-in (test)")

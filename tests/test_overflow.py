@@ -939,6 +939,10 @@ def test_lm_head_loss(device, block_rows):
     assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
     finite_rows = torch.isfinite(s["grad"]).all(-1)
     assert bool(finite_rows.any()) and not bool(finite_rows.all())  # some rows poisoned, not all
+    # argmax: torch's, a NaN logit counting as the max (the NaN rows too); on the GPU a near-tie
+    # may flip one (tests/test_lm_head_loss.py's rule)
+    mismatches = int((a["argmax"].cpu() != s["argmax"].cpu()).sum())
+    assert mismatches <= (1 if device == "cuda" else 0), (a["argmax"], s["argmax"])
 
 
 @pytest.mark.xfail(strict=True, reason=(

@@ -62,7 +62,10 @@ def pad_rows_kernel(x_ptr, src_ptr, out_ptr, n_rows,
     h = tl.arange(0, HP2)
     d = tl.arange(0, D)
     h_ok = h < H_IN * REP
-    keep = (h_ok & (src >= 0))[:, None]
+    # keep = h_ok on a real row, nothing on a pad row, as one block comparison: Triton 3.9's
+    # interpreter refuses h_ok & (src >= 0) as a mask (it splats the scalar comparison with
+    # src's int64 dtype, so the mask holds integers; 3.6's took them as booleans)
+    keep = (h < tl.where(src >= 0, H_IN * REP, 0))[:, None]
     src_safe = tl.maximum(src, 0).to(tl.int64)
     x_off = src_safe * x_row_stride + (h // REP)[:, None] * x_head_stride + d[None, :]
     vals = tl.load(x_ptr + x_off, mask=keep, other=0.0)

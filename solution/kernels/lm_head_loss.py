@@ -94,7 +94,8 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
 
         loss[r]    = logsumexp(x) - x[y]           (0 when y == IGNORE; NaN when y is out of range)
         entropy[r] = -sum_v p_v log p_v, p = softmax(x)   (for every row, ignored or not: trl does)
-        argmax[r]  = first index of max(x)         (torch.argmax's tie rule)
+        argmax[r]  = first index of max(x)         (torch.argmax's tie rule; a NaN counts as the
+                                                    max, like torch's, and so does a +inf before it)
         if WRITE_GRAD: x[:] = (p - onehot(y)) * grad_scale, stored in the logits dtype; 0 if ignored.
 
     Each program handles BLOCK_ROWS rows as [BLOCK_ROWS, BLOCK_V] tiles (the GPU uses 1 row per
@@ -123,8 +124,13 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
         cols = start + offs
         x = tl.load(row_ptrs[:, None] + cols[None, :], mask=(cols < VOCAB)[None, :], other=NEG_FILL)
         x = x.to(tl.float32)
-        # one reduction gives each row's block max and the first index where it occurs
-        block_max, block_arg = tl.max(x, axis=1, return_indices=True, return_indices_tie_break_left=True)
+        # one reduction gives each row's block max and the first index where it occurs. A NaN
+        # logit enters it as +inf, the largest (torch.argmax's rule: the first NaN's index), so
+        # the reduction never sees a NaN: how tl.max treats one differs (on the GPU it depends on
+        # the reduction order; Triton 3.6's interpreter propagates it, 3.9's skips it and fails on
+        # an all-NaN block). The row's s, loss and entropy still become NaN through exp(x - m).
+        block_max, block_arg = tl.max(tl.where(x == x, x, float("inf")), axis=1, return_indices=True,
+                                      return_indices_tie_break_left=True)
         best = tl.where(block_max > m, start + block_arg, best)  # strict: an earlier block wins ties
         m_new = tl.maximum(m, block_max)
         alpha = tl.exp(m - m_new)
