@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Our kernels under other Triton versions, without a GPU: for each version, the sm_75 compile
-# check (python -m solution.kernels.sm75_check) and the kernel tests in Triton's interpreter.
+# check (python -m solution.kernels.sm75_check), the precompile manifest's records compiled for
+# sm_75 as the background precompile's child processes do (the records this version would use:
+# solution/precompile.py entries_for), and the kernel tests in Triton's interpreter.
 # Needs the project's .venv (scripts/setup_env.sh; PY=<python> runs another one, whose own
 # packages stay as they are: each Triton goes to .cache) and ~2 GB of downloads (cached in
 # .cache/triton-versions). Usage: [PY=<python>] bash scripts/triton_versions.sh [VERSION ...]
@@ -22,6 +24,14 @@ for v in ${*:-3.0.0 3.1.0 3.2.0 3.3.1 3.4.0 3.5.1 3.7.1 3.8.0 3.9.0}; do
   fi
   echo "== triton $v"
   echo -n "sm_75 compile check: "; PYTHONPATH=$d $PY -m solution.kernels.sm75_check 2>&1 | tail -1
+  echo -n "precompile records for sm_75: "
+  PYTHONPATH=$d:$PWD TRITON_CACHE_DIR=$(mktemp -d) $PY -c "
+import triton
+from solution import precompile
+e = precompile.entries_for(precompile.load_manifest(precompile.MANIFEST), triton.__version__)
+n = precompile._wait_workers(*precompile._start_workers(e, ('cuda', 75, 32), workers=2)) if e else 0
+print(f'{n} of {len(e)} compiled (recorded with Triton {\", \".join(sorted({r[\"triton\"] for r in e})) or \"none usable\"})')
+" 2>&1 | tail -1
   echo -n "kernel tests (interpreter): "
   PYTHONPATH=$d TRITON_INTERPRET=1 $PY -m pytest -q -p no:cacheprovider $TESTS 2>&1 | tail -1
 done

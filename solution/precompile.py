@@ -93,7 +93,14 @@ def _jit_key(data: str) -> str:
 
 def entries_for(entries: list[dict], triton_version: str) -> list[dict]:
     """The entries recorded with this Triton version, on any architecture, one per kernel and JIT
-    key (the same specialization recorded on two GPUs is compiled once)."""
+    key (the same specialization recorded on two GPUs is compiled once). When none was recorded
+    with this version, those of the newest recorded version whose records have the same format
+    (``same_record_format``): a Kaggle notebook keeps its own PyTorch and Triton, which need not be
+    the version the manifest was recorded with."""
+    versions = {e["triton"] for e in entries}
+    if triton_version not in versions:
+        usable = sorted((v for v in versions if same_record_format(v, triton_version)), key=_version_tuple)
+        triton_version = usable[-1] if usable else triton_version
     out, seen = [], set()
     for e in entries:
         k = (e["kernel"], _jit_key(e["specialization_data"]))
@@ -103,6 +110,32 @@ def entries_for(entries: list[dict], triton_version: str) -> list[dict]:
     return out
 
 
+def _version_tuple(version: str) -> tuple[int, ...]:
+    """(3, 9, 0) from "3.9.0" (a suffix such as "+git" or "rc1" ignored); () when unreadable."""
+    parts = []
+    for piece in version.split("+")[0].split(".")[:3]:
+        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+# Triton versions whose JITFunction.preload reads one record format: name (the kernel's qualified
+# name), signature, constant_keys / constant_vals, attrs_keys / attrs_vals, options, key; from 3.7
+# also target (set by ``retarget``). Read in each version's runtime/jit.py (2026-12-01): 3.3 checks
+# the unqualified name, 3.2 and older use another format. Whether a record of one version compiles
+# to the binary another version's launch looks for (the same source hash, attributes and options)
+# is not checked on a GPU: where it does not, the kernel compiles at its first launch, as without a
+# record.
+SAME_FORMAT = ((3, 4), (3, 9))
+
+
+def same_record_format(recorded: str, running: str) -> bool:
+    lo, hi = SAME_FORMAT
+    return all(lo <= _version_tuple(v)[:2] <= hi for v in (recorded, running))
+
+
 # The options a launch sets (kernel[grid](..., num_warps=...)) or that do not depend on the machine:
 # kept from the record. Everything else (arch, fp8 types, libdevice's path, dot precisions, ...)
 # is the recording machine's and is left to this GPU's backend (CUDABackend.parse_options).
@@ -110,16 +143,30 @@ LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg", "enable_fp_f
                   "launch_cooperative_grid", "launch_pdl", "debug", "sanitize_overflow", "instrumentation_mode")
 
 
-def retarget(data: str) -> str:
+def retarget(data: str, target: dict | None = None) -> str:
     """A serialized specialization with only its launch options kept (see LAUNCH_OPTIONS), so that
-    ``preload`` compiles it for the GPU it runs on. Data that is not such JSON is returned as is."""
+    ``preload`` compiles it for the GPU it runs on; with ``target`` (the running GPU's
+    GPUTarget.__dict__) also its target, which Triton >= 3.7's preload requires to be the running
+    one. Data that is not such JSON is returned as is."""
     try:
         obj = json.loads(data)
         options = obj["options"]
     except (ValueError, KeyError, TypeError):
         return data
     obj["options"] = {k: v for k, v in options.items() if k in LAUNCH_OPTIONS}
+    if target is not None:
+        obj["target"] = dict(target)
     return json.dumps(obj)
+
+
+def _running_target() -> dict | None:
+    """The current GPU's Triton target as a dict (backend, arch, warp_size), or None."""
+    try:
+        from triton.runtime import driver
+
+        return dict(driver.active.get_current_target().__dict__)
+    except Exception:  # noqa: BLE001 - no driver here: preload without a target
+        return None
 
 
 def resolve_kernel(path: str):
@@ -142,7 +189,11 @@ def compile_record(fn, data: str, target) -> None:
     that specialization at launch then finds the binary on disk. ``data`` is retargeted first."""
     import triton.language as tl
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
-    from triton.runtime.jit import convert_to_tuple_if_list
+    try:  # Triton >= 3.6 turns JSON lists back into tuples; older ones read the signature as is
+        from triton.runtime.jit import convert_to_tuple_if_list
+    except ImportError:
+        def convert_to_tuple_if_list(value):
+            return value
 
     obj = json.loads(retarget(data))
     constexprs = {tuple(k): (tl.dtype(v) if tl.dtype.is_dtype(v) else
@@ -270,12 +321,13 @@ def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> N
         except Exception as exc:  # noqa: BLE001 - no child processes here: compile in this process
             STATE["errors"].append(f"workers: {type(exc).__name__}: {exc}"[:300])
         STATE["worker_seconds"] = time.perf_counter() - t0
+    running_target = _running_target()
     for e in entries:
         fn = resolve_kernel(e["kernel"])
         try:
             if fn is None:
                 raise LookupError(f"no @triton.jit kernel {e['kernel']}")
-            fn.preload(retarget(e["specialization_data"]))
+            fn.preload(retarget(e["specialization_data"], running_target))
             STATE["done"] += 1
         except Exception as exc:  # noqa: BLE001 - a failed preload only means a compile at first use
             STATE["failed"] += 1
@@ -316,8 +368,12 @@ def start(device: str, say=print) -> threading.Thread | None:
     _thread = threading.Thread(target=run, args=(entries, target, workers), name="solution-precompile", daemon=True)
     _thread.start()
     recorded = sorted({e["arch"] for e in entries})
+    with_version = sorted({e["triton"] for e in entries})
+    other = "" if with_version == [version] else (
+        f"; recorded with Triton {', '.join(with_version)}, the same record format: a record that does not "
+        "compile here is counted, and its kernel compiles at first use")
     say(f"precompiling {len(entries)} kernel specializations in the background for {arch} "
-        f"(Triton {version}; recorded on {', '.join(recorded)}; {workers} compile processes)")
+        f"(Triton {version}; recorded on {', '.join(recorded)}; {workers} compile processes{other})")
     return _thread
 
 

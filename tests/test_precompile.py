@@ -38,7 +38,10 @@ def test_manifest_round_trip_and_background_preload(tmp_path, monkeypatch):
     here = precompile.entries_for(entries, "3.6.0")  # the sm_75 copies of the same keys are dropped
     assert [e["specialization_data"] for e in here] == [_spec("a"), "B"]
     assert [e["arch"] for e in here] == ["sm_90", "sm_90"]
-    assert len(precompile.entries_for(entries, "3.2.0")) == 2 and precompile.entries_for(entries, "3.9.0") == []
+    assert len(precompile.entries_for(entries, "3.2.0")) == 2
+    # no record of 3.9.0 or 3.4.0: those of 3.6.0, the same record format; none for 3.3.1 (another one)
+    assert precompile.entries_for(entries, "3.9.0") == here == precompile.entries_for(entries, "3.4.0")
+    assert precompile.entries_for(entries, "3.3.1") == [] and precompile.entries_for(entries, "4.0.0") == []
 
     assert precompile.resolve_kernel("torch.nn.functional.linear") is None
     assert precompile.resolve_kernel("solution.kernels.rmsnorm.no_such_kernel") is None
@@ -51,6 +54,7 @@ def test_manifest_round_trip_and_background_preload(tmp_path, monkeypatch):
                 raise RuntimeError("recorded for another machine")
 
     monkeypatch.setattr(precompile, "resolve_kernel", lambda path: FakeKernel())
+    monkeypatch.setattr(precompile, "_running_target", lambda: None)  # no GPU: no target to set
     monkeypatch.setattr(precompile, "STATE", {"started": True, "entries": 2, "done": 0, "failed": 0,
                                               "seconds": None, "errors": []})
     precompile.run(here)
@@ -70,10 +74,19 @@ def test_retarget_keeps_only_the_launch_options():
     assert out["options"] == {"num_warps": 8, "num_stages": 3, "debug": False, "enable_fp_fusion": True}
     assert out["key"] == "the-key" and out["name"] == "k"
     assert precompile.retarget("not json") == "not json"
+    target = {"backend": "cuda", "arch": 75, "warp_size": 32}  # Triton >= 3.7's preload checks it
+    assert json.loads(precompile.retarget(_spec("k"), target))["target"] == target
     # every entry of the shipped manifest retargets to launch options only
     for e in precompile.load_manifest(precompile.MANIFEST):
         opts = json.loads(precompile.retarget(e["specialization_data"]))["options"]
         assert set(opts) <= set(precompile.LAUNCH_OPTIONS) and "num_warps" in opts
+
+
+def test_version_order_and_record_format():
+    assert precompile._version_tuple("3.9.0") == (3, 9, 0) and precompile._version_tuple("3.10.1+git") == (3, 10, 1)
+    assert precompile._version_tuple("nightly") == ()
+    assert precompile.same_record_format("3.6.0", "3.9.0") and precompile.same_record_format("3.4.0", "3.8.0")
+    assert not precompile.same_record_format("3.6.0", "3.3.1") and not precompile.same_record_format("3.6.0", "3.10.0")
 
 
 def test_on_by_default_on_cuda_only_and_settings_checked(monkeypatch):
