@@ -27,8 +27,8 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
 
     settings: the settings to run with; None: Settings.from_env(), the environment read once,
     here. They are validated (the patch names of skip_patches too) before anything is installed,
-    then active (solution.settings.current()) until revert(): setting a $SOLUTION_* variable after
-    apply() changes nothing.
+    then, on a supported environment, active (solution.settings.current()) until revert():
+    setting a $SOLUTION_* variable after apply() changes nothing.
 
     Returns {patch name: description} of what is installed; raises ValueError, before installing
     anything, when a setting is invalid (check_settings). On an unsupported environment (no
@@ -42,11 +42,11 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
         settings = check_settings()
     else:
         check_skip_patches(settings.skip_patches, patch_names())
-    _settings.activate(settings)
     support = check_support()
     if not support.ok:
         _say(f"falling back to the stock path: {support.reason}")
         return {}
+    _settings.activate(settings)  # what the patches read while they install and run
     if verbose:
         _say(f"kernels run on: {support.reason}")
     skip = settings.skip_patches
