@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 
-from solution import precompile
-from solution.step import cuda_graphs
-from solution.env import check_flags, check_support, memory_policy
+from solution import precompile, settings as _settings
+from solution.env import check_support
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
+from solution.settings import SKIP_ENV, Settings, check_skip_patches
 
 log = logging.getLogger("solution")
 
@@ -22,8 +21,14 @@ def _say(msg: str) -> None:
     log.info(msg)
 
 
-def apply(verbose: bool = True) -> dict[str, str]:
-    """Install every patch this environment supports. Idempotent.
+def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, str]:
+    """Install every patch this environment supports. Idempotent: once something is installed, a
+    second call returns it and changes nothing (``settings`` included) until revert().
+
+    settings: the settings to run with; None: Settings.from_env(), the environment read once,
+    here. They are validated (the patch names of skip_patches too) before anything is installed,
+    then, on a supported environment, active (solution.settings.current()) until revert():
+    setting a $SOLUTION_* variable after apply() changes nothing.
 
     Returns {patch name: description} of what is installed; raises ValueError, before installing
     anything, when a setting is invalid (check_settings). On an unsupported environment (no
@@ -32,14 +37,19 @@ def apply(verbose: bool = True) -> dict[str, str]:
     """
     if _installed:
         return dict(_installed)
-    check_settings()  # a bad $SOLUTION_* value is the user's error: raise before touching anything
+    # a bad $SOLUTION_* value is the user's error: raise before touching anything
+    if settings is None:
+        settings = check_settings()
+    else:
+        check_skip_patches(settings.skip_patches, patch_names())
     support = check_support()
     if not support.ok:
         _say(f"falling back to the stock path: {support.reason}")
         return {}
+    _settings.activate(settings)  # what the patches read while they install and run
     if verbose:
         _say(f"kernels run on: {support.reason}")
-    skip = skipped_patches()
+    skip = settings.skip_patches
     for module_name in PATCHES:
         module = importlib.import_module(module_name)
         reason = f"listed in {SKIP_ENV}" if module.NAME in skip else module.check()
@@ -58,7 +68,8 @@ def apply(verbose: bool = True) -> dict[str, str]:
             _say(f"installed {module.NAME}: {desc}")
     if _installed:
         precompile.start(support.device, say=_say)  # on CUDA unless $SOLUTION_PRECOMPILE=0
-    if _installed and support.device == "cuda" and _set_expandable_segments(True):
+    if (_installed and support.device == "cuda" and ALLOCATOR not in skip and not _settings.allocator_configured()
+            and _set_expandable_segments(True)):
         _installed[ALLOCATOR] = ("CUDA caching allocator with expandable segments: batches of varying "
                                  "length no longer fragment reserved memory")
         if verbose:
@@ -66,18 +77,15 @@ def apply(verbose: bool = True) -> dict[str, str]:
     return dict(_installed)
 
 
-SKIP_ENV = "SOLUTION_SKIP_PATCHES"
 ALLOCATOR = "cuda_allocator"
 
 
-def check_settings() -> None:
-    """Every $SOLUTION_* setting, checked: ValueError (one line naming the variable and what it
-    accepts) for the first invalid one. apply() calls it before installing anything; bench.compare
-    calls it before its first run."""
-    memory_policy()  # $SOLUTION_MEMORY_POLICY
-    check_flags()  # the on/off settings (solution.env.FLAGS)
-    cuda_graphs.check_settings()  # $SOLUTION_CUDA_GRAPHS / $SOLUTION_GRAPH_BUCKET
-    check_skipped_patches()  # $SOLUTION_SKIP_PATCHES
+def check_settings() -> Settings:
+    """Every $SOLUTION_* setting, read from the environment now and checked (Settings.from_env,
+    the names of $SOLUTION_SKIP_PATCHES against patch_names()): ValueError (one line naming the
+    variable and what it accepts) for the first invalid one. apply() calls it before installing
+    anything; bench.compare calls it before its first run."""
+    return Settings.from_env(known_patches=patch_names())
 
 
 def patch_names() -> list[str]:
@@ -86,33 +94,14 @@ def patch_names() -> list[str]:
     return [importlib.import_module(module_name).NAME for module_name in PATCHES] + [ALLOCATOR]
 
 
-def skipped_patches() -> set[str]:
-    """Patch names listed (comma-separated) in $SOLUTION_SKIP_PATCHES: left out by apply(), to
-    compare or to work around a problem."""
-    return {name.strip() for name in os.environ.get(SKIP_ENV, "").split(",") if name.strip()}
-
-
-def check_skipped_patches() -> set[str]:
-    """skipped_patches(), or ValueError when one of them names no patch (a typo would otherwise
-    leave the patch installed without a word)."""
-    skip = skipped_patches()
-    known = patch_names()
-    unknown = sorted(skip - set(known))
-    if unknown:
-        raise ValueError(f"${SKIP_ENV}={os.environ.get(SKIP_ENV)!r} names no patch: {', '.join(unknown)} "
-                         f"(known: {', '.join(known)})")
-    return skip
-
-
 def _set_expandable_segments(on: bool) -> bool:
     """Turn PyTorch's expandable segments on/off for allocations made from now on. With packed
     batches every step allocates tensors of new sizes; fixed-size segments then fragment (reserved
-    memory grows far above what is allocated). Unless the user configured the allocator
-    ($PYTORCH_CUDA_ALLOC_CONF) or listed cuda_allocator in $SOLUTION_SKIP_PATCHES."""
+    memory grows far above what is allocated). apply() calls it only when the user did not
+    configure the allocator ($PYTORCH_CUDA_ALLOC_CONF) nor list cuda_allocator in
+    $SOLUTION_SKIP_PATCHES."""
     import torch
 
-    if ALLOCATOR in skipped_patches() or os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
-        return False
     setting = f"expandable_segments:{on}"
     try:
         if hasattr(torch._C, "_accelerator_setAllocatorSettings"):  # torch >= 2.10
@@ -140,6 +129,7 @@ def revert() -> None:
     if _installed.pop(ALLOCATOR, None) is not None:
         _set_expandable_segments(False)
     _installed.clear()
+    _settings.activate(None)
 
 
 def installed() -> dict[str, str]:

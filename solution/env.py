@@ -1,12 +1,14 @@
-"""Environment checks that decide whether our kernels may run.
+"""Environment checks that decide whether our kernels may run (the $SOLUTION_* settings are
+solution/settings.py's; ``interpreter_enabled`` is re-exported from there for the kernels).
 
 apply() never crashes on an unsupported environment: it falls back to the stock path and says
 why. The rules here are deliberately explicit so a user can read them in one minute.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from solution.settings import interpreter_enabled
 
 
 @dataclass(frozen=True)
@@ -14,11 +16,6 @@ class Support:
     ok: bool
     device: str  # "cuda", "interpreter" (CPU through TRITON_INTERPRET=1) or "none"
     reason: str
-
-
-def interpreter_enabled() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def check_support() -> Support:
@@ -77,57 +74,3 @@ def bf16_native() -> bool:
     import torch
 
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
-
-
-MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
-MEMORY_POLICIES = ("speed", "balanced", "memory")
-
-
-def memory_policy() -> str:
-    """The activation memory policy named by $SOLUTION_MEMORY_POLICY (default "speed"; see
-    solution/kernels/nf4_mlp.py). ValueError with the accepted values when it names none."""
-    raw = os.environ.get(MEMORY_POLICY_ENV, "")
-    value = raw.strip().lower() or "speed"
-    if value not in MEMORY_POLICIES:
-        raise ValueError(f"${MEMORY_POLICY_ENV}={raw!r} is not a memory policy: "
-                         f"expected one of {', '.join(MEMORY_POLICIES)}")
-    return value
-
-
-# The on/off settings, each with its default (docs: README "Settings"). Every one is read through
-# ``flag``, so that one spelling rule holds for all of them, and check_flags() refuses a bad value
-# before apply() installs anything.
-FLAGS = {
-    "SOLUTION_PRECOMPILE": True,
-    "SOLUTION_ATTN_VARLEN": True,
-    "SOLUTION_ATTN_LAYOUT_KERNELS": True,
-    "SOLUTION_ADD_KERNEL": True,
-    "SOLUTION_DEFER_DROPOUT": True,
-    "SOLUTION_LM_HEAD_WEIGHT_CACHE": True,
-    "SOLUTION_SEPARATE_CAST": False,
-}
-_TRUE = ("1", "true", "on", "yes")
-_FALSE = ("0", "false", "off", "no")
-
-
-def flag(name: str) -> bool:
-    """The on/off setting ``name`` (one of FLAGS): 1/true/on/yes or 0/false/off/no, any case;
-    unset or empty: its default. ValueError naming the variable for anything else (before, a
-    value such as "false" read as "not 0", that is on)."""
-    raw = os.environ.get(name)
-    value = (raw or "").strip().lower()
-    if not value:
-        return FLAGS[name]
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"${name}={raw!r} is not an on/off value: expected one of "
-                     f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
-
-
-def check_flags() -> None:
-    """ValueError for the first on/off setting with a bad value ($SOLUTION_PRECOMPILE among them;
-    apply() calls it first)."""
-    for name in FLAGS:
-        flag(name)

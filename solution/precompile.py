@@ -44,10 +44,10 @@ import threading
 import time
 from pathlib import Path
 
-from solution.env import flag
+from solution import settings
+from solution.settings import PRECOMPILE_MANIFEST_ENV as MANIFEST_ENV
 
 ENV = "SOLUTION_PRECOMPILE"
-MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurements: a scratch one)
 MANIFEST = Path(__file__).resolve().parent / "kernels" / "compile_manifest.json"
 OWN_PREFIX = "solution.kernels."
 
@@ -58,12 +58,13 @@ _thread: threading.Thread | None = None
 
 
 def requested() -> bool:
-    """On by default; $SOLUTION_PRECOMPILE=0 (or false/off/no) turns it off (solution.env.flag)."""
-    return flag(ENV)
+    """On by default; $SOLUTION_PRECOMPILE=0 (or false/off/no) turns it off (settings.current())."""
+    return settings.current().precompile
 
 
 def manifest_path() -> Path:
-    return Path(os.environ.get(MANIFEST_ENV) or MANIFEST)
+    """The manifest in use: $SOLUTION_PRECOMPILE_MANIFEST (settings.current()), else MANIFEST."""
+    return settings.current().precompile_manifest or MANIFEST
 
 
 def load_manifest(path: Path | None = None) -> list[dict]:
@@ -273,7 +274,7 @@ def _start_workers(entries: list[dict], target: tuple, workers: int):
             cmd = [sys.executable, "-m", "solution.precompile", "compile", str(part), "--target",
                    ":".join(map(str, target)), "--done", str(out)]
             # they compile for the GPU target, never in Triton's interpreter
-            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            env = settings.child_environ(drop=("TRITON_INTERPRET",))
             procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                                            cwd=str(Path(__file__).resolve().parent.parent)), out))
     except Exception as exc:  # noqa: BLE001 - no child processes here

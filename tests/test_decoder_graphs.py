@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from solution.settings import Settings
 from solution.step import cuda_graphs, lengths, packing
 from tests.conftest import rel_err
 from tests.test_unpad import _lora_model, _right_padded_batch
@@ -49,7 +50,7 @@ def test_settings_are_checked(monkeypatch):
 
     monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "0")
     with pytest.raises(ValueError, match="SOLUTION_GRAPH_BUCKET"):
-        cuda_graphs.check_settings()
+        Settings.from_env()
     monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "sixty")
     with pytest.raises(ValueError, match="SOLUTION_GRAPH_BUCKET"):
         solution.apply(verbose=False)  # refused before anything is installed
@@ -57,12 +58,12 @@ def test_settings_are_checked(monkeypatch):
     monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "128")
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "yes")
     with pytest.raises(ValueError, match="SOLUTION_CUDA_GRAPHS"):
-        cuda_graphs.check_settings()
+        Settings.from_env()
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
-    cuda_graphs.check_settings()
+    Settings.from_env()
     assert cuda_graphs.bucket_size() == 128 and cuda_graphs.enabled()
     monkeypatch.delenv("SOLUTION_CUDA_GRAPHS")
-    cuda_graphs.check_settings()
+    Settings.from_env()
     assert cuda_graphs.mode() == "auto" and cuda_graphs.enabled()  # the default: measured
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "0")
     assert not cuda_graphs.enabled()

@@ -42,7 +42,8 @@ def test_unsupported_inputs_use_torch(device):
 
 
 def test_fused_mlp_backward_and_decoder_layer_use_it(device, monkeypatch):
-    """With the add kernel (SOLUTION_ADD_KERNEL=1) the fused NF4 MLP's input gradient is the same bits."""
+    """With the add kernel (add_kernel=True, what SOLUTION_ADD_KERNEL=1 passes) the fused NF4 MLP's input
+    gradient is the same bits."""
     from solution.kernels import nf4_mlp
     from solution.kernels.nf4_linear import linear_plan
     from tests.test_nf4_mlp import inputs, nf4_mlp_module
@@ -52,9 +53,8 @@ def test_fused_mlp_backward_and_decoder_layer_use_it(device, monkeypatch):
     plans = [linear_plan(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     grads = {}
     for flag in ("0", "1"):
-        monkeypatch.setenv("SOLUTION_ADD_KERNEL", flag)
         xr = x.detach().clone().requires_grad_()
-        y = nf4_mlp.nf4_mlp(xr, *plans, policy="speed")
+        y = nf4_mlp.nf4_mlp(xr, *plans, policy="speed", add_kernel=flag == "1")
         before = _launches.LAUNCHES["fp32_add_kernel"]
         (grads[flag],) = torch.autograd.grad(y, xr, dy.half())
         assert (_launches.LAUNCHES["fp32_add_kernel"] > before) == (flag == "1")
@@ -81,9 +81,9 @@ def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
     layer.mlp.down_proj = make_linear4bit(i, h, bias=False, device=device, seed=3)
     runs = {}
     try:
-        _apply_only(monkeypatch, ["bnb_linear4bit", "qwen2_mlp", "qwen2_decoder_layer"])
         for flag in ("0", "1"):
-            monkeypatch.setenv("SOLUTION_ADD_KERNEL", flag)
+            monkeypatch.setenv("SOLUTION_ADD_KERNEL", flag)  # read by apply()
+            _apply_only(monkeypatch, ["bnb_linear4bit", "qwen2_mlp", "qwen2_decoder_layer"])
             _launches.reset()
             with sdpa_kernel(SDPBackend.MATH):
                 runs[flag] = _layer_run(layer, hidden, pos_emb, autocast=True)

@@ -124,7 +124,7 @@ def test_apply_refuses_unknown_patch_names_before_installing_anything(monkeypatc
         solution.apply(verbose=False)
     assert solution.installed() == {}
     monkeypatch.setenv("SOLUTION_SKIP_PATCHES", " qwen2_unpad, cuda_allocator,peft_lora_bnb4bit ")
-    assert _apply.check_skipped_patches() == {"qwen2_unpad", "cuda_allocator", "peft_lora_bnb4bit"}
+    assert _apply.check_settings().skip_patches == {"qwen2_unpad", "cuda_allocator", "peft_lora_bnb4bit"}
     assert _apply.patch_names()[-1] == "cuda_allocator" and len(_apply.patch_names()) == len(_apply.PATCHES) + 1
 
 

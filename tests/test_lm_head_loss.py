@@ -651,7 +651,8 @@ def test_frozen_weight_cast_is_reused_only_while_the_weight_is_unchanged(device)
     assert not lm_mod._WEIGHT_CACHE
 
 
-def test_frozen_weight_cache_can_be_turned_off(device, monkeypatch):
-    monkeypatch.setenv("SOLUTION_LM_HEAD_WEIGHT_CACHE", "0")
+def test_frozen_weight_cache_can_be_turned_off(device):
+    """cache=False (what the LM head patch passes for SOLUTION_LM_HEAD_WEIGHT_CACHE=0) casts every call."""
     w = torch.randn(20, 8, device=device)
-    assert lm_mod.cast_frozen_weight(w, torch.float16) is not lm_mod.cast_frozen_weight(w, torch.float16)
+    assert lm_mod.cast_frozen_weight(w, torch.float16, cache=False) is not lm_mod.cast_frozen_weight(
+        w, torch.float16, cache=False)

@@ -13,9 +13,9 @@ import torch
 
 import solution
 import solution._apply as apply_mod
-from solution.env import memory_policy
 from solution.kernels import _launches, nf4_mlp, swiglu
 from solution.kernels.nf4_linear import linear_plan
+from solution.settings import Settings
 from tests.conftest import HAS_CUDA, rel_err
 from tests.test_nf4_linear import bnb_dequant_rows, make_linear4bit
 
@@ -153,6 +153,9 @@ def test_fp16_inputs_keep_the_per_layer_path(mlp_patches, device):
 
 
 def test_memory_policy_setting(monkeypatch):
+    def memory_policy() -> str:
+        return Settings.from_env().memory_policy
+
     monkeypatch.delenv("SOLUTION_MEMORY_POLICY", raising=False)
     assert memory_policy() == "speed"
     monkeypatch.setenv("SOLUTION_MEMORY_POLICY", " Memory ")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from solution import precompile
-from solution.env import check_flags
+from solution.settings import Settings
 
 
 def _spec(key: str, arch: str = "sm90") -> str:
@@ -93,14 +93,14 @@ def test_on_by_default_on_cuda_only_and_settings_checked(monkeypatch):
     said = []
     monkeypatch.delenv(precompile.ENV, raising=False)
     assert precompile.requested()
-    check_flags()
+    assert Settings.from_env().precompile
     assert precompile.start("interpreter", say=said.append) is None and said == []  # no GPU: nothing to say
     monkeypatch.setenv(precompile.ENV, "0")
     assert not precompile.requested()
     assert precompile.start("cuda", say=said.append) is None and said == []
     monkeypatch.setenv(precompile.ENV, "sometimes")
     with pytest.raises(ValueError, match="SOLUTION_PRECOMPILE"):
-        check_flags()
+        Settings.from_env()
 
 
 def test_apply_refuses_a_bad_precompile_setting_before_installing(monkeypatch):
@@ -191,14 +191,19 @@ def test_on_off_settings_share_one_parser(monkeypatch, name):
     """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
     apply() refuses anything else before installing (before, "false" read as on)."""
     import solution
-    from solution.env import FLAGS, flag
+    from solution.settings import FLAGS
+
+    field, default = FLAGS[name]
+
+    def flag() -> bool:
+        return getattr(Settings.from_env(), field)
 
     monkeypatch.delenv(name, raising=False)
-    assert flag(name) is FLAGS[name]
+    assert flag() is default is getattr(Settings(), field)
     for value, expected in (("false", False), ("OFF", False), ("no", False), ("0", False),
-                            ("True", True), ("on", True), ("yes", True), ("1", True), ("", FLAGS[name])):
+                            ("True", True), ("on", True), ("yes", True), ("1", True), ("", default)):
         monkeypatch.setenv(name, value)
-        assert flag(name) is expected, value
+        assert flag() is expected, value
     monkeypatch.setenv(name, "maybe")
     solution.revert()
     with pytest.raises(ValueError, match=name):

@@ -26,7 +26,8 @@ residual add of the MLP's fp16 output.
 5. How it was measured. ``python -m bench.variants default add=SOLUTION_ADD_KERNEL=1`` on the H200
    taking the T4's paths (2026-11-30, ~03:2x UTC; steps 3-64, profiled): PyTorch copy/cast kernels
    0.217 -> 0.180 s, our kernels 0.442 -> 0.462 s, GPU time 1.637 -> 1.619 s (-0.018 s; predicted
-   -0.03 to -0.05 s), memory unchanged. On by default; ``SOLUTION_ADD_KERNEL=0`` keeps torch's adds.
+   -0.03 to -0.05 s), memory unchanged. On by default; ``SOLUTION_ADD_KERNEL=0`` keeps torch's adds
+   (the callers decide: patches/qwen2_decoder_layer.py, and nf4_mlp's ``add_kernel`` argument).
 """
 from __future__ import annotations
 
@@ -35,18 +36,12 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.env import flag, interpreter_enabled
+from solution.env import interpreter_enabled
 from solution.kernels._launches import cdiv, launch
 
-ENV = "SOLUTION_ADD_KERNEL"
 GPU_BLOCK = 2048
 GPU_NUM_WARPS = 4
 INTERPRETER_BLOCK = 1 << 16
-
-
-def enabled() -> bool:
-    """On by default (measured: module doc, point 5); $SOLUTION_ADD_KERNEL=0 keeps torch's adds."""
-    return flag(ENV)
 
 
 @triton.jit(do_not_specialize=["n"])

@@ -47,7 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.env import flag
 from solution.kernels._launches import cdiv, launch, record
 
 IGNORE_INDEX = -100
@@ -276,12 +275,11 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # never cached; memory: the fp16 copy now stays allocated between steps, but it was alive at the
 # step's memory peak anyway (the peak is the LM head's forward, docs/PERFORMANCE.md), so the peak
 # does not move. clear_weight_cache() drops it (solution.revert() calls it).
-# SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again.
+# SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again (the caller passes it: cache_weight).
 # Measured (H200, 2026-11-30, VARIANTS="default nocache=SOLUTION_LM_HEAD_WEIGHT_CACHE=0"
 # bash scripts/gpu_run.sh variants): GPU time over steps 3-64 1.509 -> 1.488 s, peak unchanged,
 # losses bit-identical.
 _WEIGHT_CACHE: dict = {}
-WEIGHT_CACHE_ENV = "SOLUTION_LM_HEAD_WEIGHT_CACHE"
 
 
 def _weight_key(weight: torch.Tensor, dtype: torch.dtype):
@@ -289,9 +287,10 @@ def _weight_key(weight: torch.Tensor, dtype: torch.dtype):
             weight.device)
 
 
-def cast_frozen_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``weight.to(dtype)``: the same values, reused across calls for a frozen weight."""
-    if weight.dtype == dtype or weight.requires_grad or not flag(WEIGHT_CACHE_ENV):
+def cast_frozen_weight(weight: torch.Tensor, dtype: torch.dtype, cache: bool = True) -> torch.Tensor:
+    """``weight.to(dtype)``: the same values, reused across calls for a frozen weight when ``cache``
+    (never for a weight that requires grad); cache=False casts every call."""
+    if weight.dtype == dtype or weight.requires_grad or not cache:
         return weight.to(dtype)
     key = _weight_key(weight, dtype)
     hit = _WEIGHT_CACHE.get("entry")
@@ -313,12 +312,12 @@ def clear_weight_cache() -> None:
 # --------------------------------------------------------------------------------------------------
 def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor,
                     compute_dtype: torch.dtype, want_grad: bool, chunk_rows: int | None,
-                    block_v: int | None, block_rows: int | None):
+                    block_v: int | None, block_rows: int | None, cache_weight: bool = True):
     n_rows, _ = hidden2d.shape
     vocab = weight.shape[0]
     device = hidden2d.device
     # Exactly the operands autocast would hand to cuBLAS (round-to-nearest casts).
-    w_c = cast_frozen_weight(weight, compute_dtype)  # [V, H]; 467 MB for the fp32 Qwen2.5 head
+    w_c = cast_frozen_weight(weight, compute_dtype, cache_weight)  # [V, H]; 467 MB for the fp32 Qwen2.5 head
     h_c = hidden2d.to(compute_dtype)
     labels1d = labels1d.to(device=device, dtype=torch.int64)
 
@@ -352,10 +351,11 @@ class _FusedLMHeadCE(torch.autograd.Function):
     (w.r.t. hidden)."""
 
     @staticmethod
-    def forward(ctx, hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad):
+    def forward(ctx, hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad,
+                cache_weight):
         with torch.autocast(hidden2d.device.type, enabled=False):
             token_loss, entropy, argmax, grad_hidden = _forward_chunks(
-                hidden2d, weight, labels1d, compute_dtype, want_grad, chunk_rows, block_v, block_rows)
+                hidden2d, weight, labels1d, compute_dtype, want_grad, chunk_rows, block_v, block_rows, cache_weight)
         loss_sum = token_loss.sum()
         ctx.hidden_dtype = hidden2d.dtype
         ctx.has_grad = grad_hidden is not None
@@ -373,7 +373,7 @@ class _FusedLMHeadCE(torch.autograd.Function):
         # grad_loss_sum carries the GradScaler factor and 1 / num_items_in_batch: applied in fp32.
         factor = grad_loss_sum.to(torch.float32) / GRAD_SCALE
         grad_hidden = (scaled.to(torch.float32) * factor).to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -407,7 +407,7 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
                        compute_dtype: torch.dtype | None = None,
                        num_items_in_batch: torch.Tensor | int | None = None,
                        chunk_rows: int | None = None, block_v: int | None = None,
-                       block_rows: int | None = None) -> LMHeadLossOutput:
+                       block_rows: int | None = None, cache_weight: bool = True) -> LMHeadLossOutput:
     """LM head + causal-LM cross-entropy without materializing the [tokens, vocab] logits.
 
     hidden: [..., H] (fp32 or fp16; requires_grad decides whether the gradient is prepared).
@@ -418,6 +418,8 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
     num_items_in_batch: divisor of the summed loss (the Trainer's count), None = mean.
     chunk_rows / block_v / block_rows: tuning overrides (None = plan_chunk_rows /
         default_launch_config()); the results do not depend on them beyond summation order.
+    cache_weight: keep the weight's compute_dtype copy between calls (cast_frozen_weight;
+        $SOLUTION_LM_HEAD_WEIGHT_CACHE, passed by patches/qwen2_lm_head_loss.py); same values.
     Returns LMHeadLossOutput (see there); loss backpropagates into hidden.
     """
     if compute_dtype is None:
@@ -432,7 +434,7 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
         raise ValueError(f"shift_labels has {labels1d.numel()} tokens, hidden has {hidden2d.shape[0]}")
     want_grad = torch.is_grad_enabled() and hidden.requires_grad
     loss_sum, entropy, argmax, token_loss = _FusedLMHeadCE.apply(
-        hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad)
+        hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad, cache_weight)
     labels1d = labels1d.to(argmax.device)
     valid = labels1d != IGNORE_INDEX
     num_valid = valid.sum()

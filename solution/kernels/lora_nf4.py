@@ -47,7 +47,6 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from solution.env import flag
 from solution.step import packing
 from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
@@ -130,16 +129,6 @@ def _dropout_is_native(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-DEFER_ENV = "SOLUTION_DEFER_DROPOUT"
-
-
-def defer_dropout_enabled() -> bool:
-    """Make fp16(dropout(x)) inside the cast launch on the packed path (``_Deferred``). On by default
-    since the H200 measurement of 2026-11-30 (~03:2x UTC): PyTorch copy/cast kernels 0.217 -> 0.183 s,
-    GPU time 1.637 -> 1.617 s over steps 3-64; $SOLUTION_DEFER_DROPOUT=0 lets torch make it."""
-    return flag(DEFER_ENV)
-
-
 class _Deferred:
     """Stands for dropout's value when it is not materialized: the forward's cast launch computes
     fp16(dropout(x)) from x and the mask directly (``_cast_block`` CAST_B 3)."""
@@ -154,7 +143,10 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
     Returns (xd, mask, mode, scale): xd None when dropout is the identity (eval mode, p == 0).
     ``defer``: on the packed path (mask drawn over the padded shape) with a CUDA fp32 contiguous x,
     xd is a ``_Deferred`` instead of an fp32 tensor: ``lora_nf4`` then makes fp16(dropout(x)) in its
-    cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer).
+    cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer). Its caller
+    (solution/patches/peft_lora_bnb.py) passes $SOLUTION_DEFER_DROPOUT, on by default since the H200
+    measurement of 2026-11-30 (~03:2x UTC): PyTorch copy/cast kernels 0.217 -> 0.183 s, GPU time
+    1.637 -> 1.617 s over steps 3-64; $SOLUTION_DEFER_DROPOUT=0 lets torch make it.
 
     ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
     (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite

@@ -44,7 +44,6 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.env import flag
 from solution.kernels._launches import cdiv, launch
 
 KERNEL_NAME = "nf4_dequant"
@@ -249,11 +248,9 @@ def fp16_cast_kernel(a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,
 GPU_CAST_BLOCK = 2048
 # Dequantize and cast in two launches (nf4_dequant_kernel + fp16_cast_kernel) instead of one fused
 # launch. Off: measured slower on the H200 (2026-11-30: 2.24 vs 2.21 s of GPU time over steps 3-64,
-# the standalone casts no faster than the fused cast programs). $SOLUTION_SEPARATE_CAST=1 turns it on.
-try:  # read once, at import; a bad value is refused by apply() (solution.env.check_flags), not here
-    SEPARATE_CAST = flag("SOLUTION_SEPARATE_CAST")
-except ValueError:
-    SEPARATE_CAST = False
+# the standalone casts no faster than the fused cast programs). $SOLUTION_SEPARATE_CAST=1 turns it on:
+# the patches that launch plans (bnb_linear4bit, peft_lora_bnb) set it at install, revert() restores it.
+SEPARATE_CAST = False
 SEPARATE_CAST_BLOCK = 1024
 SEPARATE_CAST_WARPS = 4
 INTERPRETER_CAST_BLOCK = 1 << 16

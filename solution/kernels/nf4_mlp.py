@@ -30,7 +30,8 @@ the fp32 copies. So here:
 Every rounding is stock's: the loss and every gradient are the same numbers (tests compare with
 stock bit for bit where the GPU gives the same GEMM kernels, and within fp16 noise otherwise).
 
-The memory policy (SOLUTION_MEMORY_POLICY, read by apply(); the choice of issue 5.2):
+The memory policy (the ``policy`` argument: SOLUTION_MEMORY_POLICY, read by apply() and passed by
+solution/patches/qwen2_mlp.py; the choice of issue 5.2):
   "speed" (default): save g16 and u16 (2 x T x 8960 x 2 bytes per layer).
   "balanced": save x16 and g16 (T x (1536 + 8960) x 2 bytes, 1.7x less) and recompute u16 in
       backward: one more NF4 dequantization and GEMM per layer.
@@ -53,12 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from solution.env import MEMORY_POLICIES
 from solution.kernels import fp32_add
 from solution.kernels.nf4_linear import LinearPlan
 from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of_fp32
-
-MEMORY_POLICY = "speed"  # set by apply() (solution.patches.qwen2_mlp.install) from the environment
+from solution.settings import MEMORY_POLICIES
 
 
 def _block_forward(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan):
@@ -91,10 +90,10 @@ class NF4MLPFunction(torch.autograd.Function):
     (see the module doc); gradient for x only (the three weights are frozen)."""
 
     @staticmethod
-    def forward(ctx, x, gate, up, down, policy):
+    def forward(ctx, x, gate, up, down, policy, add_kernel):
         y, g16, u16, x16 = _block_forward(x, gate, up, down)
         ctx.plans = (gate, up, down)
-        ctx.policy = policy
+        ctx.policy, ctx.add_kernel = policy, add_kernel
         ctx.x_shape = x.shape
         ctx.consumed = False
         if policy == "memory":
@@ -131,22 +130,22 @@ class NF4MLPFunction(torch.autograd.Function):
         wg, _ = gate.dequant_and_cast(g16, gate.round_bwd)
         dxg = torch.matmul(g16, wg)
         wu, _ = up.dequant_and_cast(u16, up.round_bwd)
-        if fp32_add.enabled():  # one Triton pass for fp32(dxg) + fp32(dxu) (fp32_add.py)
+        if ctx.add_kernel:  # one Triton pass for fp32(dxg) + fp32(dxu) (fp32_add.py)
             dx = fp32_add.add_as_fp32(dxg, torch.matmul(u16, wu))
         else:
             dx = dxg.to(torch.float32)
             dx += torch.matmul(u16, wu)
-        return dx.view(ctx.x_shape), None, None, None, None
+        return dx.view(ctx.x_shape), None, None, None, None, None
 
 
 def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
-            policy: str | None = None) -> torch.Tensor:
+            policy: str = "speed", add_kernel: bool = True) -> torch.Tensor:
     """The MLP block on our path (the caller checked the conditions in the module doc); returns
-    fp16. ``policy``: "speed", "balanced" or "memory"; None -> the memory policy in use."""
-    if policy is None:
-        policy = MEMORY_POLICY
+    fp16. ``policy``: "speed", "balanced" or "memory" (the module doc). ``add_kernel``: the
+    backward's fp32 sum of the two input gradients in one Triton pass (fp32_add.add_as_fp32)
+    instead of torch's cast and add; the same bits either way."""
     if policy not in MEMORY_POLICIES:
         raise ValueError(f"nf4_mlp: unknown memory policy {policy!r}")
     if torch.is_grad_enabled() and x.requires_grad:
-        return NF4MLPFunction.apply(x, gate, up, down, policy)
+        return NF4MLPFunction.apply(x, gate, up, down, policy, add_kernel)
     return _block_forward(x, gate, up, down)[0]

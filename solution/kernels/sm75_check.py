@@ -14,10 +14,11 @@ argument is bf16. Must run WITHOUT TRITON_INTERPRET=1 (the interpreter replaces 
 from __future__ import annotations
 
 import importlib
-import os
 import pkgutil
 import re
 import sys
+
+from solution.env import interpreter_enabled
 
 T4_SHARED_LIMIT = 65536
 
@@ -52,7 +53,7 @@ def compile_spec(spec: dict):
 
 
 def check_all() -> list[dict]:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreter_enabled():
         raise RuntimeError("run sm75_check without TRITON_INTERPRET=1")
     rows = []
     for mod_name, mod in _kernel_modules():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch.nn.modules import module as _nn_module
 
+from solution import settings
+
 NAME = "peft_lora_bnb4bit"
 
 
@@ -115,10 +117,10 @@ def unsupported_reason(layer, x: torch.Tensor, args, kwargs) -> tuple[str | None
 
 
 def make_forward(original_forward):
-    from solution.kernels.lora_nf4 import defer_dropout_enabled, lora_dropout, lora_nf4
+    from solution.kernels.lora_nf4 import lora_dropout, lora_nf4
     from solution.kernels.nf4_linear import linear4bit_bias
 
-    defer_dropout = defer_dropout_enabled()  # read at install (apply())
+    defer_dropout = settings.current().defer_dropout  # read at install (apply())
 
     def forward(self, x, *args, **kwargs):
         reason, spec = resolve(self, x, args, kwargs)
@@ -139,6 +141,9 @@ def make_forward(original_forward):
 def install(swaps) -> str:
     from peft.tuners.lora.bnb import Linear4bit
 
+    from solution.kernels import nf4_dequant
+
+    swaps.set(nf4_dequant, "SEPARATE_CAST", settings.current().separate_cast)  # read at install
     original = Linear4bit.__dict__["forward"]
     swaps.set(Linear4bit, "forward", make_forward(original))
     return ("peft lora.bnb.Linear4bit.forward: NF4 base + LoRA in one autograd Function; dequant + fp16 casts "

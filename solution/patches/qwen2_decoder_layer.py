@@ -32,6 +32,7 @@ import functools
 
 import torch
 
+from solution import settings
 from solution.patches._base import has_hooks
 from solution.patches._sources import unexpected_source
 
@@ -115,7 +116,7 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool)
             residual = hidden_states
             hidden_states = norm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        if hidden_states.dtype != residual.dtype and fp32_add.enabled():
+        if hidden_states.dtype != residual.dtype and settings.current().add_kernel:
             # the fused NF4 MLP's fp16 output: one Triton pass instead of torch's mixed-dtype add
             return fp32_add.residual_add(residual, hidden_states)
         hidden_states = residual + hidden_states

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from solution import settings
 from solution.patches._base import has_hooks
 
 NAME = "qwen2_mlp"
@@ -76,8 +77,10 @@ def fused_plans(mlp, x: torch.Tensor):
     return gate, up, down
 
 
-def make_forward(stock_forward):
-    """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback)."""
+def make_forward(stock_forward, policy: str = "speed"):
+    """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback).
+    ``policy``: the fused NF4 MLP's memory policy (solution/kernels/nf4_mlp.py); the add kernel
+    follows settings.current() at each call."""
     from solution.env import interpreter_enabled
     from solution.kernels.nf4_mlp import nf4_mlp
     from solution.kernels.swiglu import swiglu, unsupported_reason
@@ -91,7 +94,7 @@ def make_forward(stock_forward):
         if _callable_directly(self):
             plans = fused_plans(self, x)
             if plans is not None:
-                return nf4_mlp(x, *plans)
+                return nf4_mlp(x, *plans, policy=policy, add_kernel=settings.current().add_kernel)
         g = self.gate_proj(x)
         u = self.up_proj(x)
         if unsupported_reason(g, u) is not None:
@@ -106,12 +109,9 @@ def make_forward(stock_forward):
 def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
-    from solution.env import memory_policy
-    from solution.kernels import nf4_mlp
-
-    nf4_mlp.MEMORY_POLICY = MEMORY_POLICY = memory_policy()  # apply() already checked the value
+    policy = settings.current().memory_policy  # read at install; apply() already checked it
     cls = modeling_qwen2.Qwen2MLP
-    swaps.set(cls, "forward", make_forward(cls.__dict__["forward"]))
+    swaps.set(cls, "forward", make_forward(cls.__dict__["forward"], policy))
     return ("Qwen2MLP.forward: NF4 gate/up/down + SwiGLU as one autograd function with fp16 "
-            f"activations (memory policy {MEMORY_POLICY!r}) when the projections are bnb NF4 on our path; "
+            f"activations (memory policy {policy!r}) when the projections are bnb NF4 on our path; "
             "else gate_proj, up_proj, one Triton SwiGLU kernel (backward: one kernel, dg/du in place), down_proj")

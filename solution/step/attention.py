@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from solution.env import flag
+from solution import settings
 from solution.kernels import attn_layout, attn_varlen
 from solution.step import packing
 from solution.step.packing import packed_layout
@@ -60,7 +60,7 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
     return out.view(1, out.shape[0], query.shape[1], query.shape[3]), None
 
 
-LAYOUT_KERNELS_ENV = "SOLUTION_ATTN_LAYOUT_KERNELS"
+LAYOUT_KERNELS_ENV = "SOLUTION_ATTN_LAYOUT_KERNELS"  # names only: settings.py reads them
 VARLEN_ENV = "SOLUTION_ATTN_VARLEN"
 
 
@@ -69,8 +69,8 @@ def varlen_enabled() -> bool:
     the padded layout. On by default since the H200 measurement of 2026-11-30 (~03:2x UTC): attention
     kernels 0.246 -> 0.180 s and GPU time 1.637 -> 1.558 s over steps 3-64, peak allocated 5.52 ->
     5.40 GiB, loss within 1.0e-5 (docs/kernels/attn_varlen.md); $SOLUTION_ATTN_VARLEN=0 keeps the
-    padded layout. Needs the layout kernels (it repeats KV heads with them)."""
-    return _VARLEN_FAILED is None and flag(VARLEN_ENV)
+    padded layout (settings.current()). Needs the layout kernels (it repeats KV heads with them)."""
+    return _VARLEN_FAILED is None and settings.current().attn_varlen
 
 
 _VARLEN_FAILED: str | None = None
@@ -103,8 +103,9 @@ def layout_kernels_enabled() -> bool:
     """Our Triton pad/unpad kernels around attention (solution/kernels/attn_layout.py) instead of
     torch's index ops. On by default since the H200 measurement of 2026-11-30 01:5x UTC (GPU time
     2.21 -> 2.04 s over steps 3-64, peak allocated 7.46 -> 7.10 GiB, loss within 1.6e-5:
-    docs/kernels/attn_layout.md); $SOLUTION_ATTN_LAYOUT_KERNELS=0 keeps torch's index ops."""
-    return flag(LAYOUT_KERNELS_ENV)
+    docs/kernels/attn_layout.md); $SOLUTION_ATTN_LAYOUT_KERNELS=0 keeps torch's index ops
+    (settings.current())."""
+    return settings.current().attn_layout_kernels
 
 
 def _sdpa_input_dtype(query, key, value):

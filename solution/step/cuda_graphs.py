@@ -41,29 +41,23 @@
 """
 from __future__ import annotations
 
-import os
 import time
 import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from solution import precompile
+from solution import precompile, settings
+from solution.settings import CUDA_GRAPHS_ENV
 from solution.step import attention, lengths, packing
 
-ENV = "SOLUTION_CUDA_GRAPHS"
-BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
-DEFAULT_BUCKET = 256  # the trade-off (captures against filler tokens) measured in docs/cuda_graphs.md
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
 
 
-MODES = ("auto", "0", "1")
-
-
 def mode() -> str:
-    """$SOLUTION_CUDA_GRAPHS: "auto" (default: graphs only where the eager step is measured to be
-    host-bound, see ``decide``), "1" (always, from the first step), "0" (never)."""
-    return os.environ.get(ENV, "auto").strip().lower() or "auto"
+    """$SOLUTION_CUDA_GRAPHS (settings.current()): "auto" (default: graphs only where the eager
+    step is measured to be host-bound, see ``decide``), "1" (always, from the first step), "0" (never)."""
+    return settings.current().cuda_graphs
 
 
 def enabled() -> bool:
@@ -73,24 +67,8 @@ def enabled() -> bool:
 
 
 def bucket_size() -> int:
-    """Token bucket of the graphs ($SOLUTION_GRAPH_BUCKET, default DEFAULT_BUCKET); ValueError when invalid."""
-    raw = os.environ.get(BUCKET_ENV, "").strip()
-    if not raw:
-        return DEFAULT_BUCKET
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1 or value > 4096:
-        raise ValueError(f"${BUCKET_ENV} must be an integer from 1 to 4096 tokens, got {raw!r}")
-    return value
-
-
-def check_settings() -> None:
-    """Raise ValueError for an invalid setting (apply() calls it before installing anything)."""
-    if mode() not in MODES:
-        raise ValueError(f"${ENV} must be auto, 0 or 1, got {os.environ.get(ENV)!r}")
-    bucket_size()
+    """Token bucket of the graphs ($SOLUTION_GRAPH_BUCKET, default 256; settings.current())."""
+    return settings.current().graph_bucket
 
 
 def bucketed_tokens(n: int, bucket: int) -> int:
@@ -593,7 +571,7 @@ def arguments_refusal(kwargs) -> str | None:
 def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
     """Why this packed forward cannot replay graphs (None: it can). ``hooked``: ``_scan``'s answer."""
     if not enabled():
-        return f"${ENV} is 0"
+        return f"${CUDA_GRAPHS_ENV} is 0"
     if input_ids.device.type != "cuda":
         return NOT_CUDA
     runner = _RUNNERS.get(model)

@@ -1,0 +1,172 @@
+"""The $SOLUTION_* settings: read from the environment once, validated, frozen (README "Settings").
+
+``Settings.from_env()`` is the only reader of the environment in solution/ (with
+``interpreter_enabled``, ``allocator_configured`` and ``child_environ`` for the variables of Triton,
+PyTorch and child processes). apply() reads the settings once, validates every value before it
+installs anything, and makes them the active settings (``current()``) until revert(): patches and
+the step read them at install or call time through ``current()``; the kernels under
+solution/kernels/ never do: their callers pass plain arguments (``lora_nf4.lora_dropout(defer=...)``,
+``nf4_mlp(add_kernel=...)``, ``fused_lm_head_loss(cache_weight=...)``).
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+# The on/off settings: variable -> (Settings field, default). Every one is read through parse_bool,
+# so that one spelling rule holds for all of them.
+FLAGS = {
+    "SOLUTION_PRECOMPILE": ("precompile", True),
+    "SOLUTION_ATTN_VARLEN": ("attn_varlen", True),
+    "SOLUTION_ATTN_LAYOUT_KERNELS": ("attn_layout_kernels", True),
+    "SOLUTION_ADD_KERNEL": ("add_kernel", True),
+    "SOLUTION_DEFER_DROPOUT": ("defer_dropout", True),
+    "SOLUTION_LM_HEAD_WEIGHT_CACHE": ("lm_head_weight_cache", True),
+    "SOLUTION_SEPARATE_CAST": ("separate_cast", False),
+}
+MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
+MEMORY_POLICIES = ("speed", "balanced", "memory")
+CUDA_GRAPHS_ENV = "SOLUTION_CUDA_GRAPHS"
+CUDA_GRAPHS_MODES = ("auto", "0", "1")
+GRAPH_BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
+DEFAULT_BUCKET = 256  # the trade-off (captures against filler tokens) measured in docs/cuda_graphs.md
+MAX_BUCKET = 4096
+SKIP_ENV = "SOLUTION_SKIP_PATCHES"
+PRECOMPILE_MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurements: a scratch one)
+
+
+def parse_bool(name: str, raw: str | None, default: bool) -> bool:
+    """The on/off value ``raw`` of the variable ``name``: 1/true/on/yes or 0/false/off/no, any case,
+    surrounding blanks ignored; None or empty: ``default``. ValueError naming the variable for
+    anything else (before, a value such as "false" read as "not 0", that is on)."""
+    value = (raw or "").strip().lower()
+    if not value:
+        return default
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"${name}={raw!r} is not an on/off value: expected one of "
+                     f"{'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+
+
+def check_skip_patches(skip: Iterable[str], known: Iterable[str], raw: str | None = None) -> None:
+    """ValueError when a name in ``skip`` is not in ``known`` (a typo would otherwise leave the
+    patch installed without a word); ``raw``: the variable's text for the message (default: the
+    names joined by commas)."""
+    known = list(known)
+    unknown = sorted(set(skip) - set(known))
+    if unknown:
+        raw = ",".join(sorted(skip)) if raw is None else raw
+        raise ValueError(f"${SKIP_ENV}={raw!r} names no patch: {', '.join(unknown)} "
+                         f"(known: {', '.join(known)})")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every $SOLUTION_* setting, typed; the defaults are those of an empty environment. A value
+    outside its range raises ValueError at construction (names in skip_patches are checked against
+    the patches by from_env(known_patches=...) and apply())."""
+
+    memory_policy: str = "speed"  # $SOLUTION_MEMORY_POLICY: one of MEMORY_POLICIES (kernels/nf4_mlp.py)
+    precompile: bool = True  # $SOLUTION_PRECOMPILE (solution/precompile.py)
+    attn_varlen: bool = True  # $SOLUTION_ATTN_VARLEN (step/attention.py)
+    attn_layout_kernels: bool = True  # $SOLUTION_ATTN_LAYOUT_KERNELS (step/attention.py)
+    add_kernel: bool = True  # $SOLUTION_ADD_KERNEL (kernels/fp32_add.py)
+    defer_dropout: bool = True  # $SOLUTION_DEFER_DROPOUT (kernels/lora_nf4.py)
+    lm_head_weight_cache: bool = True  # $SOLUTION_LM_HEAD_WEIGHT_CACHE (kernels/lm_head_loss.py)
+    separate_cast: bool = False  # $SOLUTION_SEPARATE_CAST (kernels/nf4_dequant.py)
+    cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
+    graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
+    skip_patches: frozenset[str] = field(default_factory=frozenset)  # $SOLUTION_SKIP_PATCHES
+    precompile_manifest: Path | None = None  # $SOLUTION_PRECOMPILE_MANIFEST; None: the shipped one
+
+    def __post_init__(self) -> None:
+        if self.memory_policy not in MEMORY_POLICIES:
+            raise ValueError(f"Settings.memory_policy={self.memory_policy!r}: expected one of "
+                             f"{', '.join(MEMORY_POLICIES)}")
+        if self.cuda_graphs not in CUDA_GRAPHS_MODES:
+            raise ValueError(f"Settings.cuda_graphs={self.cuda_graphs!r}: expected auto, 0 or 1")
+        if not (type(self.graph_bucket) is int and 1 <= self.graph_bucket <= MAX_BUCKET):
+            raise ValueError(f"Settings.graph_bucket={self.graph_bucket!r}: expected an integer from 1 "
+                             f"to {MAX_BUCKET} tokens")
+        object.__setattr__(self, "skip_patches", frozenset(self.skip_patches))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 known_patches: Iterable[str] | None = None) -> Settings:
+        """The settings named by ``environ`` (default: os.environ, read now). ValueError, one line
+        naming the variable and what it accepts, for the first invalid value, in the order memory
+        policy, on/off settings (FLAGS order), $SOLUTION_CUDA_GRAPHS, $SOLUTION_GRAPH_BUCKET,
+        $SOLUTION_SKIP_PATCHES (its names checked only when ``known_patches`` is given)."""
+        env = os.environ if environ is None else environ
+        raw = env.get(MEMORY_POLICY_ENV, "")
+        memory_policy = raw.strip().lower() or "speed"
+        if memory_policy not in MEMORY_POLICIES:
+            raise ValueError(f"${MEMORY_POLICY_ENV}={raw!r} is not a memory policy: "
+                             f"expected one of {', '.join(MEMORY_POLICIES)}")
+        flags = {fld: parse_bool(name, env.get(name), default) for name, (fld, default) in FLAGS.items()}
+        cuda_graphs = env.get(CUDA_GRAPHS_ENV, "auto").strip().lower() or "auto"
+        if cuda_graphs not in CUDA_GRAPHS_MODES:
+            raise ValueError(f"${CUDA_GRAPHS_ENV} must be auto, 0 or 1, got {env.get(CUDA_GRAPHS_ENV)!r}")
+        graph_bucket = _bucket(env.get(GRAPH_BUCKET_ENV, "").strip())
+        raw_skip = env.get(SKIP_ENV)
+        skip = frozenset(name.strip() for name in (raw_skip or "").split(",") if name.strip())
+        if known_patches is not None:
+            check_skip_patches(skip, known_patches, raw_skip)
+        manifest = env.get(PRECOMPILE_MANIFEST_ENV)
+        return cls(memory_policy=memory_policy, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
+                   skip_patches=skip, precompile_manifest=Path(manifest) if manifest else None, **flags)
+
+
+def _bucket(raw: str) -> int:
+    """$SOLUTION_GRAPH_BUCKET's text (stripped) as a token count; empty: DEFAULT_BUCKET."""
+    if not raw:
+        return DEFAULT_BUCKET
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1 or value > MAX_BUCKET:
+        raise ValueError(f"${GRAPH_BUCKET_ENV} must be an integer from 1 to {MAX_BUCKET} tokens, got {raw!r}")
+    return value
+
+
+_active: Settings | None = None
+
+
+def activate(settings: Settings | None) -> None:
+    """Make ``settings`` the active settings (apply() does, before installing anything; revert()
+    passes None)."""
+    global _active
+    _active = settings
+
+
+def current() -> Settings:
+    """The active settings (those apply() read); with none active (no apply(), or after
+    revert()), Settings.from_env() read now, so that the step and patches used without apply()
+    (tests, benchmarks) follow the environment as before."""
+    return _active if _active is not None else Settings.from_env()
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter ($TRITON_INTERPRET=1, which
+    Triton itself reads at each launch: read now, not once)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def allocator_configured() -> bool:
+    """The user configured PyTorch's CUDA allocator ($PYTORCH_CUDA_ALLOC_CONF is set): apply()
+    leaves it as it is."""
+    return bool(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
+
+
+def child_environ(drop: Iterable[str] = ()) -> dict[str, str]:
+    """A copy of this process's environment without the variables ``drop``, for a child process."""
+    drop = set(drop)
+    return {k: v for k, v in os.environ.items() if k not in drop}
