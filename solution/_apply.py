@@ -2,23 +2,18 @@
 from __future__ import annotations
 
 import importlib
-import logging
 
 from solution import precompile, settings as _settings
+from solution.say import say
 from solution.env import check_support
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
 from solution.settings import SKIP_ENV, Settings, check_skip_patches
 
-log = logging.getLogger("solution")
 
 _swaps = Swaps()
 _installed: dict[str, str] = {}
 
-
-def _say(msg: str) -> None:
-    print(f"[solution] {msg}", flush=True)
-    log.info(msg)
 
 
 def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, str]:
@@ -44,36 +39,36 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
         check_skip_patches(settings.skip_patches, patch_names())
     support = check_support()
     if not support.ok:
-        _say(f"falling back to the stock path: {support.reason}")
+        say(f"falling back to the stock path: {support.reason}")
         return {}
     _settings.activate(settings)  # what the patches read while they install and run
     if verbose:
-        _say(f"kernels run on: {support.reason}")
+        say(f"kernels run on: {support.reason}")
     skip = settings.skip_patches
     for module_name in PATCHES:
         module = importlib.import_module(module_name)
         reason = f"listed in {SKIP_ENV}" if module.NAME in skip else module.check()
         if reason is not None:
-            _say(f"skip {module.NAME}: {reason} (stock path kept)")
+            say(f"skip {module.NAME}: {reason} (stock path kept)")
             continue
         before = len(_swaps)
         try:
             desc = module.install(_swaps)
         except Exception as exc:  # never leave a half-installed patch behind
             _partial_restore(before)
-            _say(f"skip {module.NAME}: install failed ({type(exc).__name__}: {exc}); stock path kept")
+            say(f"skip {module.NAME}: install failed ({type(exc).__name__}: {exc}); stock path kept")
             continue
         _installed[module.NAME] = desc
         if verbose:
-            _say(f"installed {module.NAME}: {desc}")
+            say(f"installed {module.NAME}: {desc}")
     if _installed:
-        precompile.start(support.device, say=_say)  # on CUDA unless $SOLUTION_PRECOMPILE=0
+        precompile.start(support.device, say=say)  # on CUDA unless $SOLUTION_PRECOMPILE=0
     if (_installed and support.device == "cuda" and ALLOCATOR not in skip and not _settings.allocator_configured()
             and _set_expandable_segments(True)):
         _installed[ALLOCATOR] = ("CUDA caching allocator with expandable segments: batches of varying "
                                  "length no longer fragment reserved memory")
         if verbose:
-            _say(f"installed {ALLOCATOR}: {_installed[ALLOCATOR]}")
+            say(f"installed {ALLOCATOR}: {_installed[ALLOCATOR]}")
     return dict(_installed)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from solution import settings
+from solution.say import say_once
 from solution.patches._sources import cache_given, cache_kwarg, drop_cache_args, unexpected_source
 
 NAME = "qwen2_lm_head_loss"
@@ -221,16 +222,6 @@ def _trainer_can_fuse(trainer, inputs) -> bool:
             and not (pc is not None and getattr(pc, "sp_enabled", False)))
 
 
-_SAID: set[str] = set()
-
-
-def _say_once(msg: str) -> None:
-    """One line per distinct reason and process: a fallback is never silent, never noisy."""
-    if msg not in _SAID:
-        _SAID.add(msg)
-        print(f"[solution] {msg}", flush=True)
-
-
 def _make_compute_loss(sft_trainer_cls, stock_compute_loss):
     import trl.trainer.sft_trainer as sft_module
 
@@ -257,7 +248,7 @@ def _make_compute_loss(sft_trainer_cls, stock_compute_loss):
         token_loss = getattr(outputs, "token_loss", None)
         if token_entropy is None:
             base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            _say_once(f"fused LM-head loss not used for {type(base).__name__} (another architecture or "
+            say_once(f"fused LM-head loss not used for {type(base).__name__} (another architecture or "
                       "unsupported inputs): stock loss and metrics from the logits")
 
         # Compute entropy

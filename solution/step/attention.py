@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from solution import settings
+from solution.say import say
 from solution.kernels import attn_layout, attn_varlen
 from solution.step import packing
 from solution.step.packing import packed_layout
@@ -84,8 +85,8 @@ def _varlen_failed(exc: Exception) -> None:
     if _VARLEN_FAILED is None:
         first_line = (str(exc).splitlines() or [""])[0][:200]
         _VARLEN_FAILED = f"{type(exc).__name__}: {first_line}"
-        print(f"[solution] variable-length attention failed ({_VARLEN_FAILED}); attention runs on the padded "
-              "layout from now on", flush=True)
+        say(f"variable-length attention failed ({_VARLEN_FAILED}); attention runs on the padded "
+            "layout from now on")
 
 
 def _sdpa_varlen(module, query, key, value, info, scaling, dtype):

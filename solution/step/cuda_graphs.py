@@ -48,6 +48,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from solution import precompile, settings
+from solution.say import say
 from solution.settings import CUDA_GRAPHS_ENV
 from solution.step import attention, lengths, packing
 
@@ -75,10 +76,6 @@ def bucketed_tokens(n: int, bucket: int) -> int:
     """The bucket a batch of n packed tokens is replayed in: the next multiple of ``bucket`` above
     n (always at least one filler token, so every bucket has the same number of attention rows)."""
     return (n // bucket + 1) * bucket
-
-
-def _say(msg: str) -> None:
-    print(f"[solution] {msg}", flush=True)
 
 
 # -- the measured decision ("auto" mode) --------------------------------------------------------
@@ -150,7 +147,7 @@ class _Probe:
             self.verdict, self.reason = decide(self.samples)
             if self.verdict is not None:
                 DECISIONS.append({"graphs": self.verdict, "reason": self.reason, "samples": list(self.samples)})
-                _say(f"decoder CUDA graphs {'on' if self.verdict else 'off'}: {self.reason}")
+                say(f"decoder CUDA graphs {'on' if self.verdict else 'off'}: {self.reason}")
 
 
 _PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -324,7 +321,7 @@ def _release_capture_state(device: torch.device) -> None:
     try:
         gen.graphsafe_set_state(gen.clone_state())
     except Exception as exc:  # noqa: BLE001 - a torch without these: say it, the draws will tell
-        _say(f"could not reset the CUDA generator after the failed capture ({type(exc).__name__}: {exc})")
+        say(f"could not reset the CUDA generator after the failed capture ({type(exc).__name__}: {exc})")
 
 
 def run_layers(layers, h, info, cos, sin, pos):
@@ -395,7 +392,7 @@ class DecoderGraphs:
         if len(self.graphs) >= MAX_GRAPHS:
             if not self.full_said:
                 self.full_said = True
-                _say(f"{MAX_GRAPHS} decoder graphs captured: new batch sizes run eagerly")
+                say(f"{MAX_GRAPHS} decoder graphs captured: new batch sizes run eagerly")
             return None
         self._ensure_arena(binfo, h, cos)
         g = _LayerGraphs(self.arena, n, len(binfo.lengths), h.requires_grad, self.device)
@@ -405,7 +402,7 @@ class DecoderGraphs:
         self._capture(g, layers, binfo, autocast, dropouts)
         seconds = time.perf_counter() - t0
         CAPTURES.append({"tokens": n, "seconds": seconds, "t": t0, "ahead": ahead})
-        _say(f"captured the decoder layers' CUDA graphs for {n} tokens in {seconds * 1e3:.0f} ms "
+        say(f"captured the decoder layers' CUDA graphs for {n} tokens in {seconds * 1e3:.0f} ms "
              f"({len(self.graphs) + 1} buckets{', ahead' if ahead else ''})")
         self.graphs[key] = g
         return g
@@ -514,7 +511,7 @@ class DecoderGraphs:
             prof = lengths.profile()
             self.ahead = [] if prof is None else lengths.predicted_buckets(prof, lambda t: bucketed_tokens(t, bucket_size()))
             if self.ahead:
-                _say(f"decoder CUDA graphs: {len(self.ahead)} buckets predicted from the dataset's row lengths "
+                say(f"decoder CUDA graphs: {len(self.ahead)} buckets predicted from the dataset's row lengths "
                      f"({self.ahead[0]}-{self.ahead[-1]} tokens), captured ahead in this step")
         try:
             g = self._graphs_for(layers, binfo, h, cos, sin, dropouts)
@@ -525,7 +522,7 @@ class DecoderGraphs:
             FAILURES.append(self.failed)
             self.graphs.clear()
             _release_capture_state(self.device)
-            _say(f"decoder CUDA graphs disabled ({self.failed}); the layers run eagerly")
+            say(f"decoder CUDA graphs disabled ({self.failed}); the layers run eagerly")
             g = None
         if g is None:
             # the caller's eager loop on the real tokens only: on the padded attention layout a
@@ -607,7 +604,7 @@ def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
         if enabled() and reason not in _REFUSALS_SAID:  # asked for, not possible: say why, once
             _REFUSALS_SAID.add(reason)
             if reason != NOT_CUDA:  # without CUDA there is nothing to say: graphs are a CUDA feature
-                _say(f"decoder CUDA graphs not used for this forward: {reason}; the layers run eagerly")
+                say(f"decoder CUDA graphs not used for this forward: {reason}; the layers run eagerly")
         return None
     runner = _RUNNERS.get(model)
     if runner is None:
