@@ -80,7 +80,7 @@ for step in $steps; do
   case $step in
     tests)
       timeout ${TEST_TIMEOUT:-300} python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider -k "not test_every_kernel_compiles_for_sm75" 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
-      python3 -m solution.kernels.sm75_check 2>&1 | tee "$OUT/sm75.log" | tail -30 ;;
+      python3 -m solution.sm75_check 2>&1 | tee "$OUT/sm75.log" | tail -30 ;;
     bench)
       : > "$OUT/kernels.md"
       for n in ${BENCHES:-$(cd bench/kernels && ls bench_*.py | sed 's/\.py$//')}; do

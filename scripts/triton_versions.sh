@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Our kernels under other Triton versions, without a GPU: for each version, the sm_75 compile
-# check (python -m solution.kernels.sm75_check), the precompile manifest's records compiled for
+# check (python -m solution.sm75_check), the precompile manifest's records compiled for
 # sm_75 as the background precompile's child processes do (the records this version would use:
 # solution/precompile.py entries_for), and the kernel tests in Triton's interpreter.
 # Needs the project's .venv (scripts/setup_env.sh; PY=<python> runs another one, whose own
@@ -23,7 +23,7 @@ for v in ${*:-3.0.0 3.1.0 3.2.0 3.3.1 3.4.0 3.5.1 3.7.1 3.8.0 3.9.0}; do
       $PY -m pip install -q --no-deps --target "$d" "$CACHE"/wheels/triton-"$v"-*.whl || { echo "triton $v: install failed"; continue; }
   fi
   echo "== triton $v"
-  echo -n "sm_75 compile check: "; PYTHONPATH=$d $PY -m solution.kernels.sm75_check 2>&1 | tail -1
+  echo -n "sm_75 compile check: "; PYTHONPATH=$d $PY -m solution.sm75_check 2>&1 | tail -1
   echo -n "precompile records for sm_75: "
   PYTHONPATH=$d:$PWD TRITON_CACHE_DIR=$(mktemp -d) $PY -c "
 import triton

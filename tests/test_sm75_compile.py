@@ -8,7 +8,7 @@ import sys
 
 def test_every_kernel_compiles_for_sm75():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-m", "solution.kernels.sm75_check"], env=env,
+    proc = subprocess.run([sys.executable, "-m", "solution.sm75_check"], env=env,
                           capture_output=True, text=True, timeout=900,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     print(proc.stdout, proc.stderr)

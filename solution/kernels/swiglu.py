@@ -388,7 +388,7 @@ def swiglu_packed(gu: torch.Tensor, inplace_backward: bool = False) -> torch.Ten
 
 
 # ----------------------------------------------------------------------------------------------
-# For python -m solution.kernels.sm75_check: every launch configuration used on a T4.
+# For python -m solution.sm75_check: every launch configuration used on a T4.
 # ----------------------------------------------------------------------------------------------
 
 def sm75_specs():

@@ -1,7 +1,7 @@
 """Compile every launch configuration of every kernel in solution/kernels for the T4 (sm_75),
 without a T4, and check what the T4 imposes.
 
-    python -m solution.kernels.sm75_check          # prints a table; exit 1 on any failure
+    python -m solution.sm75_check          # prints a table; exit 1 on any failure
 
 Each kernel module exposes ``sm75_specs()``, yielding dicts with keys
     name, fn (the @triton.jit function), signature ({arg: "*fp16" | "i32" | "fp32" | "constexpr" ...}),
@@ -27,7 +27,7 @@ def _kernel_modules():
     import solution.kernels as pkg
 
     for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name.startswith("_") or info.name == "sm75_check":
+        if info.name.startswith("_"):
             continue
         mod = importlib.import_module(f"solution.kernels.{info.name}")
         if hasattr(mod, "sm75_specs"):
