@@ -11,8 +11,8 @@
    and zero-filled scatters).
 
 2. Why that was slow. Each of those is a full pass over a [tokens, 12, 128] tensor (6-12 MiB at
-   2048 tokens) and a kernel launch: on the H200 profile of 2026-11-30 PyTorch's copy kernels
-   took 0.23 s of the solution's 2.22 s of GPU time, and each launch also costs host time.
+   2048 tokens) and a kernel launch, and each launch also costs host time (PyTorch's copy
+   kernels' share of the solution's GPU time: docs/kernels/attn_layout.md, section 2).
 
 3. What it does instead. Two kernels, each the other's backward:
    ``pad_rows_kernel``: one program per padded row (b, s): reads the packed row of that token
@@ -34,10 +34,9 @@
    index (true for every contiguous layout); otherwise the launcher makes a contiguous copy.
    Tests: tests/test_attn_layout.py (interpreter and GPU, against the torch ops above).
 
-5. How it was measured. H200 taking the T4's paths, 2026-11-30 (docs/kernels/attn_layout.md):
-   GPU work of sdpa_unpadded forward + backward 0.273 -> 0.139 ms at 4 x 512 tokens; end to end,
-   GPU kernel time 2.21 -> 2.04 s over steps 3-64, peak allocated 7.46 -> 7.10 GiB. On by default
-   (``SOLUTION_ATTN_LAYOUT_KERNELS=0`` keeps the torch ops).
+5. How it was measured: docs/kernels/attn_layout.md, section 5 (kernel benchmark
+   bench/kernels/bench_attn_layout.py and two profiled end-to-end runs side by side). On by
+   default because both won (``SOLUTION_ATTN_LAYOUT_KERNELS=0`` keeps the torch ops).
 """
 from __future__ import annotations
 

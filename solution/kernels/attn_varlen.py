@@ -33,13 +33,10 @@
    The backward lets the kernel choose how to split the key dimension (as stock SDPA does), which
    may sum with atomics: not bitwise reproducible run to run (neither is the padded path's).
 
-5. How it was measured. ``python -m bench.variants default varlen=SOLUTION_ATTN_VARLEN=1`` on the
-   H200 taking the T4's paths (2026-11-30, ~03:2x UTC; steps 3-64, each run profiled): attention
-   kernels 0.246 -> 0.180 s (predicted ~0.13-0.15 s: the kernel's per-row work is not all of it),
-   GPU time 1.637 -> 1.558 s, peak allocated 5.52 -> 5.40 GiB (no padded q/k/v copies), loss within
-   1.0e-5 of the padded path (run-to-run noise of this attention's backward is 1.0-1.6e-5). GPU
-   tests pass (tests/test_attn_varlen.py, tests/test_unpad.py). On by default;
-   ``SOLUTION_ATTN_VARLEN=0`` keeps the padded layout.
+5. How it was measured: docs/kernels/attn_varlen.md, section 5 (``python -m bench.variants
+   default varlen=SOLUTION_ATTN_VARLEN=1``, profiled, against the padded path: GPU time, attention
+   kernels, peak memory, loss). GPU tests: tests/test_attn_varlen.py, tests/test_unpad.py. On by
+   default because it won; ``SOLUTION_ATTN_VARLEN=0`` keeps the padded layout.
 """
 from __future__ import annotations
 

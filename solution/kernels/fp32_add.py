@@ -6,8 +6,7 @@ residual add of the MLP's fp16 output.
    - backward: ``dx = fp32(dg @ Wg); dx += du @ Wu``: a cast kernel (fp16 -> fp32) and an add
      kernel (fp32 += fp16), per layer;
    - forward: ``residual + mlp_out`` in the decoder layer, fp32 + fp16 -> fp32.
-   H200 profile of 2026-11-30 02:23 UTC, steps 3-64: the unrolled (non-vectorized) mixed-dtype add
-   kernels 0.027 s and 0.024 s, plus part of the 0.040 s of mixed-dtype copies.
+   (Their share of the GPU time in the profile: docs/kernels/fp32_add.md, section 2.)
 
 2. Why that is slow. A mixed-dtype TensorIterator kernel loads and converts one element at a time
    (``unrolled_elementwise_kernel``). The backward sum also writes an fp32 tensor, then reads it
@@ -23,11 +22,10 @@ residual add of the MLP's fp16 output.
    Inputs must have the same shape and be contiguous (the callers' tensors are). Tested bit for
    bit against torch (tests/test_fp32_add.py), on the CPU interpreter and on the GPU.
 
-5. How it was measured. ``python -m bench.variants default add=SOLUTION_ADD_KERNEL=1`` on the H200
-   taking the T4's paths (2026-11-30, ~03:2x UTC; steps 3-64, profiled): PyTorch copy/cast kernels
-   0.217 -> 0.180 s, our kernels 0.442 -> 0.462 s, GPU time 1.637 -> 1.619 s (-0.018 s; predicted
-   -0.03 to -0.05 s), memory unchanged. On by default; ``SOLUTION_ADD_KERNEL=0`` keeps torch's adds
-   (the callers decide: patches/qwen2_decoder_layer.py, and nf4_mlp's ``add_kernel`` argument).
+5. How it was measured: docs/kernels/fp32_add.md, section 5 (``python -m bench.variants default
+   add=SOLUTION_ADD_KERNEL=1``, profiled, against torch's adds). On by default because it won;
+   ``SOLUTION_ADD_KERNEL=0`` keeps torch's adds (the callers decide: patches/qwen2_decoder_layer.py,
+   and nf4_mlp's ``add_kernel`` argument).
 """
 from __future__ import annotations
 

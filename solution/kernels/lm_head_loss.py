@@ -11,8 +11,8 @@ states, vocab V = 151936, N = batch x seq tokens):
     outputs.logits[..., :-1, :].contiguous().argmax(-1)   # trl: mean token accuracy (a fourth copy)
     backward: d(loss)/d(logits) in fp32 [N, V], cast to fp16, then grad_hidden = dlogits @ W
 
-i.e. ~15 full passes over [N, V] tensors (each 0.6 - 1.2 GB at N = 2048) and ~3-4 GB of transient
-memory. Here, per chunk of a few hundred token rows:
+i.e. ~15 full passes over [N, V] tensors and GBs of transient memory (the byte counts:
+docs/kernels/lm_head_loss.md, section 2). Here, per chunk of a few hundred token rows:
 
     1. logits_chunk = hidden_chunk.to(fp16) @ W16.T      cuBLAS, the very fp16 values autocast gives
     2. ONE Triton kernel, [BLOCK_ROWS, BLOCK_V] tiles (one row per program on the GPU): a first
@@ -35,7 +35,8 @@ grad_output / GRAD_SCALE in fp32 in backward: the GradScaler factor is applied e
 multiply). GRAD_SCALE = 1024 is a power of two (exact in fp32) chosen so the fp16 dlogits keep at
 least the resolution stock has (stock rounds (softmax - onehot) * 65536 / num_items, ~65 for ~1000
 label tokens) while G stays far from the fp16 limit (|G| <= 2 * 1024 * max|W|). Recomputing instead
-would cost a third [N, H] x [H, V] matmul (~25 ms per step on a T4) to save nothing but 6 MB.
+would cost a third [N, H] x [H, V] matmul to save nothing but 6 MB (the trade-off:
+docs/kernels/lm_head_loss.md, section 3, "Gradient in forward, scaled in backward").
 """
 from __future__ import annotations
 
@@ -63,11 +64,12 @@ NUM_WARPS = 8
 # [64 rows, 8192 columns] tiles (2 MiB of fp32 each, numpy-friendly). Never compiled for a GPU.
 INTERP_BLOCK_ROWS = 64
 INTERP_BLOCK_V = 8192
-# Even with big tiles the interpreter pays ~16 ns per element loaded and ~28 ns per element stored
-# (its C++ load / store loop), so reading a chunk twice and writing it once costs ~60 ns per
-# logit: ~19 s for 2048 tokens x 151936. Chunks with more logits than this are therefore computed,
-# under the interpreter only, by rows_reference_torch (the same quantities, vectorized PyTorch on
-# the CPU); smaller ones (every unit test) run the kernel. None = always the kernel.
+# Even with big tiles the interpreter pays a fixed cost per element loaded and stored (its C++
+# load / store loop), so a full-size chunk would take many seconds whatever the tiling (the
+# measurement: docs/kernels/lm_head_loss.md, section 3). Chunks with more logits than this are
+# therefore computed, under the interpreter only, by rows_reference_torch (the same quantities,
+# vectorized PyTorch on the CPU); smaller ones (every unit test) run the kernel. None = always
+# the kernel.
 INTERP_KERNEL_MAX_LOGITS: int | None = 1 << 22
 # Value loaded for columns past the vocabulary: the most negative finite value of the logits dtype
 # (finite, so 0 * (fill - max) is 0, not NaN; exp(fill - max) is exactly 0).
@@ -263,8 +265,7 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # --------------------------------------------------------------------------------------------------
 # What it replaces: autocast (and our code before 2026-11-30) casts the fp32 [V, H] head weight to
 # fp16 on every forward: 0.93 GB read + 0.47 GB written a step, for the same bits every time (the
-# head is frozen: LoRA trains q/v only). On the H200 that is ~0.3 ms a step; on a T4 (320 GB/s)
-# ~4.4 ms a step, ~0.27 s over 62 steps (computed, not measured).
+# head is frozen: LoRA trains q/v only). The computed gain: docs/kernels/lm_head_loss.md, section 3.
 # What it does instead: keeps the last cast (one entry) and reuses it while the weight is the same
 # tensor object (held by a weak reference) with the same storage, shape, strides and version
 # counter (every in-place write, e.g. an optimizer step or a load, bumps the version; assigning
@@ -276,9 +277,8 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # step's memory peak anyway (the peak is the LM head's forward, docs/PERFORMANCE.md), so the peak
 # does not move. clear_weight_cache() drops it (solution.revert() calls it).
 # SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again (the caller passes it: cache_weight).
-# Measured (H200, 2026-11-30, VARIANTS="default nocache=SOLUTION_LM_HEAD_WEIGHT_CACHE=0"
-# bash scripts/gpu_run.sh variants): GPU time over steps 3-64 1.509 -> 1.488 s, peak unchanged,
-# losses bit-identical.
+# How it was measured (GPU time, peak, losses with and without the cache):
+# docs/kernels/lm_head_loss.md, section 3.
 _WEIGHT_CACHE: dict = {}
 
 

@@ -32,8 +32,8 @@ On the packed path (no work on padding) the dropout mask is drawn over stock's p
 its value was computed by torch as ``x * mask * scale`` in fp32 (two elementwise kernels and an
 fp32 tensor), then cast. By default (``SOLUTION_DEFER_DROPOUT=0`` turns it off) the cast launch
 computes fp16((x * mask) * scale) itself from x and the bool mask (``_cast_block`` mode 3): the same
-bits (tests); measured on the H200 (2026-11-30): GPU time 1.637 -> 1.617 s over steps 3-64
-(predicted -0.05 s), PyTorch copy/cast kernels 0.217 -> 0.183 s.
+bits (tests); on by default because it was measured faster end to end (the measurement:
+docs/kernels/lora_nf4.md, section 3).
 Gradients of A and B come back in the parameters' own dtype (bf16 / fp32 / fp16), as the
 autocast cast's backward gives them.
 """
@@ -144,9 +144,9 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
     ``defer``: on the packed path (mask drawn over the padded shape) with a CUDA fp32 contiguous x,
     xd is a ``_Deferred`` instead of an fp32 tensor: ``lora_nf4`` then makes fp16(dropout(x)) in its
     cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer). Its caller
-    (solution/patches/peft_lora_bnb.py) passes $SOLUTION_DEFER_DROPOUT, on by default since the H200
-    measurement of 2026-11-30 (~03:2x UTC): PyTorch copy/cast kernels 0.217 -> 0.183 s, GPU time
-    1.637 -> 1.617 s over steps 3-64; $SOLUTION_DEFER_DROPOUT=0 lets torch make it.
+    (solution/patches/peft_lora_bnb.py) passes $SOLUTION_DEFER_DROPOUT, on by default since it was
+    measured faster end to end (docs/kernels/lora_nf4.md, section 3); $SOLUTION_DEFER_DROPOUT=0
+    lets torch make it.
 
     ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
     (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite

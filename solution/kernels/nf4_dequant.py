@@ -65,10 +65,9 @@ GPU_NUM_WARPS = 4
 # 16-byte stores (checked in the sm_75 TTGIR/PTX). Gather: one load per element from a 64-byte
 # table (a single L1 line) is fewer instructions, but Triton gives the gather a 1-element-per-
 # thread layout and converts through shared memory around it (5 barriers per program). Which is
-# faster is measured by bench_nf4.py; both are bit-exact. Measured on the H200 (2026-11-29 23:39
-# UTC, dequant kernel alone, 64 blocks per program, 4 warps): gather 0.0142 / 0.0143 / 0.0071 /
-# 0.0050 ms against select 0.0193 / 0.0189 / 0.0075 / 0.0056 ms for gate-up / down / q-o / k-v,
-# so gather is the default. Not yet measured on a T4.
+# faster is measured by bench_nf4.py; both are bit-exact. Gather is the default because it was
+# faster on every weight shape of the H200 sweep (the measurement: docs/kernels/nf4_dequant.md,
+# section 5). Not yet measured on a T4.
 LUT_GATHER = True
 # In the CPU interpreter each program costs Python overhead, so fewer, larger programs.
 INTERPRETER_BLOCKS_PER_PROGRAM = 1024
@@ -247,8 +246,9 @@ def fp16_cast_kernel(a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,
 # thread on the GPU; large blocks in the interpreter, where each program costs Python time)
 GPU_CAST_BLOCK = 2048
 # Dequantize and cast in two launches (nf4_dequant_kernel + fp16_cast_kernel) instead of one fused
-# launch. Off: measured slower on the H200 (2026-11-30: 2.24 vs 2.21 s of GPU time over steps 3-64,
-# the standalone casts no faster than the fused cast programs). $SOLUTION_SEPARATE_CAST=1 turns it on:
+# launch. Off: measured slower on the H200 end to end, the standalone casts no faster than the
+# fused cast programs (the measurement: docs/kernels/nf4_dequant.md, section 5, "Why the fused
+# launch is slower"). $SOLUTION_SEPARATE_CAST=1 turns it on:
 # the patches that launch plans (bnb_linear4bit, peft_lora_bnb) set it at install, revert() restores it.
 SEPARATE_CAST = False
 SEPARATE_CAST_BLOCK = 1024
@@ -257,7 +257,8 @@ INTERPRETER_CAST_BLOCK = 1 << 16
 MAX_CAST_ELEMENTS = 2**31 - 2**17  # _cast_block indexes with int32
 
 # A Params4bit weight is a tensor subclass with a Python __torch_function__: every tensor method
-# called on it (numel, dtype, data_ptr, view...) runs Python code, ~1-2 us each. Plans below read
+# called on it (numel, dtype, data_ptr, view...) runs Python code (the cost:
+# docs/kernels/nf4_linear.md, section 3). Plans below read
 # the weight once, under this guard, and keep a plain torch.Tensor alias of its bytes.
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
 
@@ -366,7 +367,7 @@ class DequantPlan:
 
     def matches(self, weight: torch.Tensor, quant_state) -> bool:
         """Is this plan still the one for ``weight`` / ``quant_state``? (identity checks + the
-        address of the packed bytes: ~1 us)."""
+        address of the packed bytes; their cost: docs/kernels/nf4_linear.md, section 3)."""
         qs = quant_state
         if qs is not self.qs or qs.absmax is not self.absmax_src:
             return False

@@ -28,8 +28,9 @@ call to bnb, so the numerics stay bnb's there as well.
 
 Per-call Python work is kept small: everything about a layer that does not depend on x (checks
 of the weight and its state, kernel arguments, the scratch view) is computed once per layer into
-a ``LinearPlan`` (cached, re-validated by identity checks in ~1 us), and the packed weight is
+a ``LinearPlan`` (cached, re-validated by identity checks only), and the packed weight is
 handed to Triton as a plain tensor (``Params4bit`` runs Python code on every tensor method).
+The host cost of each: docs/kernels/nf4_linear.md, section 3.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ per-layer path before this) per MLP call and token:
     h = silu(g) * u                                fp32, then cast to fp16 for down_proj
     backward: dh fp16 -> fp32 cast, fp32 SwiGLU backward, dg / du fp32 -> two fp16 casts, two
     dX GEMMs, two fp16 -> fp32 casts and an fp32 add
-The two saved fp32 tensors were 3.2 GiB of the solution's 7.46 GiB peak on the H200 (bench
-memory_peak, 2026-11-30 01:5x UTC): the largest item at the peak.
+The two saved fp32 tensors were the largest item at the solution's memory peak (the
+measurement: docs/kernels/nf4_mlp.md, section 2).
 
 Why that is wasteful: g and u are fp16 GEMM outputs; their fp32 copies hold fp16 values exactly.
 Storing them as fp16 loses nothing, as long as every later step computes what stock computes on

@@ -55,7 +55,8 @@ def _param(module: torch.nn.Module, name: str):
 def resolve(layer, x: torch.Tensor, args, kwargs):
     """(None, (adapter, base layer, its plan, lora_A weight, lora_B weight, dropout, scaling)) when our path
     computes exactly what peft would; else (reason, None). Sub-modules and parameters are read
-    from nn.Module's own dicts (``module.attr`` goes through a Python __getattr__, ~0.7 us each)."""
+    from nn.Module's own dicts (``module.attr`` goes through a Python __getattr__; its cost:
+    docs/kernels/lora_nf4.md, section 3)."""
     global _bnb_linear4bit, _nf4
     if _nf4 is None:
         import bitsandbytes as bnb

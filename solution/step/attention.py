@@ -67,10 +67,9 @@ VARLEN_ENV = "SOLUTION_ATTN_VARLEN"
 
 def varlen_enabled() -> bool:
     """Variable-length attention on the packed rows (solution/kernels/attn_varlen.py) instead of
-    the padded layout. On by default since the H200 measurement of 2026-11-30 (~03:2x UTC): attention
-    kernels 0.246 -> 0.180 s and GPU time 1.637 -> 1.558 s over steps 3-64, peak allocated 5.52 ->
-    5.40 GiB, loss within 1.0e-5 (docs/kernels/attn_varlen.md); $SOLUTION_ATTN_VARLEN=0 keeps the
-    padded layout (settings.current()). Needs the layout kernels (it repeats KV heads with them)."""
+    the padded layout. On by default since it won its H200 measurement (docs/kernels/attn_varlen.md,
+    section 5); $SOLUTION_ATTN_VARLEN=0 keeps the padded layout (settings.current()). Needs the
+    layout kernels (it repeats KV heads with them)."""
     return _VARLEN_FAILED is None and settings.current().attn_varlen
 
 
@@ -102,10 +101,8 @@ def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
 
 def layout_kernels_enabled() -> bool:
     """Our Triton pad/unpad kernels around attention (solution/kernels/attn_layout.py) instead of
-    torch's index ops. On by default since the H200 measurement of 2026-11-30 01:5x UTC (GPU time
-    2.21 -> 2.04 s over steps 3-64, peak allocated 7.46 -> 7.10 GiB, loss within 1.6e-5:
-    docs/kernels/attn_layout.md); $SOLUTION_ATTN_LAYOUT_KERNELS=0 keeps torch's index ops
-    (settings.current())."""
+    torch's index ops. On by default since it won its H200 measurement (docs/kernels/attn_layout.md,
+    section 5); $SOLUTION_ATTN_LAYOUT_KERNELS=0 keeps torch's index ops (settings.current())."""
     return settings.current().attn_layout_kernels
 
 

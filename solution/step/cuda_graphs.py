@@ -4,8 +4,9 @@
    (solution/step/decoder.py) and autograd's walk back through them: every op of every
    layer is a Python call and a kernel launch, ~40 launches a layer each way.
 2. Why that is slow. On a fast GPU the step is bound by that host work, not by the kernels: the
-   host split on the H200 (docs/PERFORMANCE.md) puts ~85% of the step in Python and launch work
-   inside the layers, ~6 ms a layer against ~0.9 ms of GPU work a layer.
+   host split on the H200 puts most of the step in Python and launch work inside the layers,
+   several times the layers' GPU work (the measurement: docs/cuda_graphs.md, section 2, and
+   docs/PERFORMANCE.md).
 3. What it does instead. For each bucket of token counts it records the layers' forward and
    backward once in two CUDA graphs (torch.cuda.CUDAGraph) and from then on replays them: two
    host calls a step for all 28 layers. A graph replays fixed shapes and fixed host values, so:
@@ -442,7 +443,8 @@ class DecoderGraphs:
                 torch.autograd.grad(out, inputs, grad_outputs=g.grad_out, allow_unused=True)
                 del inputs, out
                 # the warm-up's activations sit in the eager pool; the graphs keep theirs in the graph
-                # pool: give the eager pool's copy back (measured: peak reserved 7.78 GiB without)
+                # pool: give the eager pool's copy back (without it the peak reserved memory was
+                # measured higher: docs/cuda_graphs.md, section 5)
                 self.stream.synchronize()
                 torch.cuda.empty_cache()
                 self.warmed = True
@@ -477,8 +479,8 @@ class DecoderGraphs:
         a smaller bucket's capture can reuse the blocks a larger one freed, where ascending order
         grows the pool at every larger capture. (This step's own bucket stays first: the first
         capture's eager warm-up runs at its size: with the largest bucket captured first, and so
-        warmed up, peak reserved memory measured 7.00 GiB against 6.69 with this step's bucket
-        first, shipped data on the H200, two calls of 2026-12-01.) A bucket's graphs depend
+        warmed up, peak reserved memory was measured higher than with this step's bucket first:
+        docs/cuda_graphs.md, section 5a.) A bucket's graphs depend
         only on its token count, its number of rows and dtypes: they are recorded from zeros
         shaped like a batch of ``binfo.batch`` rows (a capture runs no kernel; the values the
         replays use are loaded before each replay)."""
