@@ -75,7 +75,8 @@ INTERP_KERNEL_MAX_LOGITS: int | None = 1 << 22
 # (finite, so 0 * (fill - max) is 0, not NaN; exp(fill - max) is exactly 0).
 NEG_FILL = {torch.float16: -65504.0, torch.float32: -3.0e38}
 # Memory for one chunk of logits (the only [rows, V] buffer alive). 256 MiB -> 883 rows of
-# V = 151936 fp16, so 4 x 512 tokens take 3 chunks and the 467 MB fp16 head is streamed 3 times.
+# V = 151936 fp16, 880 once rounded down to ROW_ALIGN, so 4 x 512 tokens take 3 chunks and the
+# 467 MB fp16 head is streamed 3 times.
 DEFAULT_CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
 # Chunk rows are a multiple of this (tensor-core friendly GEMM shapes).
 ROW_ALIGN = 16
