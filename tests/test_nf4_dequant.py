@@ -73,7 +73,7 @@ def formula_ref(packed: torch.Tensor, qs: QuantState) -> torch.Tensor:
 
 @pytest.fixture(params=[False, True], ids=["select", "gather"])
 def lut_mode(request, monkeypatch):
-    """Both ways of finding an element's NF4 level (select tree: the default; table gather)."""
+    """Both ways of finding an element's NF4 level (table gather: the default, nf4_dequant.LUT_GATHER; select tree)."""
     monkeypatch.setattr(nf4_dequant, "LUT_GATHER", request.param)
     return request.param
 
