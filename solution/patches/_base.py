@@ -12,19 +12,6 @@ from typing import Any
 
 _MISSING = object()
 
-_OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
-                 "_global_backward_pre_hooks")
-
-
-def has_hooks(module) -> bool:
-    """Any forward / backward hook that calling ``module(...)`` would fire (its own or global): a
-    patch that computes a module's work without calling it must then call it instead."""
-    from torch.nn.modules import module as _nn_module
-
-    return any(getattr(module, a, None) for a in _OWN_HOOKS) or any(getattr(_nn_module, a, None) for a in _GLOBAL_HOOKS)
-
-
 class _Item:
     """Marks a Swaps log entry that is a dict item, not an attribute."""
 

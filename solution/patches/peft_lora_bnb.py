@@ -9,9 +9,9 @@ training step); the base layer's own checks are cached in its ``LinearPlan``.
 from __future__ import annotations
 
 import torch
-from torch.nn.modules import module as _nn_module
 
 from solution import settings
+from solution.hooks import has_hooks
 
 NAME = "peft_lora_bnb4bit"
 
@@ -24,14 +24,6 @@ def check() -> str | None:
     if not hasattr(lora_bnb, "Linear4bit"):
         return "peft has no lora.bnb.Linear4bit (bitsandbytes 4-bit not available to peft)"
     return None
-
-
-def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
-
-
-def _global_hooks() -> bool:
-    return bool(_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks)
 
 
 def _autocast_fp16(device_type: str) -> bool:
@@ -94,8 +86,8 @@ def resolve(layer, x: torch.Tensor, args, kwargs):
     dev = x.device
     if not _autocast_fp16(dev.type):
         return "not under torch.autocast(fp16)", None
-    if (type(base) is not _bnb_linear4bit or "forward" in base.__dict__ or _has_hooks(base)
-            or _has_hooks(lora_a) or _has_hooks(lora_b) or _has_hooks(dropout) or _global_hooks()):
+    if (type(base) is not _bnb_linear4bit or "forward" in base.__dict__
+            or any(has_hooks(m) for m in (base, lora_a, lora_b, dropout))):
         return "base layer is not a plain bnb Linear4bit, or hooks on the modules we bypass", None
     wa, wb = _param(lora_a, "weight"), _param(lora_b, "weight")
     if not (wa.device == dev and wb.device == dev):

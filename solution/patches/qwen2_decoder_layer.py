@@ -33,7 +33,7 @@ import functools
 import torch
 
 from solution import settings
-from solution.patches._base import has_hooks
+from solution.hooks import has_hooks
 from solution.patches._sources import unexpected_source
 
 NAME = "qwen2_decoder_layer"

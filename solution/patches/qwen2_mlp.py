@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from solution import settings
-from solution.patches._base import has_hooks
+from solution.hooks import has_hooks
 
 NAME = "qwen2_mlp"
 

@@ -49,6 +49,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from solution import precompile, settings
+from solution.hooks import global_hooks, own_hooks
 from solution.say import say
 from solution.settings import CUDA_GRAPHS_ENV
 from solution.step import attention, lengths, packing
@@ -338,19 +339,15 @@ def _scan(layers) -> tuple[bool, int]:
     """(any module hook in or around the layers, LoRA dropouts with p > 0 in training mode): the
     hooks would run only at capture; the dropouts are the masks one forward takes. One pass over
     the layers' modules, every step (its cost is not measured separately)."""
-    from torch.nn.modules import module as nn_module
-
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     except Exception:  # noqa: BLE001 - peft / bnb absent: no LoRA layer of that kind
         LoraLinear4bit = ()
-    hooked = bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-                  or getattr(nn_module, "_global_backward_hooks", None)
-                  or getattr(nn_module, "_global_backward_pre_hooks", None))
+    hooked = global_hooks()
     dropouts = 0
     for layer in layers:
         for m in layer.modules():
-            if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or getattr(m, "_backward_pre_hooks", None):
+            if not hooked and own_hooks(m):
                 hooked = True
             if LoraLinear4bit and isinstance(m, LoraLinear4bit):
                 dropouts += sum(1 for d in m.lora_dropout.modules()

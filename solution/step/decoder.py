@@ -25,7 +25,7 @@ import weakref
 import torch
 
 from solution.env import interpreter_enabled
-from solution.patches._base import has_hooks
+from solution.hooks import has_hooks
 from solution.patches._sources import cache_given
 from solution.step import cuda_graphs, packing
 

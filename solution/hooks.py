@@ -1,0 +1,25 @@
+"""Module hooks, asked one way everywhere: a patch or a CUDA graph that does a module's work
+without calling the module would skip the hooks that calling it fires, so where any is present
+the stock call is kept (patches) or the graph is refused (step/cuda_graphs.py)."""
+from __future__ import annotations
+
+from torch.nn.modules import module as _nn_module
+
+OWN_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks",
+                "_global_backward_pre_hooks")
+
+
+def global_hooks() -> bool:
+    """A forward / backward hook registered for every module (torch.nn.modules.module's globals)."""
+    return any(getattr(_nn_module, a, None) for a in GLOBAL_HOOKS)
+
+
+def own_hooks(module) -> bool:
+    """A forward / backward hook registered on ``module`` itself."""
+    return any(getattr(module, a, None) for a in OWN_HOOKS)
+
+
+def has_hooks(module) -> bool:
+    """Any hook that calling ``module(...)`` would fire: its own or a global one."""
+    return own_hooks(module) or global_hooks()
