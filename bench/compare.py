@@ -330,15 +330,49 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
         if cold:
             for key in CACHE_ENV:
                 shutil.rmtree(env[key], ignore_errors=True)
-    res_path = work / "result.json"
-    if proc.returncode != 0 or not res_path.exists():
+    result = read_result(work, cold)
+    if proc.returncode != 0 or result is None:
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
         raise RuntimeError(f"{name} run failed (exit {proc.returncode}); log {log_path}:\n{tail}")
+    return result
+
+
+def read_result(work: Path, cold: bool) -> dict | None:
+    """A finished bench.run_one child's result.json (None when it wrote none), with what the
+    comparison adds: whether Soup's closing console panel is in its log (one of Soup's outputs too:
+    rich draws it into the log) and whether it ran in empty caches."""
+    res_path, log_path = work / "result.json", work / "log.txt"
+    if not res_path.exists():
+        return None
     result = json.loads(res_path.read_text(encoding="utf-8"))
-    # Soup's closing console panel is one of its outputs too (rich draws it into the log).
-    result["soup_complete_panel"] = "Training Complete!" in log_path.read_text(encoding="utf-8", errors="replace")
+    result["soup_complete_panel"] = log_path.exists() and "Training Complete!" in log_path.read_text(
+        encoding="utf-8", errors="replace")
     result["cold_caches"] = cold
     return result
+
+
+def machine_record(args, model_label: str, data: str) -> dict:
+    """The comparison's machine, versions, commit and command, taken once when it starts: in its
+    report, and in MACHINE_FILE beside the runs for bench.rebuild_report."""
+    return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": _gpu(),
+            "versions": _versions(), "argv": args.argv, "model_label": model_label, "commit": git_commit(),
+            "workload": args.workload, "data": data}
+
+
+def shape_data_path(out: Path, shape: str) -> Path:
+    """Where a comparison in ``out`` writes the dataset of a generated shape (long, short)."""
+    return out / "data" / f"kazakh-{shape}.jsonl"
+
+
+def write_outputs(rep: dict, out: Path, note: str = "") -> None:
+    """report.json, report.md (``note`` first), summary.json and report.png of a report, in ``out``."""
+    (out / "report.json").write_text(json.dumps(rep, indent=1, default=str), encoding="utf-8")
+    (out / "report.md").write_text(note + report_mod.markdown(rep), encoding="utf-8")
+    report_mod.write_summary(rep, out / "summary.json")
+    try:
+        report_mod.plot(rep, out / "report.png")
+    except Exception as exc:  # the plot is a convenience; never lose the report over it
+        print(f"[compare] plot skipped: {exc}")
 
 
 GRACE_S = 5.0  # how long a child has to exit after SIGTERM before it is killed
@@ -413,15 +447,20 @@ def shape_entry(data: str | None, base: dict, sol: dict, base_prof: dict | None 
 
 
 def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split=None, sol_split=None,
-                 shape: str = "shipped", data: str | None = None, others: dict | None = None) -> dict:
+                 shape: str = "shipped", data: str | None = None, others: dict | None = None,
+                 machine: dict | None = None) -> dict:
     """The report of the ``shape`` runs (time, memory, kernels, host split, rules), plus "shapes":
     the figures of every run key (``shape`` first, then ``others``: key -> {"data", "baseline",
     "solution", "baseline-profiled", "solution-profiled"}), whose timed results are kept in
-    "shape_runs" for the rule check."""
+    "shape_runs" for the rule check. ``machine``: the comparison's date, GPU, versions and commit
+    (machine_record); None: this machine's, now."""
+    if machine is None:
+        machine = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": _gpu(),
+                   "versions": _versions(), "commit": git_commit()}
     rep = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "gpu": _gpu(),
-        "versions": _versions(),
+        "date": machine["date"],
+        "gpu": machine["gpu"],
+        "versions": machine["versions"],
         "command": " ".join([os.path.basename(sys.executable), "-m", "bench.compare"] + (args.argv or [])),
         "model": model_label,
         "workload": {"steps": workload.steps, "examples": workload.examples, "batch_size": workload.batch_size,
@@ -451,7 +490,7 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
             "not measured: no profiled pass (--no-profile)" if not sol.get("interpreter") else
             "not measured: no CUDA profiler on the CPU (kernels ran in Triton's interpreter, whose time is "
             "no GPU time)")
-    rep["commit"] = git_commit()
+    rep["commit"] = machine.get("commit") or git_commit()
     rep["shape"] = shape
     rep["shapes"] = {shape: shape_entry(data, base, sol, base_prof, sol_prof)}
     rep["shape_runs"] = {}
@@ -528,12 +567,9 @@ def _main(args) -> int:
     args.out_dir = out
     cold = cuda if args.cold is None else args.cold
     print(f"[compare] {model_label}, data {data}, output {out}", flush=True)
-    # what bench.rebuild_report needs if this comparison is cut before it writes its report
-    (out / MACHINE_FILE).write_text(json.dumps({"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-                                                "gpu": _gpu(), "versions": _versions(), "argv": args.argv,
-                                                "model_label": model_label, "commit": git_commit(),
-                                                "workload": args.workload, "data": data}, indent=1),
-                                    encoding="utf-8")
+    # in the report, and what bench.rebuild_report needs if this comparison is cut before it writes one
+    machine = machine_record(args, model_label, data)
+    (out / MACHINE_FILE).write_text(json.dumps(machine, indent=1), encoding="utf-8")
     datas = {"shipped": data, COLD: data}
     if set(shapes) - {"shipped"}:
         from transformers import AutoTokenizer
@@ -543,7 +579,7 @@ def _main(args) -> int:
         tokenizer = AutoTokenizer.from_pretrained(model)  # the run's own tokenizer measures the rows
         for shape in shapes:
             if shape != "shipped":
-                datas[shape] = str(make_shape_dataset(shape, out / "data" / f"kazakh-{shape}.jsonl",
+                datas[shape] = str(make_shape_dataset(shape, shape_data_path(out, shape),
                                                       n=workload.examples, tokenizer=tokenizer))
                 print(f"[compare] dataset shape {shape}: {datas[shape]}", flush=True)
     plan = plan_runs(shapes, cuda, profile=not args.no_profile, host_split=not args.no_host_split, cold=cold,
@@ -577,15 +613,8 @@ def _main(args) -> int:
     rep = build_report(args, model_label, get(primary, "baseline"), get(primary, "solution"),
                        get(primary, "baseline", "profiled"), get(primary, "solution", "profiled"), workload,
                        get(primary, "baseline", "hostsplit"), get(primary, "solution", "hostsplit"),
-                       shape=primary, data=datas[primary], others=others)
-    (out / "report.json").write_text(json.dumps(rep, indent=1, default=str), encoding="utf-8")
-    md = report_mod.markdown(rep)
-    (out / "report.md").write_text(md, encoding="utf-8")
-    report_mod.write_summary(rep, out / "summary.json")
-    try:
-        report_mod.plot(rep, out / "report.png")
-    except Exception as exc:  # the plot is a convenience; never lose the report over it
-        print(f"[compare] plot skipped: {exc}")
+                       shape=primary, data=datas[primary], others=others, machine=machine)
+    write_outputs(rep, out)
     print()
     print(report_mod.summary_table(rep))
     print("Rule check:")

@@ -46,12 +46,20 @@ def pool_split(segments: list[dict]) -> list[dict]:
     not allocated, so peak allocated memory leaves them out. Largest pool first."""
     pools: dict[str, dict] = {}
     for seg in segments:
-        key = str(tuple(seg.get("segment_pool_id") or (0, 0)))
+        key = str(tuple(seg.get("segment_pool_id") or (0, 0)))  # (0, 0): DEFAULT_POOL
         p = pools.setdefault(key, {"pool": key, "reserved_bytes": 0, "allocated_bytes": 0, "segments": 0})
         p["reserved_bytes"] += int(seg.get("total_size", 0))
         p["allocated_bytes"] += int(seg.get("allocated_size", 0))
         p["segments"] += 1
     return sorted(pools.values(), key=lambda p: -p["reserved_bytes"])
+
+
+DEFAULT_POOL = "(0, 0)"  # pool_split's name of the ordinary pool
+
+
+def private_reserved_bytes(pools: list[dict]) -> int:
+    """Reserved bytes of the private pools (the decoder graphs' pool) in a pool_split result."""
+    return sum(p["reserved_bytes"] for p in pools if p["pool"] != DEFAULT_POOL)
 
 
 def _frame(fr: dict) -> str:

@@ -24,17 +24,6 @@ from bench import compare
 from bench import report as report_mod
 
 
-def _load(path: Path) -> dict | None:
-    res = path / "result.json"
-    if not res.exists():
-        return None
-    result = json.loads(res.read_text(encoding="utf-8"))
-    log = path / "log.txt"  # as compare.run_variant adds them
-    result["soup_complete_panel"] = log.exists() and "Training Complete!" in log.read_text(encoding="utf-8",
-                                                                                          errors="replace")
-    return result
-
-
 def collect(out: Path) -> tuple[dict, list[str]]:
     """{run key: {variant or variant-profiled: result}} of the finished runs, and the missing ones."""
     runs, missing = {}, []
@@ -43,9 +32,8 @@ def collect(out: Path) -> tuple[dict, list[str]]:
         found = {}
         for v in compare.VARIANTS:
             for name in (v, f"{v}-profiled"):
-                r = _load(base / name)
+                r = compare.read_result(base / name, cold=key == compare.COLD)
                 if r is not None:
-                    r["cold_caches"] = key == compare.COLD
                     found[name] = r
                 elif name == v and base.exists():
                     missing.append(f"{key}/{name}")
@@ -65,32 +53,19 @@ def rebuild(out: Path, machine: dict, reason: str) -> dict:
     workload = load_workload(machine.get("workload") or WORKLOAD_FILE)
     args = SimpleNamespace(argv=machine.get("argv") or [])
     ship = runs["shipped"]
-    shape_data = {key: str(out / "data" / f"kazakh-{key}.jsonl") for key in compare.SHAPES if key != "shipped"}
-    others = {key: {"data": shape_data.get(key, machine.get("data")), **r} for key, r in runs.items() if key != "shipped"}
-    # the comparison's machine, versions and commit, not this one's (put back afterwards)
-    saved = compare._gpu, compare._versions, compare.git_commit
-    compare._gpu, compare._versions = (lambda: machine["gpu"]), (lambda: machine["versions"])
-    if machine.get("commit"):
-        compare.git_commit = lambda: machine["commit"]
-    try:
-        rep = compare.build_report(args, machine.get("model_label", "stand-in (full)"), ship["baseline"],
-                                   ship["solution"], ship.get("baseline-profiled"), ship.get("solution-profiled"),
-                                   workload, shape="shipped", data=machine.get("data"), others=others)
-    finally:
-        compare._gpu, compare._versions, compare.git_commit = saved
-    # the comparison's date (when it started), not the rebuild's
-    rep["date"] = machine.get("date") or rep["date"]
+    others = {key: {"data": str(compare.shape_data_path(out, key)) if key in compare.SHAPES else machine.get("data"),
+                    **r} for key, r in runs.items() if key != "shipped"}
+    # the comparison's machine, versions, commit and date, not this one's
+    rec = {"date": machine.get("date") or dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+           "gpu": machine["gpu"], "versions": machine["versions"], "commit": machine.get("commit")}
+    rep = compare.build_report(args, machine.get("model_label", "stand-in (full)"), ship["baseline"],
+                               ship["solution"], ship.get("baseline-profiled"), ship.get("solution-profiled"),
+                               workload, shape="shipped", data=machine.get("data"), others=others, machine=rec)
     rep["rebuilt"] = {"by": "bench.rebuild_report", "reason": reason, "missing_runs": missing,
                       "rebuilt_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
-    (out / "report.json").write_text(json.dumps(rep, indent=1, default=str), encoding="utf-8")
     note = (f"> **Rebuilt** by `bench.rebuild_report` from the run folders: {reason}. "
             f"Runs missing: {', '.join(missing) or 'none'}. No figure was measured or changed here.\n\n")
-    (out / "report.md").write_text(note + report_mod.markdown(rep), encoding="utf-8")
-    report_mod.write_summary(rep, out / "summary.json")
-    try:
-        report_mod.plot(rep, out / "report.png")
-    except Exception as exc:  # noqa: BLE001 - a convenience, as in bench.compare
-        print(f"[rebuild] plot skipped: {exc}")
+    compare.write_outputs(rep, out, note)
     return rep
 
 

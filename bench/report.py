@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from bench import t4_projection
+from bench.memory_peak import private_reserved_bytes
 
 GIB = 2**30
 
@@ -222,20 +223,18 @@ def run_figures(result: dict, split: dict | None = None, base: dict | None = Non
             "gpu_kernel_s": split["total_gpu_s"] if split else None,
             "peak_reserved_gib": _mem(result, "peak_mem_reserved_bytes"),
             "peak_allocated_gib": _mem(result, "peak_mem_allocated_bytes"),
-            "graph_pool_gib": _graph_pool_gib(result),
+            "graph_pool_gib": graph_pool_gib(result),
             "loss_max_rel_diff": loss,
             "capture_s_in_timed_steps": graphs.get("capture_s_excl_first2") if graphs.get("captures") else None,
             "first_step_compiles": _first_step_compiles(result)}
 
 
-def _graph_pool_gib(result: dict) -> float | None:
+def graph_pool_gib(result: dict) -> float | None:
     """Reserved memory of the private allocator pools at the end of training (the decoder graphs'
     pool: its activations are reserved, never counted as allocated during replays); None when the
     run did not record its pools, 0 when it had none."""
     pools = result.get("memory_pools_at_end")
-    if pools is None:
-        return None
-    return sum(p["reserved_bytes"] for p in pools if p["pool"] != "(0, 0)") / GIB
+    return None if pools is None else private_reserved_bytes(pools) / GIB
 
 
 def _first_step_compiles(result: dict) -> int | None:

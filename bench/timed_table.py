@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.report import GIB, soup_duration
+from bench.report import GIB, graph_pool_gib, soup_duration
 
 
 def row(label: str, r: dict) -> str:
@@ -21,13 +21,12 @@ def row(label: str, r: dict) -> str:
     early = sum(c["seconds"] for c in caps if c.get("step", 0) <= 2)
     late = graphs.get("capture_s_excl_first2") or 0.0
     pre = r.get("precompile") or {}
-    private = sum(p["reserved_bytes"] for p in r.get("memory_pools_at_end") or [] if p["pool"] != "(0, 0)")
     cells = [label, f"{st[0]:.2f}" if st else "-", f"{st[1]:.2f}" if len(st) > 1 else "-",
              f"{r['train_excl_first2_s']:.2f}" if r.get("train_excl_first2_s") else "-",
              f"{soup_duration(r):.2f}" if soup_duration(r) else "-",
              f"{len(caps)} / {early:.2f} / {late:.2f}",
              f"{(r.get('peak_mem_reserved_bytes') or 0) / GIB:.2f} / {(r.get('peak_mem_allocated_bytes') or 0) / GIB:.2f}"
-             f" / {private / GIB:.2f}",
+             f" / {graph_pool_gib(r) or 0:.2f}",
              _seconds(r.get("setup_s")), _seconds(pre.get("training_to_finish_s")),
              "; ".join(d.get("reason", "")[:60] for d in graphs.get("decisions") or []) or "-"]
     return "| " + " | ".join(cells) + " |"

@@ -40,6 +40,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -112,14 +113,10 @@ def entries_for(entries: list[dict], triton_version: str) -> list[dict]:
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
-    """(3, 9, 0) from "3.9.0" (a suffix such as "+git" or "rc1" ignored); () when unreadable."""
-    parts = []
-    for piece in version.split("+")[0].split(".")[:3]:
-        digits = "".join(ch for ch in piece if ch.isdigit()) if piece[:1].isdigit() else ""
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
+    """(3, 9, 0) from "3.9.0": the leading dot-separated numbers (a suffix such as "+git" or "rc1"
+    ignored); () when the version does not start with a number."""
+    m = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(x) for x in m.group().split(".")[:3]) if m else ()
 
 
 # Triton versions whose JITFunction.preload reads one record format: name (the kernel's qualified

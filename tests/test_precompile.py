@@ -84,7 +84,7 @@ def test_retarget_keeps_only_the_launch_options():
 
 def test_version_order_and_record_format():
     assert precompile._version_tuple("3.9.0") == (3, 9, 0) and precompile._version_tuple("3.10.1+git") == (3, 10, 1)
-    assert precompile._version_tuple("nightly") == ()
+    assert precompile._version_tuple("nightly") == () and precompile._version_tuple("3.9.0rc1") == (3, 9, 0)
     assert precompile.same_record_format("3.6.0", "3.9.0") and precompile.same_record_format("3.4.0", "3.8.0")
     assert not precompile.same_record_format("3.6.0", "3.3.1") and not precompile.same_record_format("3.6.0", "3.10.0")
 
