@@ -10,6 +10,7 @@ the host a little and changes nothing on the GPU, so it runs in a separate pass.
 """
 from __future__ import annotations
 
+import bisect
 import pickle
 import sys
 from collections import defaultdict
@@ -111,6 +112,112 @@ def peak_breakdown(snap: dict, device: int = 0) -> dict:
             "peak_frames": trace[peak_at].get("frames", [])[:12] if peak_at >= 0 else []}
 
 
+_remembered_private: list[tuple[int, int]] = []
+
+
+def _ranges(segments: list[dict]) -> list[tuple[int, int]]:
+    return sorted((int(seg["address"]), int(seg["address"]) + int(seg["total_size"]))
+                  for seg in segments if tuple(seg.get("segment_pool_id") or (0, 0)) != (0, 0))
+
+
+def remember_private_ranges(segments: list[dict]) -> None:
+    """Keep the private pools' segment ranges seen at the end of training (run_one calls it there):
+    the graphs, and so their pool, may be freed before the history's snapshot is taken."""
+    _remembered_private[:] = sorted(set(_remembered_private) | set(_ranges(segments)))
+
+
+def _private_ranges(snap: dict) -> list[tuple[int, int]]:
+    """(start, end) address ranges of the private pools' segments (the graph pool): those in the
+    snapshot and those remembered at the end of training. A private pool keeps its segments for the
+    graphs' lifetime."""
+    return sorted(set(_ranges(snap.get("segments", []))) | set(_remembered_private))
+
+
+def _in_ranges(addr: int, ranges: list[tuple[int, int]]) -> bool:
+    """addr inside one of the sorted, disjoint (start, end) ranges."""
+    i = bisect.bisect_right(ranges, (addr, float("inf"))) - 1
+    return i >= 0 and ranges[i][0] <= addr < ranges[i][1]
+
+
+_GROW = ("segment_alloc", "segment_map")
+_SHRINK = ("segment_free", "segment_unmap")
+
+
+def reserved_breakdown(snap: dict, device: int = 0) -> dict:
+    """Replays the trace's segment events (reserved memory) and block events (allocated memory),
+    split into the ordinary (eager) pool and the private pools by address. Returns the moment of
+    the peak reserved memory with both pools' reserved and allocated bytes then, and the moment
+    the eager pool's reserved memory last reached its maximum, with the eager blocks alive then
+    grouped by allocating site (what the eager pool's high-water mark is made of)."""
+    trace = snap["device_traces"][device]
+    private = _private_ranges(snap)
+    res = {"eager": 0, "private": 0}
+    alloc = {"eager": 0, "private": 0}
+    live: dict[int, tuple[int, str]] = {}
+    peak = {"reserved": -1}
+    eager_top = {"reserved": -1}
+    for i, ev in enumerate(trace):
+        act, addr, size = ev["action"], int(ev.get("addr", 0)), int(ev.get("size", 0))
+        pool = "private" if _in_ranges(addr, private) else "eager"
+        if act in _GROW:
+            res[pool] += size
+        elif act in _SHRINK:
+            res[pool] -= size
+        elif act == "alloc":
+            live[addr] = (size, pool)
+            alloc[pool] += size
+        elif act == "free_requested":
+            got = live.pop(addr, None)
+            if got is not None:
+                alloc[got[1]] -= got[0]
+        total = res["eager"] + res["private"]
+        if act in _GROW and total > peak["reserved"]:
+            peak = {"reserved": total, "event": i, "pools_reserved": dict(res)}
+        if act == "alloc" and res["eager"] >= eager_top["reserved"]:
+            # the allocation served right after the eager pool's last growth to its maximum
+            eager_top = {"reserved": res["eager"], "event": i, "eager_allocated": alloc["eager"],
+                         "private_allocated": alloc["private"]}
+    alive: dict[int, dict] = {}
+    for ev in trace[: eager_top.get("event", -1) + 1]:
+        if ev["action"] == "alloc" and not _in_ranges(int(ev["addr"]), private):
+            alive[ev["addr"]] = ev
+        elif ev["action"] == "free_requested":
+            alive.pop(ev["addr"], None)
+    by_site: dict[str, list] = defaultdict(lambda: [0, 0])
+    for ev in alive.values():
+        s = by_site[_site(ev.get("frames", []))]
+        s[0] += ev["size"]
+        s[1] += 1
+    top_ev = trace[eager_top["event"]] if eager_top.get("event") is not None else {}
+    return {"peak": peak, "eager_top": eager_top, "events": len(trace),
+            "private_segments_bytes": sum(b - a for a, b in private),
+            "eager_by_site": sorted(((k, v[0], v[1]) for k, v in by_site.items()), key=lambda r: -r[1]),
+            "eager_top_frames": top_ev.get("frames", [])[:12]}
+
+
+def format_reserved(br: dict, top: int = 25) -> str:
+    gib = 2**30
+    p, e = br["peak"], br["eager_top"]
+    lines = ["## Reserved memory (replayed segment events; eager = ordinary pool, private = graph pool)", ""]
+    if p.get("event") is not None:
+        pr = p["pools_reserved"]
+        lines.append(f"peak reserved {p['reserved'] / gib:.3f} GiB at event {p['event']} of {br['events']}: "
+                     f"eager {pr['eager'] / gib:.3f} GiB, private {pr['private'] / gib:.3f} GiB")
+    if e.get("event") is not None:
+        lines.append(f"the eager pool's reserved maximum {e['reserved'] / gib:.3f} GiB (last reached at event "
+                     f"{e['event']}); allocated then: eager {e['eager_allocated'] / gib:.3f} GiB, private "
+                     f"{e['private_allocated'] / gib:.3f} GiB")
+    lines += ["", "| MiB alive in the eager pool then | blocks | allocated at |", "| ---: | ---: | --- |"]
+    for site, nbytes, count in br["eager_by_site"][:top]:
+        lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")
+    rest = br["eager_by_site"][top:]
+    if rest:
+        lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
+    lines += ["", "the allocation served then, innermost frame first:"]
+    lines += [f"  {_frame(fr)}" for fr in br["eager_top_frames"]]
+    return "\n".join(lines)
+
+
 def format_breakdown(br: dict, top: int = 40) -> str:
     gib = 2**30
     lines = [f"peak allocated (replayed trace): {br['peak_bytes'] / gib:.3f} GiB at event {br['event_index']} "
@@ -134,6 +241,8 @@ def main(argv=None) -> int:
     with open(argv[0], "rb") as f:
         snap = pickle.load(f)
     print(format_breakdown(peak_breakdown(snap)))
+    print()
+    print(format_reserved(reserved_breakdown(snap)))
     return 0
 
 

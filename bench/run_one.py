@@ -43,9 +43,11 @@ def _pools():
 
     if not torch.cuda.is_available():
         return None
-    from bench.memory_peak import pool_split
+    from bench import memory_peak
 
-    return pool_split(torch.cuda.memory_snapshot())
+    segments = torch.cuda.memory_snapshot()
+    memory_peak.remember_private_ranges(segments)  # for --memory-peak's replay (the graphs may be gone by then)
+    return memory_peak.pool_split(segments)
 
 
 class StepClock:
@@ -370,8 +372,10 @@ def main(argv=None) -> int:
         Path(args.cprofile).write_text(buf.getvalue(), encoding="utf-8")
     wall = time.perf_counter() - t_start
     if recording:
-        br = memory_peak.peak_breakdown(memory_peak.take_snapshot())
-        Path(args.memory_peak).write_text(memory_peak.format_breakdown(br) + "\n", encoding="utf-8")
+        snap = memory_peak.take_snapshot()
+        text = (memory_peak.format_breakdown(memory_peak.peak_breakdown(snap)) + "\n\n"
+                + memory_peak.format_reserved(memory_peak.reserved_breakdown(snap)))
+        Path(args.memory_peak).write_text(text + "\n", encoding="utf-8")
 
     steps = clock.step_times()
     timed = steps[SKIP_STEPS:]

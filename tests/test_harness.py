@@ -420,3 +420,38 @@ def test_pool_split_by_pool():
             {"segment_pool_id": (0, 0), "total_size": 2, "allocated_size": 2}]
     assert pool_split(segs) == [{"pool": "(0, 7)", "reserved_bytes": 10, "allocated_bytes": 0, "segments": 1},
                                 {"pool": "(0, 0)", "reserved_bytes": 6, "allocated_bytes": 5, "segments": 2}]
+
+
+def test_reserved_replay_splits_the_pools_and_names_the_eager_high_water():
+    """The segment events are replayed per pool (a private pool known by its segments' addresses):
+    the peak reserved total, and the eager pool's high-water mark with what is alive in it then."""
+    from bench import memory_peak
+
+    here = [{"filename": "/work/main/solution/x.py", "line": 1, "name": "f"}]
+    there = [{"filename": "/work/main/solution/y.py", "line": 2, "name": "g"}]
+    snap = {"segments": [{"address": 1000, "total_size": 100, "segment_pool_id": (1, 2)}],
+            "device_traces": [[
+                {"action": "segment_map", "addr": 0, "size": 500},
+                {"action": "alloc", "addr": 0, "size": 400, "frames": here},
+                {"action": "segment_map", "addr": 1000, "size": 100},  # the graph pool
+                {"action": "alloc", "addr": 1000, "size": 100, "frames": here},
+                {"action": "free_requested", "addr": 1000, "size": 100},
+                {"action": "free_requested", "addr": 0, "size": 400},
+                {"action": "alloc", "addr": 0, "size": 50, "frames": there},
+                {"action": "segment_map", "addr": 500, "size": 300},
+                {"action": "alloc", "addr": 100, "size": 650, "frames": here},
+                {"action": "free_requested", "addr": 100, "size": 650},
+            ]]}
+    br = memory_peak.reserved_breakdown(snap)
+    assert br["peak"]["reserved"] == 900 and br["peak"]["pools_reserved"] == {"eager": 800, "private": 100}
+    assert br["eager_top"]["reserved"] == 800 and br["eager_top"]["event"] == 8
+    assert br["eager_top"]["eager_allocated"] == 700 and br["eager_top"]["private_allocated"] == 0
+    assert [(site, n) for site, n, _ in br["eager_by_site"]] == [("solution/x.py:1 f", 650), ("solution/y.py:2 g", 50)]
+    assert "peak reserved" in memory_peak.format_reserved(br)
+    # ranges remembered at the end of training count too (the graphs may be gone at the snapshot)
+    snap["segments"] = []
+    memory_peak.remember_private_ranges([{"address": 1000, "total_size": 100, "segment_pool_id": (1, 2)}])
+    try:
+        assert memory_peak.reserved_breakdown(snap)["peak"]["pools_reserved"]["private"] == 100
+    finally:
+        memory_peak._remembered_private.clear()
