@@ -146,74 +146,83 @@ _SHRINK = ("segment_free", "segment_unmap")
 def reserved_breakdown(snap: dict, device: int = 0) -> dict:
     """Replays the trace's segment events (reserved memory) and block events (allocated memory),
     split into the ordinary (eager) pool and the private pools by address. Returns the moment of
-    the peak reserved memory with both pools' reserved and allocated bytes then, and the moment
-    the eager pool's reserved memory last reached its maximum, with the eager blocks alive then
-    grouped by allocating site (what the eager pool's high-water mark is made of)."""
+    the peak reserved total with both pools' reserved bytes then, and what the eager pool's share
+    of that peak is made of: the window from the eager pool's last shrink (empty_cache) to the
+    peak, the highest eager allocated total inside it (reserved minus it is what the eager pool
+    keeps cached but never uses at once), and the eager blocks alive at that moment by site."""
     trace = snap["device_traces"][device]
     private = _private_ranges(snap)
+    pool_of = [("private" if _in_ranges(int(ev.get("addr", 0)), private) else "eager") for ev in trace]
     res = {"eager": 0, "private": 0}
-    alloc = {"eager": 0, "private": 0}
-    live: dict[int, tuple[int, str]] = {}
     peak = {"reserved": -1}
-    eager_top = {"reserved": -1}
+    last_shrink = -1
     for i, ev in enumerate(trace):
-        act, addr, size = ev["action"], int(ev.get("addr", 0)), int(ev.get("size", 0))
-        pool = "private" if _in_ranges(addr, private) else "eager"
+        act, size, pool = ev["action"], int(ev.get("size", 0)), pool_of[i]
         if act in _GROW:
             res[pool] += size
+            total = res["eager"] + res["private"]
+            if total > peak["reserved"]:
+                peak = {"reserved": total, "event": i, "pools_reserved": dict(res), "window_start": last_shrink + 1}
         elif act in _SHRINK:
             res[pool] -= size
-        elif act == "alloc":
-            live[addr] = (size, pool)
-            alloc[pool] += size
+            if pool == "eager":
+                last_shrink = i
+    live: dict[int, tuple[int, str]] = {}
+    alloc = {"eager": 0, "private": 0}
+    top = {"eager_allocated": -1}
+    end = peak.get("event", -1)
+    while 0 <= end < len(trace) - 1 and trace[end]["action"] != "alloc":
+        end += 1  # up to the allocation that the peak's growth was for
+    start = peak.get("window_start", 0)
+    for i, ev in enumerate(trace[: end + 1]):
+        act = ev["action"]
+        if act == "alloc":
+            live[ev["addr"]] = (int(ev["size"]), pool_of[i])
+            alloc[pool_of[i]] += int(ev["size"])
+            if i >= start and alloc["eager"] > top["eager_allocated"]:
+                top = {"eager_allocated": alloc["eager"], "event": i, "private_allocated": alloc["private"]}
         elif act == "free_requested":
-            got = live.pop(addr, None)
+            got = live.pop(ev["addr"], None)
             if got is not None:
                 alloc[got[1]] -= got[0]
-        total = res["eager"] + res["private"]
-        if act in _GROW and total > peak["reserved"]:
-            peak = {"reserved": total, "event": i, "pools_reserved": dict(res)}
-        if act == "alloc" and res["eager"] >= eager_top["reserved"]:
-            # the allocation served right after the eager pool's last growth to its maximum
-            eager_top = {"reserved": res["eager"], "event": i, "eager_allocated": alloc["eager"],
-                         "private_allocated": alloc["private"]}
+    # the second replay to the top's moment: the eager blocks alive then, with their frames
     alive: dict[int, dict] = {}
-    for ev in trace[: eager_top.get("event", -1) + 1]:
-        if ev["action"] == "alloc" and not _in_ranges(int(ev["addr"]), private):
+    for i, ev in enumerate(trace[: top.get("event", -1) + 1]):
+        if ev["action"] == "alloc" and pool_of[i] == "eager":
             alive[ev["addr"]] = ev
         elif ev["action"] == "free_requested":
             alive.pop(ev["addr"], None)
     by_site: dict[str, list] = defaultdict(lambda: [0, 0])
     for ev in alive.values():
-        s = by_site[_site(ev.get("frames", []))]
-        s[0] += ev["size"]
-        s[1] += 1
-    top_ev = trace[eager_top["event"]] if eager_top.get("event") is not None else {}
-    return {"peak": peak, "eager_top": eager_top, "events": len(trace),
+        site = by_site[_site(ev.get("frames", []))]
+        site[0] += ev["size"]
+        site[1] += 1
+    top_ev = trace[top["event"]] if top.get("event") is not None else {}
+    return {"peak": peak, "eager_top": top, "events": len(trace),
             "private_segments_bytes": sum(b - a for a, b in private),
             "eager_by_site": sorted(((k, v[0], v[1]) for k, v in by_site.items()), key=lambda r: -r[1]),
-            "eager_top_frames": top_ev.get("frames", [])[:12]}
+            "eager_top_frames": top_ev.get("frames", [])[:14]}
 
 
-def format_reserved(br: dict, top: int = 25) -> str:
+def format_reserved(br: dict, top: int = 30) -> str:
     gib = 2**30
     p, e = br["peak"], br["eager_top"]
     lines = ["## Reserved memory (replayed segment events; eager = ordinary pool, private = graph pool)", ""]
     if p.get("event") is not None:
         pr = p["pools_reserved"]
         lines.append(f"peak reserved {p['reserved'] / gib:.3f} GiB at event {p['event']} of {br['events']}: "
-                     f"eager {pr['eager'] / gib:.3f} GiB, private {pr['private'] / gib:.3f} GiB")
+                     f"eager {pr['eager'] / gib:.3f} GiB, private {pr['private'] / gib:.3f} GiB; the eager "
+                     f"pool's last shrink before it: event {p['window_start'] - 1}")
     if e.get("event") is not None:
-        lines.append(f"the eager pool's reserved maximum {e['reserved'] / gib:.3f} GiB (last reached at event "
-                     f"{e['event']}); allocated then: eager {e['eager_allocated'] / gib:.3f} GiB, private "
-                     f"{e['private_allocated'] / gib:.3f} GiB")
+        lines.append(f"highest eager allocated between that shrink and the peak: {e['eager_allocated'] / gib:.3f} GiB "
+                     f"at event {e['event']} (private allocated then {e['private_allocated'] / gib:.3f} GiB)")
     lines += ["", "| MiB alive in the eager pool then | blocks | allocated at |", "| ---: | ---: | --- |"]
     for site, nbytes, count in br["eager_by_site"][:top]:
         lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")
     rest = br["eager_by_site"][top:]
     if rest:
         lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
-    lines += ["", "the allocation served then, innermost frame first:"]
+    lines += ["", "the allocation that set that eager maximum, innermost frame first:"]
     lines += [f"  {_frame(fr)}" for fr in br["eager_top_frames"]]
     return "\n".join(lines)
 

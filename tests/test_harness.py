@@ -424,13 +424,18 @@ def test_pool_split_by_pool():
 
 def test_reserved_replay_splits_the_pools_and_names_the_eager_high_water():
     """The segment events are replayed per pool (a private pool known by its segments' addresses):
-    the peak reserved total, and the eager pool's high-water mark with what is alive in it then."""
+    the peak reserved total, and the eager pool's highest allocated total between its last shrink
+    and that peak, with what is alive in it then."""
     from bench import memory_peak
 
     here = [{"filename": "/work/main/solution/x.py", "line": 1, "name": "f"}]
     there = [{"filename": "/work/main/solution/y.py", "line": 2, "name": "g"}]
     snap = {"segments": [{"address": 1000, "total_size": 100, "segment_pool_id": (1, 2)}],
             "device_traces": [[
+                {"action": "segment_map", "addr": 0, "size": 850},
+                {"action": "alloc", "addr": 0, "size": 850, "frames": here},  # an early eager step
+                {"action": "free_requested", "addr": 0, "size": 850},
+                {"action": "segment_unmap", "addr": 0, "size": 850},  # empty_cache
                 {"action": "segment_map", "addr": 0, "size": 500},
                 {"action": "alloc", "addr": 0, "size": 400, "frames": here},
                 {"action": "segment_map", "addr": 1000, "size": 100},  # the graph pool
@@ -444,8 +449,8 @@ def test_reserved_replay_splits_the_pools_and_names_the_eager_high_water():
             ]]}
     br = memory_peak.reserved_breakdown(snap)
     assert br["peak"]["reserved"] == 900 and br["peak"]["pools_reserved"] == {"eager": 800, "private": 100}
-    assert br["eager_top"]["reserved"] == 800 and br["eager_top"]["event"] == 8
-    assert br["eager_top"]["eager_allocated"] == 700 and br["eager_top"]["private_allocated"] == 0
+    assert br["peak"]["event"] == 11 and br["peak"]["window_start"] == 4
+    assert br["eager_top"]["eager_allocated"] == 700 and br["eager_top"]["event"] == 12
     assert [(site, n) for site, n, _ in br["eager_by_site"]] == [("solution/x.py:1 f", 650), ("solution/y.py:2 g", 50)]
     assert "peak reserved" in memory_peak.format_reserved(br)
     # ranges remembered at the end of training count too (the graphs may be gone at the snapshot)
