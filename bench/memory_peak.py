@@ -154,21 +154,28 @@ def reserved_breakdown(snap: dict, device: int = 0) -> dict:
     private = _private_ranges(snap)
     pool_of = [("private" if _in_ranges(int(ev.get("addr", 0)), private) else "eager") for ev in trace]
     res = {"eager": 0, "private": 0}
+    by_stream: dict[int, int] = defaultdict(int)  # the eager pool's reserved bytes per stream
     peak = {"reserved": -1}
     last_shrink = -1
     for i, ev in enumerate(trace):
         act, size, pool = ev["action"], int(ev.get("size", 0)), pool_of[i]
         if act in _GROW:
             res[pool] += size
+            if pool == "eager":
+                by_stream[int(ev.get("stream", 0))] += size
             total = res["eager"] + res["private"]
             if total > peak["reserved"]:
-                peak = {"reserved": total, "event": i, "pools_reserved": dict(res), "window_start": last_shrink + 1}
+                peak = {"reserved": total, "event": i, "pools_reserved": dict(res), "window_start": last_shrink + 1,
+                        "eager_reserved_by_stream": dict(by_stream)}
         elif act in _SHRINK:
             res[pool] -= size
             if pool == "eager":
+                by_stream[int(ev.get("stream", 0))] -= size
                 last_shrink = i
-    live: dict[int, tuple[int, str]] = {}
+    live: dict[int, tuple[int, str, int]] = {}
     alloc = {"eager": 0, "private": 0}
+    alloc_stream: dict[int, int] = defaultdict(int)  # eager allocated bytes per stream
+    stream_top: dict[int, int] = defaultdict(int)  # their highest value inside the window
     top = {"eager_allocated": -1}
     end = peak.get("event", -1)
     while 0 <= end < len(trace) - 1 and trace[end]["action"] != "alloc":
@@ -177,14 +184,22 @@ def reserved_breakdown(snap: dict, device: int = 0) -> dict:
     for i, ev in enumerate(trace[: end + 1]):
         act = ev["action"]
         if act == "alloc":
-            live[ev["addr"]] = (int(ev["size"]), pool_of[i])
+            stream = int(ev.get("stream", 0))
+            live[ev["addr"]] = (int(ev["size"]), pool_of[i], stream)
             alloc[pool_of[i]] += int(ev["size"])
+            if pool_of[i] == "eager":
+                alloc_stream[stream] += int(ev["size"])
+                if i >= start:
+                    stream_top[stream] = max(stream_top[stream], alloc_stream[stream])
             if i >= start and alloc["eager"] > top["eager_allocated"]:
                 top = {"eager_allocated": alloc["eager"], "event": i, "private_allocated": alloc["private"]}
         elif act == "free_requested":
             got = live.pop(ev["addr"], None)
             if got is not None:
                 alloc[got[1]] -= got[0]
+                if got[1] == "eager":
+                    alloc_stream[got[2]] -= got[0]
+    top["eager_allocated_top_by_stream"] = dict(stream_top)
     # the second replay to the top's moment: the eager blocks alive then, with their frames
     alive: dict[int, dict] = {}
     for i, ev in enumerate(trace[: top.get("event", -1) + 1]):
@@ -216,6 +231,11 @@ def format_reserved(br: dict, top: int = 30) -> str:
     if e.get("event") is not None:
         lines.append(f"highest eager allocated between that shrink and the peak: {e['eager_allocated'] / gib:.3f} GiB "
                      f"at event {e['event']} (private allocated then {e['private_allocated'] / gib:.3f} GiB)")
+    if p.get("event") is not None:
+        tops = e.get("eager_allocated_top_by_stream", {})
+        lines.append("eager pool per stream at the peak (reserved / highest allocated in the window, GiB): " + ", ".join(
+            f"stream {st}: {r / gib:.3f} / {tops.get(st, 0) / gib:.3f}"
+            for st, r in sorted(p.get("eager_reserved_by_stream", {}).items())))
     lines += ["", "| MiB alive in the eager pool then | blocks | allocated at |", "| ---: | ---: | --- |"]
     for site, nbytes, count in br["eager_by_site"][:top]:
         lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")

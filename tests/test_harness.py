@@ -452,7 +452,8 @@ def test_reserved_replay_splits_the_pools_and_names_the_eager_high_water():
     assert br["peak"]["event"] == 11 and br["peak"]["window_start"] == 4
     assert br["eager_top"]["eager_allocated"] == 700 and br["eager_top"]["event"] == 12
     assert [(site, n) for site, n, _ in br["eager_by_site"]] == [("solution/x.py:1 f", 650), ("solution/y.py:2 g", 50)]
-    assert "peak reserved" in memory_peak.format_reserved(br)
+    assert "peak reserved" in memory_peak.format_reserved(br) and "stream 0: " in memory_peak.format_reserved(br)
+    assert br["peak"]["eager_reserved_by_stream"] == {0: 800} and br["eager_top"]["eager_allocated_top_by_stream"] == {0: 700}
     # ranges remembered at the end of training count too (the graphs may be gone at the snapshot)
     snap["segments"] = []
     memory_peak.remember_private_ranges([{"address": 1000, "total_size": 100, "segment_pool_id": (1, 2)}])

@@ -314,25 +314,24 @@ def clear_weight_cache() -> None:
     _WEIGHT_CACHE.clear()
 
 
-# One logits buffer per (device, dtype), reused by every call and grown only when a call needs
-# more rows than any before (rounded up to LOGITS_ROWS_STEP rows, at most the chunk budget). A
-# fresh [chunk_rows, V] buffer each step, with chunk_rows following the batch's token count,
-# left the caching allocator with freed blocks of ever different sizes (100-255 MiB): the eager
-# pool's reserved memory crept up over the run (docs/kernels/lm_head_loss.md, sections 3 and 5). Stream
-# order makes the reuse safe: one call's matmuls and kernels are queued before the next call's.
-LOGITS_ROWS_STEP = 128
+# One logits buffer per (device, dtype, vocab) holding the chunk budget's rows, allocated once
+# and reused by every call (a call that needs more rows replaces it). A fresh [chunk_rows, V]
+# buffer each step, with chunk_rows following the batch's token count, left the caching
+# allocator with freed blocks of ever different sizes (100-255 MiB)
+# (docs/kernels/lm_head_loss.md, sections 3 and 5). Stream order makes the reuse safe: one
+# call's matmuls and kernels are queued before the next call's.
 _LOGITS_BUFFERS: dict = {}
 
 
-def logits_buffer(device: torch.device, dtype: torch.dtype, rows: int, vocab: int, max_rows: int) -> torch.Tensor:
-    """A contiguous [rows, vocab] view of the shared logits buffer (its values are garbage)."""
+def logits_buffer(device: torch.device, dtype: torch.dtype, rows: int, vocab: int, budget_rows: int) -> torch.Tensor:
+    """A contiguous [rows, vocab] view of the shared buffer of max(rows, budget_rows) rows (its
+    values are garbage)."""
     key = (device.type, device.index, dtype, vocab)
     buf = _LOGITS_BUFFERS.get(key)
     if buf is None or buf.shape[0] < rows:
-        cap = max(rows, min(-(-rows // LOGITS_ROWS_STEP) * LOGITS_ROWS_STEP, max_rows))
-        _LOGITS_BUFFERS.pop(key, None)  # free the old one before the new one is allocated
-        buf = torch.empty((cap, vocab), dtype=dtype, device=device)
-        _LOGITS_BUFFERS[key] = buf
+        buf = None
+        _LOGITS_BUFFERS.pop(key, None)  # the old one is freed before the new one is allocated
+        buf = _LOGITS_BUFFERS[key] = torch.empty((max(rows, budget_rows), vocab), dtype=dtype, device=device)
     return buf[:rows]
 
 
@@ -367,8 +366,7 @@ def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
         row_align = max(ROW_ALIGN, block_rows or default_launch_config()[0])
         chunk_rows = plan_chunk_rows(n_rows, vocab, torch.finfo(compute_dtype).bits // 8, row_align=row_align)
     chunk_rows = max(1, min(chunk_rows, max(n_rows, 1)))
-    max_rows = budget_rows(vocab, torch.finfo(compute_dtype).bits // 8)
-    buf = logits_buffer(device, compute_dtype, chunk_rows, vocab, max(max_rows, chunk_rows))
+    buf = logits_buffer(device, compute_dtype, chunk_rows, vocab, budget_rows(vocab, torch.finfo(compute_dtype).bits // 8))
     for r0 in range(0, n_rows, chunk_rows):
         r1 = min(r0 + chunk_rows, n_rows)
         logits = buf[: r1 - r0]  # a contiguous prefix of the reused buffer
