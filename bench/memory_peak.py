@@ -200,6 +200,16 @@ def reserved_breakdown(snap: dict, device: int = 0) -> dict:
                 if got[1] == "eager":
                     alloc_stream[got[2]] -= got[0]
     top["eager_allocated_top_by_stream"] = dict(stream_top)
+    # who made the eager pool grow inside the window: each growth event with the site of the next
+    # allocation on its stream (the one the growth was for), largest first
+    growth = []
+    for i in range(start, end + 1):
+        ev = trace[i]
+        if ev["action"] in _GROW and pool_of[i] == "eager":
+            stream = int(ev.get("stream", 0))
+            nxt = next((t for t in trace[i + 1: i + 50] if t["action"] == "alloc" and int(t.get("stream", 0)) == stream), {})
+            growth.append((int(ev.get("size", 0)), i, stream, _site(nxt.get("frames", [])), int(nxt.get("size", 0))))
+    growth.sort(key=lambda r: -r[0])
     # the second replay to the top's moment: the eager blocks alive then, with their frames
     alive: dict[int, dict] = {}
     for i, ev in enumerate(trace[: top.get("event", -1) + 1]):
@@ -216,7 +226,8 @@ def reserved_breakdown(snap: dict, device: int = 0) -> dict:
     return {"peak": peak, "eager_top": top, "events": len(trace),
             "private_segments_bytes": sum(b - a for a, b in private),
             "eager_by_site": sorted(((k, v[0], v[1]) for k, v in by_site.items()), key=lambda r: -r[1]),
-            "eager_top_frames": top_ev.get("frames", [])[:14]}
+            "eager_top_frames": top_ev.get("frames", [])[:14], "eager_growth": growth[:20],
+            "eager_growth_total_by_stream": {st: sum(g[0] for g in growth if g[2] == st) for st in {g[2] for g in growth}}}
 
 
 def format_reserved(br: dict, top: int = 30) -> str:
@@ -242,6 +253,11 @@ def format_reserved(br: dict, top: int = 30) -> str:
     rest = br["eager_by_site"][top:]
     if rest:
         lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
+    if br.get("eager_growth"):
+        lines += ["", "the eager pool's growth inside the window, by stream (MiB): " + ", ".join(
+            f"stream {st}: {b / 2**20:.0f}" for st, b in sorted(br["eager_growth_total_by_stream"].items())),
+            "", "| MiB mapped | event | stream | for the allocation at | its MiB |", "| ---: | ---: | ---: | --- | ---: |"]
+        lines += [f"| {g[0] / 2**20:.1f} | {g[1]} | {g[2]} | `{g[3]}` | {g[4] / 2**20:.1f} |" for g in br["eager_growth"]]
     lines += ["", "the allocation that set that eager maximum, innermost frame first:"]
     lines += [f"  {_frame(fr)}" for fr in br["eager_top_frames"]]
     return "\n".join(lines)

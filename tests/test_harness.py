@@ -453,6 +453,7 @@ def test_reserved_replay_splits_the_pools_and_names_the_eager_high_water():
     assert br["eager_top"]["eager_allocated"] == 700 and br["eager_top"]["event"] == 12
     assert [(site, n) for site, n, _ in br["eager_by_site"]] == [("solution/x.py:1 f", 650), ("solution/y.py:2 g", 50)]
     assert "peak reserved" in memory_peak.format_reserved(br) and "stream 0: " in memory_peak.format_reserved(br)
+    assert br["eager_growth_total_by_stream"] == {0: 800} and br["eager_growth"][0][3] == "solution/x.py:1 f"
     assert br["peak"]["eager_reserved_by_stream"] == {0: 800} and br["eager_top"]["eager_allocated_top_by_stream"] == {0: 700}
     # ranges remembered at the end of training count too (the graphs may be gone at the snapshot)
     snap["segments"] = []
