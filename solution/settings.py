@@ -27,7 +27,6 @@ FLAGS = {
     "SOLUTION_ADD_KERNEL": ("add_kernel", True),
     "SOLUTION_DEFER_DROPOUT": ("defer_dropout", True),
     "SOLUTION_LM_HEAD_WEIGHT_CACHE": ("lm_head_weight_cache", True),
-    "SOLUTION_SEPARATE_CAST": ("separate_cast", False),
 }
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
 MEMORY_POLICIES = ("speed", "balanced", "memory")
@@ -80,7 +79,6 @@ class Settings:
     add_kernel: bool = True  # $SOLUTION_ADD_KERNEL (kernels/fp32_add.py)
     defer_dropout: bool = True  # $SOLUTION_DEFER_DROPOUT (kernels/lora_nf4.py)
     lm_head_weight_cache: bool = True  # $SOLUTION_LM_HEAD_WEIGHT_CACHE (kernels/lm_head_loss.py)
-    separate_cast: bool = False  # $SOLUTION_SEPARATE_CAST (kernels/nf4_dequant.py)
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
     skip_patches: frozenset[str] = field(default_factory=frozenset)  # $SOLUTION_SKIP_PATCHES

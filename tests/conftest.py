@@ -55,10 +55,10 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 def cast_launches() -> int:
     """Launches that cast activations / gradients to fp16 next to a dequantization: the fused
-    nf4_dequant_cast kernel, or with SEPARATE_CAST the standalone fp16_cast_kernel."""
+    nf4_dequant_cast kernel."""
     from solution.kernels import _launches
 
-    return _launches.LAUNCHES["nf4_dequant_cast"] + _launches.LAUNCHES["fp16_cast_kernel"]
+    return _launches.LAUNCHES["nf4_dequant_cast"]
 
 
 def dequant_launches() -> int:

@@ -20,7 +20,6 @@ import bitsandbytes.functional as bnbF
 from bitsandbytes.functional import QuantState
 
 from solution.kernels import _launches
-from solution.kernels import nf4_dequant
 from solution.kernels.nf4_dequant import NF4_LEVELS, DequantPlan, dequantize_nf4, unsupported_reason
 from tests.conftest import HAS_CUDA
 
@@ -71,20 +70,13 @@ def formula_ref(packed: torch.Tensor, qs: QuantState) -> torch.Tensor:
     return prod32.to(torch.float16).reshape(qs.shape)
 
 
-@pytest.fixture(params=[False, True], ids=["select", "gather"])
-def lut_mode(request, monkeypatch):
-    """Both ways of finding an element's NF4 level (table gather: the default, nf4_dequant.LUT_GATHER; select tree)."""
-    monkeypatch.setattr(nf4_dequant, "LUT_GATHER", request.param)
-    return request.param
-
-
 def test_nf4_table_is_bnbs():
     assert torch.equal(torch.tensor(NF4_LEVELS, dtype=torch.float32), bnbF.get_4bit_type("nf4", device="cpu"))
 
 
 @pytest.mark.parametrize("shape", MODEL_SHAPES[:2] + ODD_SHAPES)
 @pytest.mark.parametrize("nested", [True, False])
-def test_bit_exact_fp16_state(shape, nested, device, lut_mode):
+def test_bit_exact_fp16_state(shape, nested, device):
     packed, qs = quantize(shape, torch.float16, nested, device)
     ours = dequantize_nf4(packed, qs)
     assert same_bits(ours.cpu(), formula_ref(packed, qs))
@@ -94,7 +86,7 @@ def test_bit_exact_fp16_state(shape, nested, device, lut_mode):
 
 @pytest.mark.parametrize("shape", [(256, 1536), (7, 30), (3, 65)])
 @pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.float32])
-def test_bit_exact_other_state_dtypes(shape, state_dtype, device, lut_mode):
+def test_bit_exact_other_state_dtypes(shape, state_dtype, device):
     """States quantized from bf16 / fp32 weights. rounding_dtype=state dtype reproduces bnb's
     backward (dequantize_4bit(...) in the state dtype, then .to(fp16)); the default reproduces
     bnb's forward (dequantized straight into the fp16 activation dtype)."""
@@ -139,17 +131,12 @@ def test_rejects_fp4(device):
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy cast of 70000
 @pytest.mark.parametrize("cast_a,cast_b", [(True, 0), (True, 1), (True, 2), (False, 2)])
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("separate", [False, True])
-def test_fused_casts(cast_a, cast_b, state_dtype, separate, device, monkeypatch):
+def test_fused_casts(cast_a, cast_b, state_dtype, device):
     """The fused launch (nf4_dequant_cast_kernel): the weight bits are those of the plain kernel,
     the casts those of torch (fp32 -> fp16 round to nearest even, overflow to inf, subnormals;
     the scaled copy = fp16(fp16(a) * s) as torch's fp16 tensor * float), nothing written past
     the outputs; with dequant=False only the casts run. (NaN is left out: its payload bits are
-    not part of the contract.) separate: the same through SEPARATE_CAST (dequant kernel, then
-    fp16_cast_kernel), which must give the same bits."""
-    import solution.kernels.nf4_dequant as nd
-
-    monkeypatch.setattr(nd, "SEPARATE_CAST", separate)
+    not part of the contract.)"""
     packed, qs = quantize((40, 96), state_dtype, True, device)
     plan = DequantPlan(packed, qs)
     g = torch.Generator().manual_seed(3)
@@ -167,11 +154,7 @@ def test_fused_casts(cast_a, cast_b, state_dtype, separate, device, monkeypatch)
             _launches.reset()
             plan.launch(out[: 40 * 96], round_bf16, dequant=dequant, a=a, a16=None if a16 is None else a16[:n],
                         b=b if cast_b == 1 else None, b16=b16[:n] if cast_b else None, cast_b=cast_b, scaling=2.0)
-            if separate:
-                want = {"nf4_dequant": 1, "fp16_cast_kernel": 1} if dequant else {"fp16_cast_kernel": 1}
-            else:
-                want = {("nf4_dequant_cast" if dequant else "fp16_cast"): 1}
-            assert dict(_launches.LAUNCHES) == want
+            assert dict(_launches.LAUNCHES) == {("nf4_dequant_cast" if dequant else "fp16_cast"): 1}
             ref_w = dequantize_nf4(packed, qs, rounding_dtype=torch.bfloat16 if round_bf16 else torch.float16)
             if dequant:
                 assert same_bits(out[: 40 * 96].view(40, 96), ref_w)
@@ -202,7 +185,7 @@ def test_bit_exact_mlp_shapes_cpu(shape):
 @pytest.mark.parametrize("shape", MODEL_SHAPES + ODD_SHAPES)
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("nested", [True, False])
-def test_bit_exact_gpu(shape, state_dtype, nested, lut_mode):
+def test_bit_exact_gpu(shape, state_dtype, nested):
     """On the GPU against bnb's CUDA kernels: every model shape, both state dtypes, with and
     without double quantization. A fused multiply-add in the scale (code2*absmax2 + offset)
     would show up here as 1-ulp differences in some blocks."""

@@ -621,17 +621,15 @@ def test_nf4_dequant_special_scales(device, state_dtype, nested):
         assert_like_stock(ours_bwd, want_bwd, 0.0, "backward (bf16 rounding)", exact=True, expect_nonfinite=True)
 
 
-@pytest.mark.parametrize("separate", [False, True])
-def test_nf4_dequant_cast_launch(device, separate, monkeypatch):
+def test_nf4_dequant_cast_launch(device):
     """The fp16 casts fused into the dequantization launch (``_cast_block``), every mode the layers
     use, on fp32 activations / gradients holding inf, NaN, 65504, 65519 (-> 65504), 65520 and 70000
     (-> inf): mode A fp16(a) = torch's a.to(fp16); B=1 fp16(b); B=2 fp16(fp16(a) * s) = peft's fp16
     ``g16 * scaling`` (40000 * 2 -> inf); B=3 fp16((a * keep) * scale) = torch.native_dropout's value
-    (inf * dropped = NaN), cast. separate: the same through SEPARATE_CAST's own kernel."""
+    (inf * dropped = NaN), cast."""
     import solution.kernels.nf4_dequant as nd
     from tests.test_nf4_dequant import quantize
 
-    monkeypatch.setattr(nd, "SEPARATE_CAST", separate)
     packed, qs = quantize((40, 96), F16, True, device)
     plan = nd.DequantPlan(packed, qs)
     gen = torch.Generator().manual_seed(16)

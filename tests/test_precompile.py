@@ -164,9 +164,79 @@ def test_compile_processes_fill_the_disk_cache_without_a_gpu(tmp_path, monkeypat
     if not entries:
         pytest.skip("the shipped manifest is empty")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    # a stale record too, one of a kernel that has since lost a constexpr: not compiled, not raised
+    # (the kernel then compiles at its first launch)
+    stale = json.loads(entries[0]["specialization_data"])
+    stale["signature"]["REMOVED_FLAG"] = "constexpr"
+    stale["constant_keys"].append([len(stale["signature"]) - 1])
+    stale["constant_vals"].append(True)
+    entries.append({**entries[0], "specialization_data": json.dumps(stale)})
     assert precompile._wait_workers(*precompile._start_workers(entries, ("cuda", 75, 32), workers=2)) == 2
     cubins = list((tmp_path / "cache").rglob("*.cubin"))
     assert len(cubins) == 2
+
+
+# Run without the interpreter (where resolve_kernel finds no JIT function): for each shipped
+# record of this Triton version, the JIT cache key a launch of the kernel as it is now computes
+# (Triton's own binder, for the CUDA backend, on arguments of the recorded kinds) next to the
+# recorded key. A record whose kernel changed its parameters since it was recorded differs.
+_KEY_CHECK = r"""
+import ast, json, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import compute_cache_key, create_function_from_signature
+from solution import precompile
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "u8": torch.uint8,
+          "i8": torch.int8, "i32": torch.int32, "i64": torch.int64, "u1": torch.bool, "i1": torch.bool}
+backend = make_backend(GPUTarget("cuda", 90, 32))
+out = []
+for e in precompile.load_manifest(precompile.MANIFEST):
+    if e["triton"] != triton.__version__:
+        continue
+    d = json.loads(e["specialization_data"])
+    fn = precompile.resolve_kernel(e["kernel"])
+    if fn is None or list(d["signature"]) != fn.arg_names:
+        out.append((e["kernel"], "parameters differ"))
+        continue
+    cut = d["key"].index("]{")
+    kinds, launch_opts = ast.literal_eval(d["key"][:cut + 1]), ast.literal_eval(d["key"][cut + 1:])
+    args = []
+    for ty, spec in kinds:
+        if ty == "constexpr":
+            args.append(spec)
+        elif ty.startswith("*"):  # a 16-byte aligned tensor of that dtype
+            args.append(torch.empty(64, dtype=DTYPES[ty[1:]]))
+        else:  # an int divisible by 16 ("D"), another int, or a float / unspecialized value
+            args.append(1024 if spec == "D" else 1001 if ty.startswith("i") else 1.5)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    _, specialization, options = binder(*args, **launch_opts)
+    key = compute_cache_key({}, specialization, options)
+    if key != d["key"]:
+        out.append((e["kernel"], key))
+print(json.dumps(out))
+"""
+
+
+def test_shipped_records_match_the_kernels_as_they_are():
+    """A record keeps the parameters its kernel had when it was recorded: when a kernel loses or
+    gains one, its records must be re-recorded or edited (the JIT key of a record is Triton's
+    launch key, recomputed here without a GPU), else the background precompile compiles something
+    no launch asks for."""
+    import os
+    import subprocess
+    import sys
+
+    import triton
+
+    if not any(e["triton"] == triton.__version__ for e in precompile.load_manifest(precompile.MANIFEST)):
+        pytest.skip(f"no shipped record of Triton {triton.__version__}")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _KEY_CHECK], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=str(Path(__file__).resolve().parent.parent))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
 def test_worker_count_leaves_a_core_for_soup(monkeypatch):
@@ -186,7 +256,7 @@ def test_worker_count_leaves_a_core_for_soup(monkeypatch):
 
 @pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ADD_KERNEL", "SOLUTION_DEFER_DROPOUT",
                                   "SOLUTION_LM_HEAD_WEIGHT_CACHE", "SOLUTION_ATTN_LAYOUT_KERNELS",
-                                  "SOLUTION_SEPARATE_CAST", "SOLUTION_PRECOMPILE"])
+                                  "SOLUTION_PRECOMPILE"])
 def test_on_off_settings_share_one_parser(monkeypatch, name):
     """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
     apply() refuses anything else before installing (before, "false" read as on)."""

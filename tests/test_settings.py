@@ -59,21 +59,17 @@ def test_a_settings_object_is_valid_and_frozen():
 
 
 def test_apply_passes_its_settings_down_and_reads_the_environment_once(monkeypatch):
-    from solution.kernels import nf4_dequant
     from solution.step import attention, cuda_graphs
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
     solution.revert()
     try:
-        solution.apply(verbose=False, settings=Settings(cuda_graphs="0", graph_bucket=32, attn_varlen=False,
-                                                        separate_cast=True))
+        solution.apply(verbose=False, settings=Settings(cuda_graphs="0", graph_bucket=32, attn_varlen=False))
         monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "64")  # after apply(): no effect
         assert (cuda_graphs.mode(), cuda_graphs.bucket_size(), attention.varlen_enabled()) == ("0", 32, False)
-        assert nf4_dequant.SEPARATE_CAST is True
     finally:
         solution.revert()
-    assert nf4_dequant.SEPARATE_CAST is False
     assert (cuda_graphs.mode(), cuda_graphs.bucket_size()) == ("1", 64)  # no settings active: the environment
     try:
         solution.apply(verbose=False)

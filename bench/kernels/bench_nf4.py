@@ -10,7 +10,7 @@ launch (dequant + fp16 cast of 2048 fp32 activation rows) vs dequant then torch'
 Effective bandwidth = bytes that must move (packed codes n/2 + uint8 scales n/64 + fp16 output
 2n) / time, also as % of a device-to-device copy measured here
 (and of the nominal DRAM bandwidth when torch reports the memory clock). A small sweep over our
-kernel's launch configuration (blocks per program, warps, LUT gather vs select tree) shows
+kernel's launch configuration (blocks per program, warps) shows
 whether the default is best (a configuration that is not bit-exact is reported as NaN).
 Part 2, Linear4bit forward and forward + backward (input grad only: frozen weight) under
 torch.autocast(fp16) with fp32 activations as in training, tokens 4 x 512 = 2048 and 3 x 500 =
@@ -37,8 +37,8 @@ import triton  # noqa: E402
 SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
           "down_proj": (1536, 8960)}
 TOKENS = [(4, 512), (3, 500)]
-# (blocks of 64 per program, warps, level lookup: gather in a 16-entry table or select tree)
-SWEEP = [(nb, w, g) for g in (True, False) for nb, w in ((32, 4), (64, 4), (128, 4), (128, 8), (256, 8))]
+# (blocks of 64 per program, warps)
+SWEEP = [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]
 
 
 
@@ -94,32 +94,19 @@ def bench_dequant(copy_gbs, nominal_gbs):
             cast_sweep[f"cast_only_CB{cb}"] = median_ms(lambda: plan.launch(buf, dequant=False, a=x, a16=x16))
             cast_sweep[f"fused_CB{cb}"] = median_ms(lambda: plan.launch(buf, a=x, a16=x16))
         plan.cast_block = default_block
-        # the standalone cast kernel (SEPARATE_CAST): its own launch configuration
-        n_x = x.numel()
-        for cb, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8)):
-            def sep(cb=cb, warps=warps):
-                nd.fp16_cast_kernel[(triton.cdiv(n_x, cb),)](x, x16, x, x16, n_x, 1.0, CAST_A=True, CAST_B=0,
-                                                             CAST_BLOCK=cb, num_warps=warps, enable_fp_fusion=False)
-            sep()
-            cast_sweep[f"separate_CB{cb}_w{warps}"] = median_ms(sep) if torch.equal(x16, x.half()) else float("nan")
-        cast_sweep["dequant_then_separate_cast"] = median_ms(
-            lambda: (plan.launch(buf), nd.fp16_cast_kernel[(triton.cdiv(n_x, nd.SEPARATE_CAST_BLOCK),)](
-                x, x16, x, x16, n_x, 1.0, CAST_A=True, CAST_B=0, CAST_BLOCK=nd.SEPARATE_CAST_BLOCK,
-                num_warps=nd.SEPARATE_CAST_WARPS, enable_fp_fusion=False)))
         sweep = {}
         lut = nd._nf4_lut(packed.device)
-        for nb, warps, gather in SWEEP:
+        for nb, warps in SWEEP:
             grid = (triton.cdiv(n // 64, nb),)
 
-            def launch(nb=nb, warps=warps, gather=gather, grid=grid):
+            def launch(nb=nb, warps=warps, grid=grid):
                 nd.nf4_dequant_kernel[grid](packed, qs.absmax, qs.state2.code, qs.state2.absmax, qs.offset, lut,
                                             buf, n, n // 2, n // 64, BLOCKSIZE=64, NESTED=True, NESTED_BS=256,
-                                            NB=nb, ROUND_BF16=False, LUT_GATHER=gather, num_warps=warps,
-                                            enable_fp_fusion=False)
+                                            NB=nb, ROUND_BF16=False, num_warps=warps, enable_fp_fusion=False)
 
             launch()
             ok = torch.equal(buf.view(torch.int16), ref.view(torch.int16))
-            sweep[f"NB{nb}_w{warps}_{'gather' if gather else 'select'}"] = median_ms(launch) if ok else float("nan")
+            sweep[f"NB{nb}_w{warps}"] = median_ms(launch) if ok else float("nan")
         for impl, t in (("bnb dequantize_4bit", t_bnb), ("ours", t_ours)):
             gbs = nbytes / (t * 1e-3) / 1e9
             rows.append({"weight": name, "shape": list(shape), "impl": impl, "ms": t, "GB_s": gbs,

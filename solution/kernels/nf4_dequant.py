@@ -21,9 +21,8 @@ multiply and add into an FMA (which rounds once and would change some scales by 
 Why one kernel helps: bnb needs two launches (scales, then weights) plus a temporary fp32 scale
 tensor and a torch add in between. Here a program takes NB blocks: it loads their packed bytes
 with wide vector loads, rebuilds the NB scales in registers (the 1 KB second-level map stays in
-L1), looks up each element's NF4 level (a gather in a 64-byte table, or a select tree on the code
-bits between 16 constants: see LUT_GATHER), multiplies by the block's scale, rounds to fp16 and
-writes 8 KB of fp16 with 16-byte stores.
+L1), looks up each element's NF4 level (a gather in a 64-byte table of the 16 levels), multiplies
+by the block's scale, rounds to fp16 and writes 8 KB of fp16 with 16-byte stores.
 
 ``nf4_dequant_cast_kernel``: the same dequantization plus, in the programs after it, the fp16
 casts the NF4 linear / LoRA layers need next to the weight (activations in forward, the gradient
@@ -60,41 +59,8 @@ NF4_LEVELS = (
 # bytes in, 8 KB of fp16 out), 4 warps -> 32 elements per thread.
 GPU_BLOCKS_PER_PROGRAM = 64
 GPU_NUM_WARPS = 4
-# How an element's NF4 level is found. Select tree (default): ~20 integer / select instructions
-# per element, no memory access, and layouts that flow straight from the 16-byte loads to the
-# 16-byte stores (checked in the sm_75 TTGIR/PTX). Gather: one load per element from a 64-byte
-# table (a single L1 line) is fewer instructions, but Triton gives the gather a 1-element-per-
-# thread layout and converts through shared memory around it (5 barriers per program). Which is
-# faster is measured by bench_nf4.py; both are bit-exact. Gather is the default because it was
-# faster on every weight shape of the H200 sweep (the measurement: docs/kernels/nf4_dequant.md,
-# section 5). Not yet measured on a T4.
-LUT_GATHER = True
 # In the CPU interpreter each program costs Python overhead, so fewer, larger programs.
 INTERPRETER_BLOCKS_PER_PROGRAM = 1024
-
-
-@triton.jit
-def _nf4_level(packed, SHIFT: tl.constexpr):
-    """fp32 NF4 level of the 4-bit code at bits SHIFT..SHIFT+3 of every packed byte: a binary
-    select tree on the code's 4 bits between the 16 constants (15 selects, no memory access)."""
-    b0 = (packed & (1 << SHIFT)) != 0
-    s0 = tl.where(b0, -0.6961928009986877, -1.0)
-    s1 = tl.where(b0, -0.39491748809814453, -0.5250730514526367)
-    s2 = tl.where(b0, -0.18477343022823334, -0.28444138169288635)
-    s3 = tl.where(b0, 0.0, -0.09105003625154495)
-    s4 = tl.where(b0, 0.16093020141124725, 0.07958029955625534)
-    s5 = tl.where(b0, 0.33791524171829224, 0.24611230194568634)
-    s6 = tl.where(b0, 0.5626170039176941, 0.44070982933044434)
-    s7 = tl.where(b0, 1.0, 0.7229568362236023)
-    b1 = (packed & (2 << SHIFT)) != 0
-    u0 = tl.where(b1, s1, s0)
-    u1 = tl.where(b1, s3, s2)
-    u2 = tl.where(b1, s5, s4)
-    u3 = tl.where(b1, s7, s6)
-    b2 = (packed & (4 << SHIFT)) != 0
-    v0 = tl.where(b2, u1, u0)
-    v1 = tl.where(b2, u3, u2)
-    return tl.where((packed & (8 << SHIFT)) != 0, v1, v0)
 
 
 @triton.jit
@@ -116,12 +82,11 @@ def _dequant_blocks(
     pid, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, lut_ptr, out_ptr,
     n_elements, n_bytes, n_blocks,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
-    NB: tl.constexpr, ROUND_BF16: tl.constexpr, LUT_GATHER: tl.constexpr,
+    NB: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """out[e] = fp16(NF4[code(e)] * scale(e // BLOCKSIZE)) for the NB blocks of program ``pid``.
 
-    NF4[code] comes from a gather in the 16-entry table (LUT_GATHER) or from a select tree on
-    the code bits between constants; both give the same fp32 levels.
+    NF4[code] comes from a gather in the 16-entry table of fp32 levels.
 
     scale(b) = absmax[b] (fp32), or with double quantization
     scale(b) = fp32(fp32(code2[absmax[b]] * absmax2[b // NESTED_BS]) + offset[0]).
@@ -144,14 +109,13 @@ def _dequant_blocks(
     # 2. packed bytes of the NB blocks: [NB, HALF], contiguous -> wide vector loads
     byte_idx = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
     packed = tl.load(packed_ptr + byte_idx, mask=byte_idx < n_bytes, other=0).to(tl.int32)
-    if LUT_GATHER:
-        # one load per element from the 64-byte table: all lanes of a warp hit one L1 line
-        lvl_hi = tl.load(lut_ptr + (packed >> 4))
-        lvl_lo = tl.load(lut_ptr + (packed & 15))
-    else:
-        # no memory access: 15 selects per element between the 16 constants
-        lvl_hi = _nf4_level(packed, 4)
-        lvl_lo = _nf4_level(packed, 0)
+    # one load per element from the 64-byte table: all lanes of a warp hit one L1 line. Triton
+    # gives the gather a 1-element-per-thread layout and converts through shared memory around it
+    # (5 barriers per program); still faster on every weight shape of the H200 sweep than the
+    # select tree it replaced (docs/PERFORMANCE.md, "Code removed because it lost its
+    # measurement"). Not yet measured on a T4.
+    lvl_hi = tl.load(lut_ptr + (packed >> 4))
+    lvl_lo = tl.load(lut_ptr + (packed & 15))
     hi = _to_fp16(lvl_hi * scale, ROUND_BF16)  # element 2j: high nibble of byte j
     lo = _to_fp16(lvl_lo * scale, ROUND_BF16)  # element 2j+1: low nibble
 
@@ -193,16 +157,16 @@ def nf4_dequant_kernel(
     code2_ptr,     # *fp32 [256] second-level code map (NESTED only)
     absmax2_ptr,   # *fp32 one per NESTED_BS scales (NESTED only)
     offset_ptr,    # *fp32 scalar added to the decoded scales (NESTED only)
-    lut_ptr,       # *fp32 [16] the NF4 levels (LUT_GATHER only)
+    lut_ptr,       # *fp32 [16] the NF4 levels
     out_ptr,       # *fp16 n_elements, row-major [out_features, in_features]
     n_elements, n_bytes, n_blocks,
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
-    NB: tl.constexpr, ROUND_BF16: tl.constexpr, LUT_GATHER: tl.constexpr,
+    NB: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
     """Dequantize the whole weight: program p handles blocks [p * NB, (p + 1) * NB)."""
     _dequant_blocks(tl.program_id(0), packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr,
                     lut_ptr, out_ptr, n_elements, n_bytes, n_blocks,
-                    BLOCKSIZE, NESTED, NESTED_BS, NB, ROUND_BF16, LUT_GATHER)
+                    BLOCKSIZE, NESTED, NESTED_BS, NB, ROUND_BF16)
 
 
 @triton.jit(do_not_specialize=["n_cast"])
@@ -212,7 +176,7 @@ def nf4_dequant_cast_kernel(
     n_deq_programs,  # programs [0, n_deq_programs) dequantize (0: cast only)
     a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,  # the fp16 casts (see _cast_block)
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
-    NB: tl.constexpr, ROUND_BF16: tl.constexpr, LUT_GATHER: tl.constexpr,
+    NB: tl.constexpr, ROUND_BF16: tl.constexpr,
     CAST_A: tl.constexpr, CAST_B: tl.constexpr, CAST_BLOCK: tl.constexpr,
 ):
     """One launch for the two memory-bound preparations of an fp16 GEMM: programs below
@@ -223,20 +187,10 @@ def nf4_dequant_cast_kernel(
     if pid < n_deq_programs:
         _dequant_blocks(pid, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, lut_ptr,
                         out_ptr, n_elements, n_bytes, n_blocks,
-                        BLOCKSIZE, NESTED, NESTED_BS, NB, ROUND_BF16, LUT_GATHER)
+                        BLOCKSIZE, NESTED, NESTED_BS, NB, ROUND_BF16)
     else:
         _cast_block(pid - n_deq_programs, a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,
                     CAST_A, CAST_B, CAST_BLOCK)
-
-
-@triton.jit(do_not_specialize=["n_cast"])
-def fp16_cast_kernel(a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,
-                     CAST_A: tl.constexpr, CAST_B: tl.constexpr, CAST_BLOCK: tl.constexpr):
-    """The casts of ``nf4_dequant_cast_kernel`` as a kernel of their own (``_cast_block``): compiled
-    without the dequantization branch, so its programs get a cast's registers and occupancy
-    (the fused kernel's cast programs run at about half of torch's cast bandwidth: see the module
-    doc of the launcher below). Used when SEPARATE_CAST is on."""
-    _cast_block(tl.program_id(0), a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling, CAST_A, CAST_B, CAST_BLOCK)
 
 
 # --------------------------------------------------------------------------------------------
@@ -245,14 +199,6 @@ def fp16_cast_kernel(a_ptr, a16_ptr, b_ptr, b16_ptr, n_cast, scaling,
 # fp16 casts fused into the dequantization launch: elements per program (4 warps -> 16 per
 # thread on the GPU; large blocks in the interpreter, where each program costs Python time)
 GPU_CAST_BLOCK = 2048
-# Dequantize and cast in two launches (nf4_dequant_kernel + fp16_cast_kernel) instead of one fused
-# launch. Off: measured slower on the H200 end to end, the standalone casts no faster than the
-# fused cast programs (the measurement: docs/kernels/nf4_dequant.md, section 5, "Why the fused
-# launch is slower"). $SOLUTION_SEPARATE_CAST=1 turns it on:
-# the patches that launch plans (bnb_linear4bit, peft_lora_bnb) set it at install, revert() restores it.
-SEPARATE_CAST = False
-SEPARATE_CAST_BLOCK = 1024
-SEPARATE_CAST_WARPS = 4
 INTERPRETER_CAST_BLOCK = 1 << 16
 MAX_CAST_ELEMENTS = 2**31 - 2**17  # _cast_block indexes with int32
 
@@ -389,25 +335,17 @@ class DequantPlan:
         round_bf16: round the weight through bf16 first (bnb's backward for bf16 states)."""
         if a is None:
             launch(nf4_dequant_kernel, (self.n_deq_programs,), KERNEL_NAME,
-                   *self.args, out, *self.sizes, ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, **self.consts)
+                   *self.args, out, *self.sizes, ROUND_BF16=round_bf16, **self.consts)
             return
         n_cast = a.numel()
         # unused pointers point at a valid tensor (the kernel never touches them)
         cast_args = (a, out if a16 is None else a16, a if b is None else b, out if b16 is None else b16,
                      n_cast, float(scaling))
-        if SEPARATE_CAST:
-            if dequant:
-                self.launch(out, round_bf16)
-            cast_block = SEPARATE_CAST_BLOCK if out.device.type == "cuda" else self.cast_block
-            launch(fp16_cast_kernel, (cdiv(n_cast, cast_block),), "fp16_cast_kernel",
-                   *cast_args, CAST_A=a16 is not None, CAST_B=cast_b, CAST_BLOCK=cast_block,
-                   num_warps=SEPARATE_CAST_WARPS, enable_fp_fusion=False)
-            return
         n_deq = self.n_deq_programs if dequant else 0
         grid = (n_deq + cdiv(n_cast, self.cast_block),)
         launch(nf4_dequant_cast_kernel, grid, KERNEL_NAME + "_cast" if dequant else "fp16_cast",
                *self.args, out, *self.sizes, n_deq, *cast_args,
-               ROUND_BF16=round_bf16, LUT_GATHER=LUT_GATHER, CAST_A=a16 is not None, CAST_B=cast_b,
+               ROUND_BF16=round_bf16, CAST_A=a16 is not None, CAST_B=cast_b,
                CAST_BLOCK=self.cast_block, **self.consts)
 
 
@@ -445,24 +383,21 @@ def sm75_specs():
         "packed_ptr": "*u8", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
         "lut_ptr": "*fp32", "out_ptr": "*fp16", "n_elements": "i32", "n_bytes": "i32",
         "n_blocks": "i32", "BLOCKSIZE": "constexpr", "NESTED": "constexpr", "NESTED_BS": "constexpr",
-        "NB": "constexpr", "ROUND_BF16": "constexpr", "LUT_GATHER": "constexpr",
+        "NB": "constexpr", "ROUND_BF16": "constexpr",
     }
     options = {"enable_fp_fusion": False}
-    for lut_gather in (False, True):  # default first; the gather variant is the benchmark's alternative
-        for nested in (True, False):
-            for round_bf16 in (False, True):
-                sig = dict(common)
-                sig["absmax_ptr"] = "*u8" if nested else "*fp32"
-                yield {
-                    "name": f"nf4_dequant(nested={int(nested)},bf16_round={int(round_bf16)},"
-                            f"{'gather' if lut_gather else 'select'})",
-                    "fn": nf4_dequant_kernel,
-                    "signature": sig,
-                    "constexprs": {"BLOCKSIZE": 64, "NESTED": nested, "NESTED_BS": 256,
-                                   "NB": GPU_BLOCKS_PER_PROGRAM, "ROUND_BF16": round_bf16,
-                                   "LUT_GATHER": lut_gather},
-                    "num_warps": GPU_NUM_WARPS, "options": options,
-                }
+    for nested in (True, False):
+        for round_bf16 in (False, True):
+            sig = dict(common)
+            sig["absmax_ptr"] = "*u8" if nested else "*fp32"
+            yield {
+                "name": f"nf4_dequant(nested={int(nested)},bf16_round={int(round_bf16)})",
+                "fn": nf4_dequant_kernel,
+                "signature": sig,
+                "constexprs": {"BLOCKSIZE": 64, "NESTED": nested, "NESTED_BS": 256,
+                               "NB": GPU_BLOCKS_PER_PROGRAM, "ROUND_BF16": round_bf16},
+                "num_warps": GPU_NUM_WARPS, "options": options,
+            }
     # (source dtype, CAST_A, CAST_B, bf16 rounding variants used)
     cast_variants = [("fp32", True, 0, (False, True)),   # NF4 linear: x / grad fp32 -> fp16
                      ("fp32", True, 1, (False,)),        # LoRA forward: x and dropout(x) -> fp16
@@ -476,22 +411,12 @@ def sm75_specs():
             sig.update({"absmax_ptr": "*u8", "n_deq_programs": "i32", "a_ptr": f"*{src}", "a16_ptr": "*fp16",
                         "b_ptr": b_ty, "b16_ptr": "*fp16", "n_cast": "i32", "scaling": "fp32",
                         "CAST_A": "constexpr", "CAST_B": "constexpr", "CAST_BLOCK": "constexpr"})
-            if round_bf16 is False:
-                yield {
-                    "name": f"fp16_cast({src},A={int(cast_a)},B={cast_b}) (SEPARATE_CAST)",
-                    "fn": fp16_cast_kernel,
-                    "signature": {"a_ptr": f"*{src}", "a16_ptr": "*fp16", "b_ptr": b_ty, "b16_ptr": "*fp16",
-                                  "n_cast": "i32", "scaling": "fp32", "CAST_A": "constexpr", "CAST_B": "constexpr",
-                                  "CAST_BLOCK": "constexpr"},
-                    "constexprs": {"CAST_A": cast_a, "CAST_B": cast_b, "CAST_BLOCK": SEPARATE_CAST_BLOCK},
-                    "num_warps": SEPARATE_CAST_WARPS, "options": options,
-                }
             yield {
                 "name": f"nf4_dequant_cast({src},A={int(cast_a)},B={cast_b},bf16_round={int(round_bf16)})",
                 "fn": nf4_dequant_cast_kernel,
                 "signature": sig,
                 "constexprs": {"BLOCKSIZE": 64, "NESTED": True, "NESTED_BS": 256, "NB": GPU_BLOCKS_PER_PROGRAM,
-                               "ROUND_BF16": round_bf16, "LUT_GATHER": LUT_GATHER, "CAST_A": cast_a,
+                               "ROUND_BF16": round_bf16, "CAST_A": cast_a,
                                "CAST_B": cast_b, "CAST_BLOCK": GPU_CAST_BLOCK},
                 "num_warps": GPU_NUM_WARPS, "options": options,
             }

@@ -7,8 +7,6 @@ interpreter, odd states) goes to the original forward, unchanged.
 """
 from __future__ import annotations
 
-from solution import settings
-
 NAME = "bnb_linear4bit"
 
 
@@ -39,9 +37,6 @@ def make_forward(original_forward):
 def install(swaps) -> str:
     from bitsandbytes.nn import Linear4bit
 
-    from solution.kernels import nf4_dequant
-
-    swaps.set(nf4_dequant, "SEPARATE_CAST", settings.current().separate_cast)  # read at install
     original = Linear4bit.__dict__["forward"]
     swaps.set(Linear4bit, "forward", make_forward(original))
     return ("Linear4bit.forward: NF4 dequant + fp16 cast of x in 1 Triton launch (reused buffer) + cuBLAS, "

@@ -134,9 +134,6 @@ def make_forward(original_forward):
 def install(swaps) -> str:
     from peft.tuners.lora.bnb import Linear4bit
 
-    from solution.kernels import nf4_dequant
-
-    swaps.set(nf4_dequant, "SEPARATE_CAST", settings.current().separate_cast)  # read at install
     original = Linear4bit.__dict__["forward"]
     swaps.set(Linear4bit, "forward", make_forward(original))
     return ("peft lora.bnb.Linear4bit.forward: NF4 base + LoRA in one autograd Function; dequant + fp16 casts "
