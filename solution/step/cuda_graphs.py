@@ -42,7 +42,6 @@
 """
 from __future__ import annotations
 
-import gc
 import time
 import weakref
 
@@ -494,17 +493,6 @@ class DecoderGraphs:
             c0 = torch.zeros((1, nb, cos.shape[-1]), dtype=cos.dtype, device=self.device)
             self._graphs_for(layers, fake, h0, c0, c0, dropouts, ahead=True)
 
-    def _release_cached(self) -> None:
-        """Once, after the first step's captures: collect what only reference cycles still hold
-        and give the eager pool's cached but free blocks back. The side stream's eager segment kept
-        ~1 GiB mapped after the warm-up (0.25 GiB of it in use), which stayed in the peak reserved
-        memory for the whole run (docs/cuda_graphs.md, section 5b). One sync and a collection in
-        an untimed step."""
-        gc.collect()
-        self.stream.synchronize()
-        torch.cuda.current_stream(self.device).synchronize()
-        torch.cuda.empty_cache()
-
     # -- a step -------------------------------------------------------------------------------
     def forward(self, model, layers, input_ids, info, dropouts: int) -> torch.Tensor | None:
         """The layers' output [1, N, H] on the packed real tokens (pre final norm), replayed from a
@@ -528,8 +516,6 @@ class DecoderGraphs:
             g = self._graphs_for(layers, binfo, h, cos, sin, dropouts)
             if first and g is not None and self.ahead:
                 self._capture_ahead(layers, binfo, h, cos, dropouts)
-            if first and g is not None:
-                self._release_cached()
         except Exception as exc:  # noqa: BLE001 - a refused capture: eager from now on, said once
             self.failed = _describe_failure(exc)
             FAILURES.append(self.failed)
