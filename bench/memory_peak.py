@@ -188,11 +188,13 @@ def reserved_breakdown(snap: dict, device: int = 0) -> dict:
             live[ev["addr"]] = (int(ev["size"]), pool_of[i], stream)
             alloc[pool_of[i]] += int(ev["size"])
             if pool_of[i] == "eager":
+                if i >= start and "eager_allocated_at_start_by_stream" not in top:
+                    top["eager_allocated_at_start_by_stream"] = dict(alloc_stream)
                 alloc_stream[stream] += int(ev["size"])
                 if i >= start:
                     stream_top[stream] = max(stream_top[stream], alloc_stream[stream])
             if i >= start and alloc["eager"] > top["eager_allocated"]:
-                top = {"eager_allocated": alloc["eager"], "event": i, "private_allocated": alloc["private"]}
+                top.update(eager_allocated=alloc["eager"], event=i, private_allocated=alloc["private"])
         elif act == "free_requested":
             got = live.pop(ev["addr"], None)
             if got is not None:
@@ -247,6 +249,9 @@ def format_reserved(br: dict, top: int = 30) -> str:
         lines.append("eager pool per stream at the peak (reserved / highest allocated in the window, GiB): " + ", ".join(
             f"stream {st}: {r / gib:.3f} / {tops.get(st, 0) / gib:.3f}"
             for st, r in sorted(p.get("eager_reserved_by_stream", {}).items())))
+        at_start = e.get("eager_allocated_at_start_by_stream", {})
+        lines.append("eager allocated per stream when the window opens (GiB): " + ", ".join(
+            f"stream {st}: {b / gib:.3f}" for st, b in sorted(at_start.items())))
     lines += ["", "| MiB alive in the eager pool then | blocks | allocated at |", "| ---: | ---: | --- |"]
     for site, nbytes, count in br["eager_by_site"][:top]:
         lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")

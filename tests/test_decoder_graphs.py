@@ -129,6 +129,32 @@ def test_mask_slots_record_and_check():
         slots.take(0.1, x)
 
 
+def test_mask_slots_pack_into_one_block_and_keep_handing_out_views():
+    """pack() (after the warm-up) moves the masks into one allocation, in call order, with their
+    shapes; take() and draw() then work on the packed views as before."""
+    slots = cuda_graphs._MaskSlots(capacity=10)
+    slots.begin(6)
+    x4, x8 = torch.zeros(1, 6, 4), torch.zeros(1, 6, 8)
+    slots.take(0.1, x4)
+    slots.take(0.2, x8)
+    before = [b.data_ptr() for b in slots.buffers]
+    slots.pack()
+    b0, b1 = slots.buffers
+    assert b0.shape == (10, 4) and b1.shape == (10, 8) and b0.dtype == torch.bool
+    assert b0.untyped_storage().data_ptr() == b1.untyped_storage().data_ptr()  # one allocation
+    assert b1.data_ptr() == b0.data_ptr() + 40 and b0.data_ptr() not in before
+    slots.begin(6)
+    assert slots.take(0.1, x4).data_ptr() == b0.data_ptr() and slots.take(0.2, x8).data_ptr() == b1.data_ptr()
+    info = packing.make_unpadded([4, 2], 4, torch.device("cpu"))
+    torch.manual_seed(3)
+    slots.draw(info)
+    torch.manual_seed(3)
+    for p, hidden, buf in ((0.1, 4, b0), (0.2, 8, b1)):
+        _, ref = torch.native_dropout(torch.empty(8, hidden), p, True)
+        assert torch.equal(buf[: info.n_tokens], ref.index_select(0, info.idx))
+    cuda_graphs._MaskSlots(capacity=3).pack()  # nothing recorded: nothing to do
+
+
 def test_mask_slots_draw_as_the_eager_dropout():
     """draw() makes the eager path's calls: the same masks for the same seed, filler rows copied."""
     info = packing.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=6)

@@ -193,6 +193,19 @@ class _MaskSlots(packing.DropoutMaskSource):
             raise RuntimeError(f"dropout call {i} is {spec}, recorded as {self.specs[i]}")
         return self.buffers[i][: self._n].view(x.shape)
 
+    def pack(self) -> None:
+        """Move the masks into one allocation (the values are not kept: draw() fills them before
+        every replay). Called after the first capture's eager warm-up, which made them one by one
+        between its activations: each left live in its own 20 MiB granule of the side stream's
+        expandable segment, which empty_cache() cannot unmap while anything in it is live
+        (measured: ~1 GiB kept mapped for 0.25 GiB in use; docs/cuda_graphs.md, section 5b)."""
+        if not self.buffers:
+            return
+        sizes = [b.numel() for b in self.buffers]
+        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=self.buffers[0].device)
+        shapes = [b.shape for b in self.buffers]
+        self.buffers = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
+
     def draw(self, info: packing.Unpadded) -> None:
         """Each mask as lora_nf4.lora_dropout draws it eagerly (over stock's padded shape, the same
         kernel on the same shape and dtype, so the same random numbers), in the same order, and the
@@ -439,6 +452,7 @@ class DecoderGraphs:
                 inputs, out = forward()
                 torch.autograd.grad(out, inputs, grad_outputs=g.grad_out, allow_unused=True)
                 del inputs, out
+                masks.pack()  # the masks made during the warm-up, now in one block
                 # the warm-up's activations sit in the eager pool; the graphs keep theirs in the graph
                 # pool: give the eager pool's copy back (without it the peak reserved memory was
                 # measured higher: docs/cuda_graphs.md, section 5)
