@@ -21,6 +21,7 @@ import torch
 
 from solution import settings
 from solution.hooks import has_hooks
+from solution.kernels._device import runs_here
 
 NAME = "qwen2_mlp"
 
@@ -81,15 +82,13 @@ def make_forward(stock_forward, policy: str = "speed"):
     """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback).
     ``policy``: the fused NF4 MLP's memory policy (solution/kernels/nf4_mlp.py); the add kernel
     follows settings.current() at each call."""
-    from solution.env import interpreter_enabled
     from solution.kernels.nf4_mlp import nf4_mlp
     from solution.kernels.swiglu import swiglu, unsupported_reason
 
     silu_types = _silu_types()
 
     def forward(self, x):
-        on_kernel_device = x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_enabled())
-        if not on_kernel_device or not isinstance(self.act_fn, silu_types):
+        if not runs_here(x.device) or not isinstance(self.act_fn, silu_types):
             return stock_forward(self, x)
         if _callable_directly(self):
             plans = fused_plans(self, x)
