@@ -61,7 +61,7 @@ def fused_plans(mlp, x: torch.Tensor):
         from bitsandbytes.nn import Linear4bit
     except Exception:
         return None
-    from solution.kernels.nf4_linear import bnb_would_use_fused_gemm_m, call_reason, linear_plan
+    from solution.patches._bnb import bnb_would_use_fused_gemm_m, call_reason, linear_plan
 
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if not all(type(m) is Linear4bit and getattr(m, "bias", None) is None and _callable_directly(m) for m in mods):
