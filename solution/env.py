@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from solution.kernels._device import capability_reason
 from solution.settings import interpreter_enabled
 
 
@@ -38,12 +39,12 @@ def check_support() -> Support:
     if too_old:
         return Support(False, "none", too_old)
     if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (7, 5):
-            return Support(False, "none",
-                           f"GPU compute capability {major}.{minor} < 7.5 (T4) is not supported")
+        too_old = capability_reason()  # the current GPU: solution/kernels/_device.py's rule
+        if too_old:
+            return Support(False, "none", too_old)
         if interpreter_enabled():
             return Support(True, "interpreter", "TRITON_INTERPRET=1: kernels run on the CPU interpreter")
+        major, minor = torch.cuda.get_device_capability()
         return Support(True, "cuda", f"CUDA GPU {torch.cuda.get_device_name()} (sm_{major}{minor})")
     if interpreter_enabled():
         return Support(True, "interpreter", "no CUDA; TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter")

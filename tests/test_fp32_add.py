@@ -45,7 +45,7 @@ def test_fused_mlp_backward_and_decoder_layer_use_it(device, monkeypatch):
     """With the add kernel (add_kernel=True, what SOLUTION_ADD_KERNEL=1 passes) the fused NF4 MLP's input
     gradient is the same bits."""
     from solution.kernels import nf4_mlp
-    from solution.kernels.nf4_linear import linear_plan
+    from solution.patches._bnb import linear_plan
     from tests.test_nf4_mlp import inputs, nf4_mlp_module
 
     mlp = nf4_mlp_module(device)

@@ -182,6 +182,35 @@ def test_triton_older_than_tested_falls_back_with_a_reason():
     assert "not understood" in triton_too_old("nightly")
 
 
+def test_kernel_device_rule(monkeypatch):
+    """solution/kernels/_device.py: CUDA sm_75+ with the interpreter off, the CPU with it on,
+    nothing else; answers kept per (device, interpreter on/off), the capability asked once."""
+    import torch
+
+    from solution.kernels import _device
+
+    monkeypatch.setattr(_device, "_REASONS", ({}, {}))
+    asked = []
+
+    def capability(device=None):
+        asked.append(device)
+        return {0: (7, 5), 1: (7, 0)}[device.index]
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", capability)
+    cpu, t4, v100 = torch.device("cpu"), torch.device("cuda", 0), torch.device("cuda", 1)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _device.runs_here(cpu) and _device.kernel_device_reason(cpu) is None
+    assert "TRITON_INTERPRET=1" in _device.kernel_device_reason(t4) and asked == []
+    assert not _device.runs_here(torch.device("meta"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert "without the Triton interpreter" in _device.kernel_device_reason(cpu)
+    assert _device.runs_here(t4) and _device.runs_here(t4)
+    assert "7.0 < 7.5" in _device.kernel_device_reason(v100) and not _device.runs_here(v100)
+    assert asked == [t4, v100]  # once per device
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # read at each call
+    assert _device.runs_here(cpu) and not _device.runs_here(t4)
+
+
 def test_apply_installs_nothing_on_an_old_triton(monkeypatch, capsys):
     import triton
 

@@ -302,7 +302,7 @@ def test_deferred_dropout_value_is_the_same_bits(device, monkeypatch):
     fp16(dropout(x)) from x and the mask (``_Deferred``, cast mode 3) instead of torch's
     ``x * mask * scale`` in fp32 then a cast: output and every gradient bit for bit the same."""
     from solution.step import packing
-    from solution.kernels.nf4_linear import linear_plan
+    from solution.patches._bnb import linear_plan
 
     monkeypatch.setattr(lora_nf4, "_dropout_is_native", lambda x: True)
     layer = make_lora_layer(128, 48, 0.3, torch.float32, device)
@@ -331,7 +331,7 @@ def test_deferred_dropout_value_is_the_same_bits(device, monkeypatch):
 def test_cast_mode_3_is_dropouts_value(device):
     """_cast_block CAST_B == 3: fp16((x * keep) * scale) in fp32, as torch computes it (negative
     zeros included), next to the plain cast of x, in the dequantization launch."""
-    from solution.kernels.nf4_linear import linear_plan
+    from solution.patches._bnb import linear_plan
 
     layer = make_lora_layer(128, 48, 0.0, torch.float32, device)
     plan = linear_plan(layer.base_layer)

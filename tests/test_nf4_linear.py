@@ -21,7 +21,7 @@ import bitsandbytes as bnb
 import solution._apply as apply_mod
 from solution.kernels import _launches, nf4_dequant
 from solution.kernels.nf4_dequant import dequantize_nf4
-from solution.kernels.nf4_linear import _PLANS, linear4bit_unsupported
+from solution.patches._bnb import _PLANS, linear4bit_unsupported
 from solution.patches import bnb_linear4bit
 from solution.patches._base import Swaps
 from tests.conftest import cast_launches, dequant_launches, rel_err

@@ -14,7 +14,7 @@ import torch
 import solution
 import solution._apply as apply_mod
 from solution.kernels import _launches, nf4_mlp, swiglu
-from solution.kernels.nf4_linear import linear_plan
+from solution.patches._bnb import linear_plan
 from solution.settings import Settings
 from tests.conftest import HAS_CUDA, rel_err
 from tests.test_nf4_linear import bnb_dequant_rows, make_linear4bit

@@ -34,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.env import interpreter_enabled
+from solution.kernels._device import runs_here
 from solution.kernels._launches import cdiv, launch
 
 GPU_BLOCK = 2048
@@ -55,9 +55,7 @@ def fp32_add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def supported(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Same shape, fp16 / fp32, contiguous, on a device our kernels run on."""
     ok = (torch.float16, torch.float32)
-    on_kernel_device = (a.device.type == "cuda" and not interpreter_enabled()) or (
-        a.device.type == "cpu" and interpreter_enabled())
-    return (on_kernel_device and a.shape == b.shape and a.dtype in ok and b.dtype in ok and a.device == b.device
+    return (runs_here(a.device) and a.shape == b.shape and a.dtype in ok and b.dtype in ok and a.device == b.device
             and a.is_contiguous() and b.is_contiguous() and a.numel() > 0)
 
 

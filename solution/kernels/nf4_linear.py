@@ -31,6 +31,10 @@ of the weight and its state, kernel arguments, the scratch view) is computed onc
 a ``LinearPlan`` (cached, re-validated by identity checks only), and the packed weight is
 handed to Triton as a plain tensor (``Params4bit`` runs Python code on every tensor method).
 The host cost of each: docs/kernels/nf4_linear.md, section 3.
+
+This file takes tensors and plain arguments (the packed weight, its quant state, the layer's
+compute dtype, x); what reads a bnb ``Linear4bit`` module (the per-layer plan cache, bnb's
+quant-state repair, its fused-GEMM choice, the in-place bias cast) is solution/patches/_bnb.py.
 """
 from __future__ import annotations
 
@@ -40,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from solution.env import interpreter_enabled
+from solution.kernels._device import kernel_device_reason
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS, DequantPlan, unsupported_reason
 
 # ---------------------------------------------------------------------------------------------
@@ -62,35 +66,34 @@ def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
 
 
 def release_scratch() -> None:
-    """Drop the scratch buffers and the per-layer plans (which view them), e.g. after revert()."""
+    """Drop the scratch buffers (a plan still holding a view of one keeps it alive until that
+    plan is dropped or next used: solution/patches/_bnb.py's ``release`` drops the layers' plans too)."""
     _scratch.clear()
-    _PLANS.clear()
 
 
 # ---------------------------------------------------------------------------------------------
-# per-layer plan
+# per-weight plan
 
 _X_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
-_fix_quant_state = None  # bitsandbytes' fix_4bit_weight_quant_state_from_module, loaded lazily
-_cuda_ops = None         # bitsandbytes.backends.cuda.ops (its fused-GEMM heuristic), loaded lazily
 
 
 class LinearPlan:
-    """What our path needs to know about one bnb ``Linear4bit``, computed once: ``reason`` (None
-    when the layer itself is supported: NF4 state, fp16 compute dtype, a device our kernels run
-    on), its ``DequantPlan``, sizes, and a view of the shared scratch buffer. Cached per layer
-    (``linear_plan``); rebuilt when the weight, its quant state or the compute dtype change."""
+    """What our path needs to know about one frozen NF4 weight (the packed ``weight`` tensor and
+    its quant state ``qs``, bitsandbytes' ``QuantState`` fields) in a layer that computes in
+    ``compute_dtype`` (None: not fixed yet), computed once: ``reason`` (None when supported: NF4
+    state, fp16 compute, 2-D, a device our kernels run on), its ``DequantPlan``, sizes, and a view
+    of the shared scratch buffer. Its caller caches it per layer and rebuilds it when ``matches``
+    fails (the weight, its quant state or the compute dtype changed): solution/patches/_bnb.py."""
 
-    __slots__ = ("weight_ref", "qs", "compute_dtype", "type_set", "reason", "dq", "n_out", "k",
+    __slots__ = ("weight_ref", "qs", "compute_dtype", "reason", "dq", "n_out", "k",
                  "device", "on_cuda", "round_bwd", "scratch_key", "scratch_base", "w16")
 
-    def __init__(self, module, weight, qs):
-        # a weak reference: Params4bit keeps a reference to its module (``weight.module``), and a
-        # strong one here would keep the layer alive through the WeakKeyDictionary forever
-        self.weight_ref, self.qs = weakref.ref(weight), qs
-        self.compute_dtype, self.type_set = module.compute_dtype, module.compute_type_is_set
+    def __init__(self, weight, qs, compute_dtype):
+        # a weak reference: the plan must not keep the weight alive (bnb's Params4bit refers to its
+        # module, by which solution/patches/_bnb.py keys its WeakKeyDictionary of plans)
+        self.weight_ref, self.qs, self.compute_dtype = weakref.ref(weight), qs, compute_dtype
         self.dq = self.w16 = self.scratch_base = None
-        self.reason = self._static_reason(module, weight, qs)
+        self.reason = self._static_reason(weight, qs, compute_dtype)
         if self.reason is None:
             self.dq = DequantPlan(weight, qs)
             self.n_out, self.k = qs.shape
@@ -100,30 +103,20 @@ class LinearPlan:
             self.scratch_key = (self.device.type, self.device.index)
 
     @staticmethod
-    def _static_reason(module, weight, qs) -> str | None:
+    def _static_reason(weight, qs, compute_dtype) -> str | None:
         reason = unsupported_reason(weight, qs)
         if reason is not None:
             return reason
-        if module.compute_dtype != torch.float16 or not module.compute_type_is_set:
-            return f"compute dtype {module.compute_dtype} (only fp16 is handled)"
+        if compute_dtype != torch.float16:
+            return f"compute dtype {compute_dtype} (only fp16 is handled)"
         if len(qs.shape) != 2:
             return "weight shape is not 2-D"
         if qs.nested and qs.state2.blocksize != 256:
             return "nested second-level blocksize != 256 (bnb raises there)"
-        dev = weight.device.type
-        if dev == "cuda":
-            if interpreter_enabled():
-                return "TRITON_INTERPRET=1 with CUDA tensors"
-        elif dev == "cpu":
-            if not interpreter_enabled():
-                return "CPU tensor without the Triton interpreter"
-        else:
-            return f"device {dev}"
-        return None
+        return kernel_device_reason(weight.device)
 
-    def matches(self, module, weight, qs) -> bool:
-        return (weight is self.weight_ref() and qs is self.qs and module.compute_dtype is self.compute_dtype
-                and module.compute_type_is_set == self.type_set
+    def matches(self, weight, qs, compute_dtype) -> bool:
+        return (weight is self.weight_ref() and qs is self.qs and compute_dtype is self.compute_dtype
                 and (self.dq is None or self.dq.matches(weight, qs)))
 
     def weight16(self) -> torch.Tensor:
@@ -148,66 +141,9 @@ class LinearPlan:
         return w16, t16
 
 
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Linear4bit -> LinearPlan
-
-
-def _param(module, name: str):
-    """``module.<name>`` for a parameter, without nn.Module.__getattr__'s Python overhead."""
-    params = module._parameters
-    return params[name] if name in params else getattr(module, name, None)
-
-
-def linear_plan(module) -> LinearPlan:
-    """The cached plan of a bnb ``Linear4bit`` (bnb's quant-state repair included, as its forward
-    does first)."""
-    global _fix_quant_state
-    weight = _param(module, "weight")
-    qs = getattr(weight, "quant_state", None)
-    if qs is None:  # bnb's forward starts with this repair (e.g. after FSDP-style conversions)
-        if _fix_quant_state is None:
-            from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module as _fix_quant_state
-        _fix_quant_state(module)
-        weight = _param(module, "weight")
-        qs = getattr(weight, "quant_state", None)
-    plan = _PLANS.get(module)
-    if plan is None or not plan.matches(module, weight, qs):
-        plan = LinearPlan(module, weight, qs)
-        _PLANS[module] = plan
-    return plan
-
-
-def bnb_would_use_fused_gemm(x: torch.Tensor, plan: LinearPlan) -> bool:
-    return bnb_would_use_fused_gemm_m(x.numel() // plan.k, x.device.index, plan)
-
-
-def bnb_would_use_fused_gemm_m(m: int, device_index, plan: LinearPlan) -> bool:
-    """True when bnb 0.50's gemm_4bit would run its own fused 4-bit GEMM for this call (small M on
-    CUDA), whose rounding differs from dequant + cuBLAS: we leave those calls to bnb. Mirrors
-    ``bitsandbytes.backends.cuda.ops``' dispatch: M > ``_gemm_4bit_custom_max_m`` (1536) or K not a
-    multiple of the blocksize -> dequant + F.linear; else ``_gemm_4bit_use_custom_fn`` decides."""
-    global _cuda_ops
-    if not plan.on_cuda:
-        return False  # CPU: bnb's default gemm_4bit is dequant + F.linear, like ours
-    k = plan.k
-    if _cuda_ops is None:
-        try:
-            from bitsandbytes.backends.cuda import ops as _cuda_ops
-        except Exception:
-            _cuda_ops = False
-    if _cuda_ops is False:
-        return m <= 4
-    if m > getattr(_cuda_ops, "_gemm_4bit_custom_max_m", 1536):
-        return False
-    if k % plan.qs.blocksize != 0:
-        return False
-    choose = getattr(_cuda_ops, "_gemm_4bit_use_custom_fn", None)
-    if choose is None:
-        return m <= 4
-    return bool(choose(device_index, torch.float16, m, plan.n_out, k))
-
-
-def call_reason(plan: LinearPlan, module, x: torch.Tensor) -> str | None:
-    """None when this call (layer ``plan``, input ``x``) can take our path; else why not."""
+def input_reason(plan: LinearPlan, x: torch.Tensor) -> str | None:
+    """None when our path takes input ``x`` for the weight of ``plan``; else why not (the plan's
+    own reason first)."""
     if plan.reason is not None:
         return plan.reason
     if x.dtype not in _X_DTYPES:
@@ -216,27 +152,7 @@ def call_reason(plan: LinearPlan, module, x: torch.Tensor) -> str | None:
         return "input and weight on different devices"
     if x.dim() == 0 or x.shape[-1] != plan.k or x.numel() == 0:
         return "input / weight shapes"
-    if plan.on_cuda:
-        if bnb_would_use_fused_gemm(x, plan):
-            return "bnb's fused small-M 4-bit GEMM keeps this call"
-    elif getattr(module, "support_avx512bf16_for_cpu", False) and not module.training and not x.requires_grad:
-        return "bnb's CPU inference repacking path"
     return None
-
-
-def linear4bit_unsupported(module, x: torch.Tensor) -> str | None:
-    """None when ``module`` (a bnb.nn.Linear4bit) called on ``x`` can take our path; else why not."""
-    return call_reason(linear_plan(module), module, x)
-
-
-def linear4bit_bias(module):
-    """bnb's Linear4bit.forward bias handling, side effect included: the bias parameter is cast
-    to fp16 IN PLACE when it differs (``bias.data = bias.data.to(x.dtype)``), then
-    ``bias.to(compute_dtype)``, which returns the parameter itself once it is fp16."""
-    bias = _param(module, "bias")
-    if bias is not None and bias.dtype != torch.float16:
-        bias.data = bias.data.to(torch.float16)
-    return bias
 
 
 # ---------------------------------------------------------------------------------------------
@@ -280,7 +196,8 @@ class NF4LinearFunction(torch.autograd.Function):
 
 
 def nf4_linear_call(plan: LinearPlan, x: torch.Tensor, bias16: torch.Tensor | None) -> torch.Tensor:
-    """bnb Linear4bit's forward on our path (after ``call_reason`` said yes): x [..., in] fp32 /
+    """bnb Linear4bit's forward on our path (after ``input_reason`` and the caller's own checks said
+    yes: solution/patches/_bnb.py's ``call_reason``): x [..., in] fp32 /
     fp16 / bf16 -> [..., out] in x's dtype; autograd for x and the bias only."""
     if torch.is_grad_enabled() and (x.requires_grad or (bias16 is not None and bias16.requires_grad)):
         return NF4LinearFunction.apply(x, bias16, plan)

@@ -51,6 +51,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from solution.env import interpreter_enabled
+from solution.kernels._device import kernel_device_reason
 from solution.kernels._launches import cdiv, launch
 
 # One launch configuration: tiles of 8 rows x 256 columns (2048 elements, 16 per thread with 4
@@ -346,15 +347,13 @@ def unsupported_reason(g: torch.Tensor, u: torch.Tensor) -> str | None:
         return "g and u differ in shape, dtype or device"
     if g.dtype not in _SUPPORTED_DTYPES:
         return f"dtype {g.dtype} is not supported"
-    if g.device.type == "cuda":
-        if interpreter_enabled():
-            return "CUDA tensors while TRITON_INTERPRET=1"
-        if g.dtype == torch.bfloat16 and torch.cuda.get_device_capability(g.device) < (8, 0):
-            return "bf16 needs sm_80+"
-        return None
-    if g.device.type == "cpu" and interpreter_enabled():
-        return None
-    return f"device {g.device.type} (kernels need CUDA or TRITON_INTERPRET=1)"
+    reason = kernel_device_reason(g.device)
+    if reason is not None:
+        return reason
+    # on top of the device rule: bf16 arithmetic in hardware (sm_80+; the T4 emulates it)
+    if g.dtype == torch.bfloat16 and g.is_cuda and torch.cuda.get_device_capability(g.device) < (8, 0):
+        return "bf16 needs sm_80+"
+    return None
 
 
 def swiglu(g: torch.Tensor, u: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """Route bitsandbytes.nn.Linear4bit.forward (NF4, fp16 compute) through our NF4 linear: one
 Triton launch (weight dequantization + fp16 cast of x) into a reused buffer + the same cuBLAS
-F.linear as bnb.
+F.linear as bnb. The bnb side (the layer's cached plan, bnb's quant-state repair and fused-GEMM
+choice, the in-place bias cast) is solution/patches/_bnb.py.
 
 Everything else (FP4, bf16/fp32 compute dtype, bnb's fused small-M GEMM, CPU without the Triton
 interpreter, odd states) goes to the original forward, unchanged.
@@ -22,7 +23,7 @@ def check() -> str | None:
 
 def make_forward(original_forward):
     """The replacement Linear4bit.forward; ``original_forward`` takes every unsupported call."""
-    from solution.kernels.nf4_linear import call_reason, linear4bit_bias, linear_plan, nf4_linear_call
+    from solution.patches._bnb import call_reason, linear4bit_bias, linear_plan, nf4_linear_call
 
     def forward(self, x):
         plan = linear_plan(self)  # cached per layer; includes bnb's quant-state repair

@@ -35,7 +35,7 @@ def _autocast_fp16(device_type: str) -> bool:
 
 _LINEAR, _DROPOUTS = torch.nn.Linear, (torch.nn.Dropout, torch.nn.Identity)
 _bnb_linear4bit = None  # bitsandbytes.nn.Linear4bit, imported on first use
-_nf4 = None             # solution.kernels.nf4_linear, imported on first use
+_bnb = None             # solution.patches._bnb, imported on first use
 
 
 def _param(module: torch.nn.Module, name: str):
@@ -49,12 +49,12 @@ def resolve(layer, x: torch.Tensor, args, kwargs):
     computes exactly what peft would; else (reason, None). Sub-modules and parameters are read
     from nn.Module's own dicts (``module.attr`` goes through a Python __getattr__; its cost:
     docs/kernels/lora_nf4.md, section 3)."""
-    global _bnb_linear4bit, _nf4
-    if _nf4 is None:
+    global _bnb_linear4bit, _bnb
+    if _bnb is None:
         import bitsandbytes as bnb
 
-        from solution.kernels import nf4_linear
-        _bnb_linear4bit, _nf4 = bnb.nn.Linear4bit, nf4_linear
+        from solution.patches import _bnb as bnb_glue
+        _bnb_linear4bit, _bnb = bnb.nn.Linear4bit, bnb_glue
     if args or (kwargs and any(v is not None for v in kwargs.values())):
         return "extra forward arguments", None
     if layer.disable_adapters or layer.merged:
@@ -92,13 +92,13 @@ def resolve(layer, x: torch.Tensor, args, kwargs):
     wa, wb = _param(lora_a, "weight"), _param(lora_b, "weight")
     if not (wa.device == dev and wb.device == dev):
         return "LoRA weights on another device", None
-    plan = _nf4.linear_plan(base)
-    reason = _nf4.call_reason(plan, base, x)
+    plan = _bnb.linear_plan(base)
+    reason = _bnb.call_reason(plan, base, x)
     if reason is not None:
         return f"base: {reason}", None
     if wa.shape[1] != plan.k or wb.shape[0] != plan.n_out:
         return "LoRA shapes", None
-    if x.numel() >= _nf4.MAX_CAST_ELEMENTS or x.numel() // plan.k * plan.n_out >= _nf4.MAX_CAST_ELEMENTS:
+    if x.numel() >= _bnb.MAX_CAST_ELEMENTS or x.numel() // plan.k * plan.n_out >= _bnb.MAX_CAST_ELEMENTS:
         return "too many elements for int32 indexing", None
     return None, (name, base, plan, wa, wb, dropout, scaling)
 
@@ -111,7 +111,7 @@ def unsupported_reason(layer, x: torch.Tensor, args, kwargs) -> tuple[str | None
 
 def make_forward(original_forward):
     from solution.kernels.lora_nf4 import lora_dropout, lora_nf4
-    from solution.kernels.nf4_linear import linear4bit_bias
+    from solution.patches._bnb import linear4bit_bias
 
     defer_dropout = settings.current().defer_dropout  # read at install (apply())
 

@@ -7,8 +7,8 @@ hidden_states = self.post_attention_layernorm(hidden_states)``. The replacement 
 stock body in which those three lines become one ``add_rmsnorm(residual, attn_out, weight, eps)``
 call returning both h (the new residual) and the normalized h, when
 
-  * the tensors are where our kernels run (CUDA, or the CPU while Triton's interpreter is on,
-    the rule of solution/patches/qwen2_rmsnorm.py) and ``add_rmsnorm_supported`` accepts them
+  * the tensors are CUDA tensors or where our kernels run (the CPU while Triton's interpreter is
+    on: solution/kernels/_device.py), the rule of solution/patches/qwen2_rmsnorm.py, and ``add_rmsnorm_supported`` accepts them
     (fp16/fp32, same shapes, hidden <= 8192);
   * ``post_attention_layernorm`` is exactly a Qwen2RMSNorm whose class forward is the stock one
     (the formula checked by qwen2_rmsnorm's check) or our qwen2_rmsnorm replacement of it, with
@@ -34,6 +34,7 @@ import torch
 
 from solution import settings
 from solution.hooks import has_hooks
+from solution.kernels._device import runs_here
 from solution.patches._sources import unexpected_source
 
 NAME = "qwen2_decoder_layer"
@@ -69,7 +70,7 @@ def check() -> str | None:
     return None
 
 
-def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool):
+def make_forward(stock_forward, norm_cls, stock_norm_forward):
     """Our Qwen2DecoderLayer.forward. ``stock_forward``: the one replaced (mirrored below);
     ``stock_norm_forward``: Qwen2RMSNorm's stock forward (its formula checked by check())."""
     from solution.kernels import fp32_add
@@ -81,7 +82,8 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool)
         cls_forward = norm_cls.forward
         if stock_norm_forward not in (cls_forward, getattr(cls_forward, "_solution_stock", None)):
             return False  # someone else replaced Qwen2RMSNorm.forward: call the module
-        device_ok = residual.is_cuda or (interpreter and residual.device.type == "cpu")
+        # any CUDA tensor, also under TRITON_INTERPRET=1 (this site's rule before kernels/_device.py, kept)
+        device_ok = residual.is_cuda or runs_here(residual.device)
         return device_ok and add_rmsnorm_supported(residual, attn_out, norm.weight)
 
     def forward(
@@ -130,11 +132,8 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward, interpreter: bool)
 def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
-    from solution.env import check_support
-
     layer_cls, norm_cls = modeling_qwen2.Qwen2DecoderLayer, modeling_qwen2.Qwen2RMSNorm
-    interpreter = check_support().device == "interpreter"
-    forward = make_forward(layer_cls.__dict__["forward"], norm_cls, _stock_norm_forward(norm_cls), interpreter)
+    forward = make_forward(layer_cls.__dict__["forward"], norm_cls, _stock_norm_forward(norm_cls))
     swaps.set(layer_cls, "forward", forward)
     return ("Qwen2DecoderLayer.forward: residual + attention output and post_attention_layernorm in one "
             "Triton kernel (backward: one kernel); stock ops for anything unsupported")

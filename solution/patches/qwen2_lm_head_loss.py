@@ -40,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from solution import settings
+from solution.kernels._device import runs_here
 from solution.say import say_once
 from solution.patches._sources import cache_given, cache_kwarg, drop_cache_args, unexpected_source
 
@@ -106,14 +107,6 @@ def _output_class():
 
     CausalLMOutputWithTokenStats.__qualname__ = "CausalLMOutputWithTokenStats"
     return CausalLMOutputWithTokenStats
-
-
-def _kernel_device_ok(device: torch.device) -> bool:
-    from solution.env import interpreter_enabled
-
-    if device.type == "cuda":
-        return not interpreter_enabled() and torch.cuda.get_device_capability(device) >= (7, 5)
-    return device.type == "cpu" and interpreter_enabled()
 
 
 def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
@@ -184,7 +177,7 @@ def _make_forward(stock_forward):
         hidden_states = outputs.last_hidden_state
         weight = self.lm_head.weight
         dtype = _compute_dtype(hidden_states, weight)
-        if (dtype is None or not _kernel_device_ok(hidden_states.device) or weight.device != hidden_states.device
+        if (dtype is None or not runs_here(hidden_states.device) or weight.device != hidden_states.device
                 or hidden_states.shape[-1] != weight.shape[1] or labels.shape != hidden_states.shape[:-1]):
             # Stock tail (logits_to_keep == 0 here, so the slice is the whole sequence).
             logits = self.lm_head(hidden_states)

@@ -21,6 +21,7 @@ import torch
 
 from solution import settings
 from solution.hooks import has_hooks
+from solution.kernels._device import runs_here
 
 NAME = "qwen2_mlp"
 
@@ -60,7 +61,7 @@ def fused_plans(mlp, x: torch.Tensor):
         from bitsandbytes.nn import Linear4bit
     except Exception:
         return None
-    from solution.kernels.nf4_linear import bnb_would_use_fused_gemm_m, call_reason, linear_plan
+    from solution.patches._bnb import bnb_would_use_fused_gemm_m, call_reason, linear_plan
 
     mods = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     if not all(type(m) is Linear4bit and getattr(m, "bias", None) is None and _callable_directly(m) for m in mods):
@@ -81,15 +82,13 @@ def make_forward(stock_forward, policy: str = "speed"):
     """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback).
     ``policy``: the fused NF4 MLP's memory policy (solution/kernels/nf4_mlp.py); the add kernel
     follows settings.current() at each call."""
-    from solution.env import interpreter_enabled
     from solution.kernels.nf4_mlp import nf4_mlp
     from solution.kernels.swiglu import swiglu, unsupported_reason
 
     silu_types = _silu_types()
 
     def forward(self, x):
-        on_kernel_device = x.device.type == "cuda" or (x.device.type == "cpu" and interpreter_enabled())
-        if not on_kernel_device or not isinstance(self.act_fn, silu_types):
+        if not runs_here(x.device) or not isinstance(self.act_fn, silu_types):
             return stock_forward(self, x)
         if _callable_directly(self):
             plans = fused_plans(self, x)

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import inspect
 
+from solution.kernels._device import runs_here
+
 NAME = "qwen2_rope"
 
 
@@ -42,11 +44,9 @@ def check() -> str | None:
 def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
-    from solution.env import check_support
     from solution.kernels.rope import rope, rope_supported
 
     stock = modeling_qwen2.apply_rotary_pos_emb
-    interpreter = check_support().device == "interpreter"
 
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # Only the call Qwen2 makes: unsqueeze_dim == 1 (positional or keyword), nothing else.
@@ -59,8 +59,8 @@ def install(swaps) -> str:
         else:
             unsqueeze_dim = None
         if unsqueeze_dim == 1 and rope_supported(q, k, cos, sin):
-            dev = q.device
-            if dev.type == "cuda" or (interpreter and dev.type == "cpu"):
+            # any CUDA tensor, also under TRITON_INTERPRET=1 (this site's rule before kernels/_device.py, kept)
+            if q.is_cuda or runs_here(q.device):
                 return rope(q, k, cos, sin)
         return stock(q, k, cos, sin, *args, **kwargs)
 
