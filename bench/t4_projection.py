@@ -209,6 +209,8 @@ def skipped(base_timed, base_prof, sol_timed, sol_prof, device: str | None = Non
     for label, r in (("baseline", base_prof), ("solution", sol_prof)):
         if not r or not (r.get("profile") or {}).get("kernel_times_s"):
             return f"no profiled pass of the {label} (GPU kernel times are the model's input)"
+        if not _timed_steps(r):
+            return f"the {label}'s profiled pass has no steps after the first two"
     for label, r in (("baseline", base_timed), ("solution", sol_timed)):
         if not r or not _timed_steps(r) or not r.get("train_excl_first2_s"):
             return f"no timed steps of the {label}"

@@ -668,7 +668,8 @@ def test_logits_buffer_is_shared_across_calls_and_replaced_only_when_too_small(d
     small = make_inputs(1, 5, 16, 50, device, seed=1)
     big = make_inputs(2, 9, 16, 50, device, seed=2)
     fresh = ours(*small, F32)
-    key = (torch.device(device).type, torch.device(device).index, F32, 50)
+    dev = small[0].device  # the tensors' device ("cuda" becomes cuda:0)
+    key = (dev.type, dev.index, F32, 50)
     assert lm_mod._LOGITS_BUFFERS[key].shape == (8, 50)  # the budget, not the 5 rows used
     ours(*big, F32, chunk_rows=18)
     grown = lm_mod._LOGITS_BUFFERS[key]
@@ -677,7 +678,7 @@ def test_logits_buffer_is_shared_across_calls_and_replaced_only_when_too_small(d
     assert lm_mod._LOGITS_BUFFERS[key] is grown  # not shrunk, not reallocated
     for name in ("loss", "grad", "entropy", "argmax", "token_loss"):
         assert torch.equal(again[name], fresh[name]), name
-    view = lm_mod.logits_buffer(torch.device(device), F32, 3, 50, budget_rows=4)
+    view = lm_mod.logits_buffer(dev, F32, 3, 50, budget_rows=4)
     assert view.shape == (3, 50) and view.is_contiguous()
     lm_mod.release_buffers()
     assert not lm_mod._LOGITS_BUFFERS and not lm_mod._WEIGHT_CACHE

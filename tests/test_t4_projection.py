@@ -127,6 +127,7 @@ def test_calibration_puts_the_baseline_at_the_official_80_s_and_keeps_the_ratio(
     (lambda a: a[1].update(profile=None), "no profiled pass of the baseline"),
     (lambda a: a[3]["profile"].update(kernel_times_s={}), "no profiled pass of the solution"),
     (lambda a: a[2].update(step_times_s=[1.0, 1.0]), "no timed steps of the solution"),
+    (lambda a: a[1].update(step_times_s=[1.0]), "the baseline's profiled pass has no steps after the first two"),
 ])
 def test_runs_that_cannot_be_projected_say_why(change, why):
     args = list(_pair())
