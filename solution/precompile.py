@@ -54,7 +54,8 @@ OWN_PREFIX = "solution.kernels."
 
 # finished_t: time.perf_counter() when the thread ended (None while it runs or never started)
 STATE: dict = {"started": False, "entries": 0, "done": 0, "failed": 0, "seconds": None, "errors": [],
-               "started_t": None, "finished_t": None, "workers": 0, "worker_compiled": None, "worker_seconds": None}
+               "started_t": None, "finished_t": None, "workers": 0, "worker_compiled": None, "worker_seconds": None,
+               "preload_started_t": None}
 _thread: threading.Thread | None = None
 
 
@@ -320,6 +321,7 @@ def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> N
             STATE["errors"].append(f"workers: {type(exc).__name__}: {exc}"[:300])
         STATE["worker_seconds"] = time.perf_counter() - t0
     running_target = _running_target()
+    STATE["preload_started_t"] = time.perf_counter()
     for e in entries:
         fn = resolve_kernel(e["kernel"])
         try:
@@ -360,7 +362,7 @@ def start(device: str, say=print) -> threading.Thread | None:
         return None
     workers = worker_count(len(entries))
     STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[], started_t=None,
-                 finished_t=None,
+                 finished_t=None, preload_started_t=None,
                  workers=workers, worker_compiled=None, worker_seconds=None)
     target = ("cuda", major * 10 + minor, 32)
     _thread = threading.Thread(target=run, args=(entries, target, workers), name="solution-precompile", daemon=True)
@@ -378,6 +380,18 @@ def start(device: str, say=print) -> threading.Thread | None:
 def running() -> bool:
     """The background preload is still compiling."""
     return _thread is not None and _thread.is_alive()
+
+
+def contended(since: float) -> bool:
+    """Did this process's part of the background work (the in-process preload, which holds the
+    GIL for its Python steps) run at any time from ``since`` (a time.perf_counter()) until now?
+    The compile processes do not count: each has a core of its own (worker_count leaves one to
+    this process), so they do not slow this process's host work. Without them the whole compile
+    runs in the preload, and so counts."""
+    if _thread is None or STATE.get("preload_started_t") is None:
+        return False  # nothing started, or only the compile processes are running
+    ended = STATE.get("finished_t")
+    return ended is None or ended >= since
 
 
 def wait(timeout: float | None = None) -> dict:

@@ -279,3 +279,22 @@ def test_on_off_settings_share_one_parser(monkeypatch, name):
     with pytest.raises(ValueError, match=name):
         solution.apply(verbose=False)
     assert solution.installed() == {}
+
+
+def test_contended_counts_only_the_in_process_preload(monkeypatch):
+    """A probe sample is void only if the in-process preload (GIL) ran during it: not while only
+    the compile processes (a core each) run, nor after the preload finished before the sample."""
+    class Alive:
+        def is_alive(self):
+            return True
+
+    monkeypatch.setattr(precompile, "_thread", None)
+    assert precompile.contended(0.0) is False  # nothing started
+    monkeypatch.setattr(precompile, "_thread", Alive())
+    monkeypatch.setattr(precompile, "STATE", {"preload_started_t": None, "finished_t": None})
+    assert precompile.contended(5.0) is False  # the compile processes only
+    precompile.STATE["preload_started_t"] = 10.0
+    assert precompile.contended(5.0) is True and precompile.contended(20.0) is True  # preloading now
+    precompile.STATE["finished_t"] = 12.0
+    assert precompile.contended(11.0) is True  # it ended during the sample
+    assert precompile.contended(12.5) is False  # it ended before the sample began

@@ -91,9 +91,11 @@ def bucketed_tokens(n: int, bucket: int) -> int:
 # compiles and lazy initialisations of a first step, which would make any machine look
 # host-bound. If the GPU finished that work within GPU_BOUND_RATIO of the host's time, the GPU was
 # waiting for the host (host-bound): graphs from the next step on. Otherwise it was still busy
-# after the host had issued everything (GPU-bound): no graphs. A sample taken while the
-# background precompile still runs (it competes for the host) is not used; the next step is
-# timed instead.
+# after the host had issued everything (GPU-bound): no graphs. A sample during which the
+# background precompile's in-process preload ran (it holds the GIL) is not used; the next step
+# is timed instead. Its compile processes still running do not void a sample: each has its own
+# core. (Voiding those too put a cold run's captures into step 3, inside the timed steps:
+# docs/cuda_graphs.md, section 5b.)
 GPU_BOUND_RATIO = 1.15
 
 
@@ -127,7 +129,7 @@ class _Timer:
         host = time.perf_counter() - self.t0
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.stream)
-        if not precompile.running():  # the background compile competes for the host: not a clean sample
+        if not precompile.contended(self.t0):  # the in-process preload competed for the host: not a clean sample
             self.probe.pending.append((host, self.start_ev, end))
 
 
