@@ -319,7 +319,8 @@ def test_deferred_dropout_value_is_the_same_bits(device, monkeypatch):
         torch.manual_seed(321)
         xr = x.clone().requires_grad_()
         with packing.running_unpadded(info):
-            xd, mask, mode, scale = lora_nf4.lora_dropout(layer.lora_dropout["default"], xr, defer=defer)
+            xd, mask, mode, scale = lora_nf4.lora_dropout(layer.lora_dropout["default"], xr, defer=defer,
+                                                          packed=packing.active())
         assert isinstance(xd, lora_nf4._Deferred) == defer and mode == lora_nf4.DROPOUT_MASK
         out = lora_nf4.lora_nf4(xr, wa, wb, None, plan, xd, mask, mode, scale, scaling=2.0)
         grads = torch.autograd.grad(out, (xr, wa, wb), g)
@@ -351,7 +352,8 @@ def test_patched_forward_defers_dropout_only_when_asked(device, monkeypatch, aut
     """SOLUTION_DEFER_DROPOUT is read when the patch is installed; on by default, 0 turns it off."""
     seen = []
     real = lora_nf4.lora_dropout
-    monkeypatch.setattr(lora_nf4, "lora_dropout", lambda d, x, defer=False: seen.append(defer) or real(d, x, defer))
+    monkeypatch.setattr(lora_nf4, "lora_dropout",
+                        lambda d, x, defer=False, **kw: seen.append(defer) or real(d, x, defer, **kw))
     for flag in ("0", None):
         if flag is None:
             monkeypatch.delenv("SOLUTION_DEFER_DROPOUT", raising=False)

@@ -64,7 +64,7 @@ def test_dropout_draws_over_the_padded_shape():
     after_stock = torch.rand(1)
     torch.manual_seed(5)
     with packing.running_unpadded(info):
-        xd, noise, _, _ = lora_dropout(drop, x_packed)
+        xd, noise, _, _ = lora_dropout(drop, x_packed, packed=packing.active())
     after_ours = torch.rand(1)
     assert torch.equal(xd.view(-1, hidden), packing.unpad_rows(xd_stock, info))
     assert torch.equal(noise.view(-1, hidden), packing.unpad_rows(noise_stock, info))
@@ -87,7 +87,7 @@ def test_dropout_draws_over_the_padded_shape_cuda(device):
     after_stock = torch.rand(1, device="cuda")
     torch.manual_seed(7)
     with packing.running_unpadded(info):
-        xd, mask, _, _ = lora_dropout(drop, x_packed)
+        xd, mask, _, _ = lora_dropout(drop, x_packed, packed=packing.active())
     after_ours = torch.rand(1, device="cuda")
     assert torch.equal(mask.view(-1, hidden), packing.unpad_rows(mask_stock, info))
     assert torch.equal(xd.view(-1, hidden), packing.unpad_rows(xd_stock, info))

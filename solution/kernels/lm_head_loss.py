@@ -49,6 +49,7 @@ import triton
 import triton.language as tl
 
 from solution.kernels._launches import cdiv, launch, record
+from solution.settings import interpreter_enabled
 
 IGNORE_INDEX = -100
 # The fp16 gradient buffer holds (softmax - onehot) * GRAD_SCALE; backward divides it out in fp32.
@@ -190,8 +191,6 @@ def plan_chunk_rows(n_rows: int, vocab: int, elem_bytes: int,
 def default_launch_config() -> tuple[int, int, int]:
     """(block_rows, block_v, num_warps) for this process: the GPU configuration, or the
     interpreter's big tiles when TRITON_INTERPRET=1."""
-    from solution.env import interpreter_enabled
-
     if interpreter_enabled():
         return INTERP_BLOCK_ROWS, INTERP_BLOCK_V, 1
     return BLOCK_ROWS, BLOCK_V, NUM_WARPS
@@ -256,8 +255,6 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
              block_rows: int | None = None) -> None:
     """launch_rows_kernel, except for chunks above INTERP_KERNEL_MAX_LOGITS under the interpreter
     (counted as "_lm_head_ce_rows_torch" in _launches)."""
-    from solution.env import interpreter_enabled
-
     limit = INTERP_KERNEL_MAX_LOGITS
     if interpreter_enabled() and limit is not None and logits.numel() > limit:
         rows_reference_torch(logits, labels, loss, entropy, argmax, write_grad)

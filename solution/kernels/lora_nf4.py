@@ -47,7 +47,6 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from solution.step import packing
 from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
@@ -137,7 +136,18 @@ class _Deferred:
         self.scale = scale
 
 
-def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False):
+def padded_draw_shape(x: torch.Tensor, packed) -> tuple[int, int] | None:
+    """When x [.., N, H] holds the N packed real-token rows of ``packed`` (solution/step/packing.py's
+    Unpadded: batch, seqlen, n_tokens, idx): the 2-D shape [batch * seqlen, H] of stock's padded
+    tensor, over which a random draw (dropout mask, Bernoulli noise) must be made so that it
+    consumes the generator exactly as stock does; its real rows are then ``idx``. None otherwise
+    (draw over x itself)."""
+    if packed is None or x.dim() < 2 or x.shape[:-1].numel() != packed.n_tokens:
+        return None
+    return (packed.batch * packed.seqlen, x.shape[-1])
+
+
+def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False, packed=None, mask_source=None):
     """``dropout(x)`` for a plain ``nn.Dropout`` / ``nn.Identity``, computed with the very ops (and
     random numbers) torch's ``F.dropout`` uses, but keeping the mask for our fused backward.
     Returns (xd, mask, mode, scale): xd None when dropout is the identity (eval mode, p == 0).
@@ -151,14 +161,20 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
     ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
     (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite
     ``noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise`` (backward
-    ``grad * noise``). The caller checked 0 <= p < 1 and inplace=False."""
+    ``grad * noise``). The caller checked 0 <= p < 1 and inplace=False.
+
+    ``packed``: the packed batch (solution/step/packing.py's Unpadded) whose real-token rows x
+    holds, or None: the draw is then made over stock's padded shape and its real rows kept, so the
+    random numbers are stock's (``padded_draw_shape``). ``mask_source``: on CUDA, where the masks
+    come from instead of a draw (a CUDA graph's replay: solution/step/cuda_graphs.py), or None. The
+    caller (solution/patches/peft_lora_bnb.py) reads both from the packed step's context."""
     if isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0:
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
-    # Packed real tokens of a right-padded batch (solution/step/packing.py): draw over stock's padded
-    # shape, keep the real rows, so the random numbers are stock's.
-    padded_shape = packing.padded_draw_shape(x)
-    source = packing.dropout_mask_source()
+    # Packed real tokens of a right-padded batch: draw over stock's padded shape, keep the real
+    # rows, so the random numbers are stock's.
+    padded_shape = padded_draw_shape(x, packed)
+    source = mask_source
     with torch.no_grad():  # our Function owns the whole input gradient, dropout's part included
         if _dropout_is_native(x):
             if source is not None:
@@ -176,7 +192,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
                 # LoRA layer; test_dropout_draws_over_the_padded_shape_cuda checks the mask against a
                 # draw over the real padded tensor, and passes on the H200).
                 _, mask = torch.native_dropout(torch.empty(padded_shape, dtype=x.dtype, device=x.device), p, True)
-                mask = packing.unpad_rows(mask, packing.active()).view(x.shape)
+                mask = mask.index_select(0, packed.idx).view(x.shape)
             # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
             if defer and _fusable(x):
                 xd = _Deferred(_native_dropout_scale(p))
@@ -187,7 +203,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False)
             noise = torch.empty_like(x).bernoulli_(1 - p)
         else:
             noise = torch.empty(padded_shape, dtype=x.dtype, device=x.device).bernoulli_(1 - p)
-            noise = packing.unpad_rows(noise, packing.active()).view(x.shape)
+            noise = noise.index_select(0, packed.idx).view(x.shape)
         noise.div_(1 - p)
         return x * noise, noise, DROPOUT_NOISE, 1.0
 

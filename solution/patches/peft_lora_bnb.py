@@ -12,6 +12,7 @@ import torch
 
 from solution import settings
 from solution.hooks import has_hooks
+from solution.step import packing
 
 NAME = "peft_lora_bnb4bit"
 
@@ -123,7 +124,8 @@ def make_forward(original_forward):
         # bnb's Linear4bit prologue (its in-place fp16 cast of the bias), then torch's dropout op
         # on x, in peft's order (the base layer consumes no random numbers)
         bias16 = linear4bit_bias(base)
-        xd, mask, mode, drop_scale = lora_dropout(dropout, x, defer=defer_dropout)
+        xd, mask, mode, drop_scale = lora_dropout(dropout, x, defer=defer_dropout, packed=packing.active(),
+                                                  mask_source=packing.dropout_mask_source())
         return lora_nf4(x, wa, wb, bias16, plan, xd, mask, mode, drop_scale, scaling)
 
     forward.__wrapped__ = original_forward

@@ -18,9 +18,9 @@ What must not change, and how it is kept:
   masked entries are excluded either way); RoPE positions are each row's own 0..len-1.
 - The random numbers of LoRA's dropout: torch draws a dropout mask over the tensor it is given,
   so a packed [1, N, H] input would draw other bits (and move the RNG offset by another amount)
-  than stock's [batch, seqlen, H]. ``padded_draw_shape`` gives LoRA's dropout
-  (solution/kernels/lora_nf4.py) the padded shape to draw over, exactly as stock does; it keeps
-  the rows of the real tokens.
+  than stock's [batch, seqlen, H]. LoRA's dropout (solution/kernels/lora_nf4.py, given the active
+  batch by its patch) draws over the padded shape, exactly as stock does (its
+  ``padded_draw_shape``), and keeps the rows of the real tokens.
 - The loss, metrics and Soup's per-token outputs: pad positions are ignored by all of them (loss
   and accuracy: label -100; entropy: multiplied by attention_mask 0).
 """
@@ -176,14 +176,3 @@ def pad_rows(rows: torch.Tensor, info: Unpadded) -> torch.Tensor:
 def unpad_rows(padded: torch.Tensor, info: Unpadded) -> torch.Tensor:
     """[batch * seqlen, ...] -> the [N, ...] rows of the real tokens (differentiable)."""
     return padded.index_select(0, info.idx)
-
-
-def padded_draw_shape(x: torch.Tensor) -> tuple[int, int] | None:
-    """While an Unpadded batch runs and x [.., N, H] holds its packed rows: the 2-D shape
-    [batch * seqlen, H] that stock's padded tensor has, over which a random draw (dropout mask,
-    Bernoulli noise) must be made so that it consumes the generator exactly as stock does; keep
-    the real rows of the draw with ``unpad_rows``. None otherwise (draw over x itself)."""
-    info = active()
-    if info is None or x.dim() < 2 or x.shape[:-1].numel() != info.n_tokens:
-        return None
-    return (info.batch * info.seqlen, x.shape[-1])
