@@ -118,9 +118,9 @@ def _partial_restore(keep: int) -> None:
 def revert() -> None:
     """Restore every patched object to the stock one. Safe to call when nothing is installed."""
     _swaps.restore()
-    from solution.kernels.lm_head_loss import release_buffers
+    from solution.kernels.lm_head_loss import clear_weight_cache
 
-    release_buffers()  # the LM head's cached fp16 weight and its shared logits buffer
+    clear_weight_cache()  # the LM head's cached fp16 weight (lm_head_loss.cast_frozen_weight)
     if _installed.pop(ALLOCATOR, None) is not None:
         _set_expandable_segments(False)
     _installed.clear()

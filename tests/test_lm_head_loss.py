@@ -657,28 +657,3 @@ def test_frozen_weight_cache_can_be_turned_off(device):
     assert lm_mod.cast_frozen_weight(w, torch.float16, cache=False) is not lm_mod.cast_frozen_weight(
         w, torch.float16, cache=False)
 
-
-def test_logits_buffer_is_shared_across_calls_and_replaced_only_when_too_small(device, monkeypatch):
-    """The chunk loop's logits live in one buffer per (device, dtype, vocab) of the budget's rows,
-    reused across calls (the allocator no longer sees a fresh buffer of another size each step)
-    and replaced only by a call that needs more rows. The results of a call after a bigger one (a
-    dirty buffer) equal those of a call on a fresh one."""
-    monkeypatch.setattr(lm_mod, "budget_rows", lambda *args, **kwargs: 8)
-    lm_mod.release_buffers()
-    small = make_inputs(1, 5, 16, 50, device, seed=1)
-    big = make_inputs(2, 9, 16, 50, device, seed=2)
-    fresh = ours(*small, F32)
-    dev = small[0].device  # the tensors' device ("cuda" becomes cuda:0)
-    key = (dev.type, dev.index, F32, 50)
-    assert lm_mod._LOGITS_BUFFERS[key].shape == (8, 50)  # the budget, not the 5 rows used
-    ours(*big, F32, chunk_rows=18)
-    grown = lm_mod._LOGITS_BUFFERS[key]
-    assert grown.shape == (18, 50)  # a chunk above the budget (chunk_rows given) replaces it
-    again = ours(*small, F32)
-    assert lm_mod._LOGITS_BUFFERS[key] is grown  # not shrunk, not reallocated
-    for name in ("loss", "grad", "entropy", "argmax", "token_loss"):
-        assert torch.equal(again[name], fresh[name]), name
-    view = lm_mod.logits_buffer(dev, F32, 3, 50, budget_rows=4)
-    assert view.shape == (3, 50) and view.is_contiguous()
-    lm_mod.release_buffers()
-    assert not lm_mod._LOGITS_BUFFERS and not lm_mod._WEIGHT_CACHE

@@ -169,19 +169,13 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
 # --------------------------------------------------------------------------------------------------
 # Launch planning
 # --------------------------------------------------------------------------------------------------
-def budget_rows(vocab: int, elem_bytes: int, budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                row_align: int = ROW_ALIGN) -> int:
-    """The most rows of logits the budget holds (a multiple of row_align, at least one row_align)."""
-    return max(row_align, (budget_bytes // max(1, vocab * elem_bytes)) // row_align * row_align)
-
-
 def plan_chunk_rows(n_rows: int, vocab: int, elem_bytes: int,
                     budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES, row_align: int = ROW_ALIGN) -> int:
     """Rows per chunk: as many as fit the logits budget (a multiple of row_align, at least one
     row_align), then balanced so all chunks are about the same size (no tiny last chunk)."""
     if n_rows <= 0:
         return 1
-    max_rows = budget_rows(vocab, elem_bytes, budget_bytes, row_align)
+    max_rows = max(row_align, (budget_bytes // max(1, vocab * elem_bytes)) // row_align * row_align)
     n_chunks = math.ceil(n_rows / max_rows)
     rows = math.ceil(n_rows / n_chunks)
     rows = math.ceil(rows / row_align) * row_align
@@ -311,33 +305,6 @@ def clear_weight_cache() -> None:
     _WEIGHT_CACHE.clear()
 
 
-# One logits buffer per (device, dtype, vocab) holding the chunk budget's rows, allocated once
-# and reused by every call (a call that needs more rows replaces it). A fresh [chunk_rows, V]
-# buffer each step, with chunk_rows following the batch's token count, left the caching
-# allocator with freed blocks of ever different sizes (100-255 MiB)
-# (docs/kernels/lm_head_loss.md, sections 3 and 5). Stream order makes the reuse safe: one
-# call's matmuls and kernels are queued before the next call's.
-_LOGITS_BUFFERS: dict = {}
-
-
-def logits_buffer(device: torch.device, dtype: torch.dtype, rows: int, vocab: int, budget_rows: int) -> torch.Tensor:
-    """A contiguous [rows, vocab] view of the shared buffer of max(rows, budget_rows) rows (its
-    values are garbage)."""
-    key = (device.type, device.index, dtype, vocab)
-    buf = _LOGITS_BUFFERS.get(key)
-    if buf is None or buf.shape[0] < rows:
-        buf = None
-        _LOGITS_BUFFERS.pop(key, None)  # the old one is freed before the new one is allocated
-        buf = _LOGITS_BUFFERS[key] = torch.empty((max(rows, budget_rows), vocab), dtype=dtype, device=device)
-    return buf[:rows]
-
-
-def release_buffers() -> None:
-    """Drop the cached fp16 head and the shared logits buffers (revert() calls it)."""
-    _WEIGHT_CACHE.clear()
-    _LOGITS_BUFFERS.clear()
-
-
 # --------------------------------------------------------------------------------------------------
 # Forward driver (no autograd): loops over chunks
 # --------------------------------------------------------------------------------------------------
@@ -363,7 +330,7 @@ def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
         row_align = max(ROW_ALIGN, block_rows or default_launch_config()[0])
         chunk_rows = plan_chunk_rows(n_rows, vocab, torch.finfo(compute_dtype).bits // 8, row_align=row_align)
     chunk_rows = max(1, min(chunk_rows, max(n_rows, 1)))
-    buf = logits_buffer(device, compute_dtype, chunk_rows, vocab, budget_rows(vocab, torch.finfo(compute_dtype).bits // 8))
+    buf = torch.empty((chunk_rows, vocab), dtype=compute_dtype, device=device)
     for r0 in range(0, n_rows, chunk_rows):
         r1 = min(r0 + chunk_rows, n_rows)
         logits = buf[: r1 - r0]  # a contiguous prefix of the reused buffer
