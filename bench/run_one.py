@@ -53,7 +53,8 @@ def _pools():
 class StepClock:
     """Trainer callback: step end times (after a device sync), logs, optional profiler."""
 
-    def __init__(self, profile: bool, cprofile=None, host_split=None, cprofile_steps=(SKIP_STEPS + 1, None)):
+    def __init__(self, profile: bool, cprofile=None, host_split=None, cprofile_steps=(SKIP_STEPS + 1, None),
+                 op_origins=None):
         from transformers import TrainerCallback
 
         clock = self
@@ -70,6 +71,10 @@ class StepClock:
                     clock.start_profiler()
                 if clock.cprofile is not None and state.global_step == clock.cprofile_steps[0] - 1:
                     clock.cprofile.enable()  # host time of the chosen steps only (default 3..end)
+                if clock.op_origins is not None and state.global_step == SKIP_STEPS and clock.origins_prof is None:
+                    from bench import op_origins
+
+                    clock.origins_prof = op_origins.start()
 
             def on_step_end(self, args, state, control, **kw):
                 _sync()
@@ -79,6 +84,7 @@ class StepClock:
                 clock.step_ends.append(time.perf_counter())
                 if clock.host_split is not None:
                     clock.host_split.mark()
+                clock.stop_origins(state.global_step)
 
             def on_log(self, args, state, control, logs=None, **kw):
                 clock.logs.append({"step": state.global_step, **(logs or {})})
@@ -88,10 +94,13 @@ class StepClock:
                 clock.t_end = time.perf_counter()
                 clock.pools = _pools()
                 clock.stop_profiler()
+                clock.stop_origins(None)
                 if clock.cprofile is not None:
                     clock.cprofile.disable()
 
         self.callback = _CB()
+        self.op_origins = op_origins  # --op-origins FILE (bench/op_origins.py)
+        self.origins_prof = None
         self.profile = profile
         self.cprofile = cprofile
         self.cprofile_steps = cprofile_steps
@@ -129,6 +138,18 @@ class StepClock:
                 dt_us = evt.time_range.elapsed_us()
                 times[evt.name] = times.get(evt.name, 0.0) + float(dt_us) / 1e6
         self.kernel_times = times
+
+    def stop_origins(self, step: int | None) -> None:
+        """After ORIGIN_STEPS profiled steps (or at the end of training): write --op-origins' table."""
+        from bench import op_origins
+
+        if self.origins_prof is None or (step is not None and step < SKIP_STEPS + op_origins.ORIGIN_STEPS):
+            return
+        _sync()
+        steps = (step if step is not None else SKIP_STEPS + op_origins.ORIGIN_STEPS) - SKIP_STEPS
+        rows = op_origins.stop(self.origins_prof, steps)
+        self.origins_prof = None
+        Path(self.op_origins).write_text(op_origins.format_rows(rows, steps) + "\n", encoding="utf-8")
 
     def step_times(self) -> list[float]:
         out, prev = [], self.t_begin
@@ -286,9 +307,14 @@ def main(argv=None) -> int:
                     "took (bench/compile_log.py) to this file (+ a .json beside it)")
     ap.add_argument("--memory-peak", help="record the allocator history and write what is alive at the peak "
                     "(grouped by allocating line) to this file (a separate pass: it slows the host)")
+    ap.add_argument("--op-origins", help="profile steps 3-5 with CPU ops and Python stacks and write which line "
+                    "launches each GPU kernel, with its GPU time (bench/op_origins.py; a separate pass: it slows the "
+                    "host; run it with SOLUTION_CUDA_GRAPHS=0)")
     ap.add_argument("--native-precision", action="store_true",
                     help="on an sm_80+ GPU keep Soup's bf16 and PyTorch's flash/cuDNN attention instead of the T4's paths")
     args = ap.parse_args(argv)
+    if args.op_origins and args.profile:
+        ap.error("--op-origins and --profile are separate passes: give one of them")
 
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -330,7 +356,8 @@ def main(argv=None) -> int:
         from bench.host_split import HostSplit
 
         split = HostSplit()
-    clock = StepClock(profile=args.profile, cprofile=cprof, host_split=split, cprofile_steps=args.cprofile_steps)
+    clock = StepClock(profile=args.profile, cprofile=cprof, host_split=split, cprofile_steps=args.cprofile_steps,
+                      op_origins=args.op_origins)
     compile_log = None
     if args.compile_log:
         from bench.compile_log import CompileLog

@@ -4,7 +4,7 @@
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
 #   bash scripts/gpu_run.sh [tests] [bench] [compare] [compare-shapes] [compare-cold] [compare-all] [cprofile] [hostsplit]
-#                           [precompile] [memory] [variants] [timed]
+#                           [precompile] [memory] [origins] [variants] [timed]
 #   (default: the first three)
 # The comparison in three steps, each meant for its own 10-minute call (not yet timed): compare (the shipped
 # shape: timed, profiled and host-split passes; no cold pass), compare-shapes (the long and short
@@ -21,7 +21,7 @@
 #      VARIANTS (bench.variants labels, e.g. "default padded=SOLUTION_ATTN_VARLEN=0"),
 #      VARIANT_ARGS (e.g. --baseline), TIMED_VARIANTS (timed solution runs, one table: "LABEL[=VAR=VALUE,...]
 #      ...", a label starting with "baseline" runs the baseline; TIMED_COLD=1: each in its own empty Triton cache;
-#      TIMED_EXTRA: bench.run_one options, @L for the label), TIMED_TIMEOUT, MEMORY_VARIANTS (default "solution"),
+#      TIMED_EXTRA: bench.run_one options, @L for the label), TIMED_TIMEOUT, MEMORY_VARIANTS (default "solution"), ORIGINS_VARIANTS (default "solution"), ORIGINS_TIMEOUT,
 #      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT, HOSTSPLIT_VARIANTS, HOSTSPLIT_TIMEOUT,
 #      COMPARE_TIMEOUT, TEST_TIMEOUT, BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
@@ -122,6 +122,9 @@ for v in ("0", "1"):
           f"compiles by step {c['by_step']}")
 PY
       ;;
+    origins)
+      # Which Python line launches each GPU kernel, with its GPU time, graphs off (bench/op_origins.py).
+      SOLUTION_CUDA_GRAPHS=0 run_each origins --op-origins md ${ORIGINS_TIMEOUT:-240} 45 ${ORIGINS_VARIANTS:-solution} ;;
     memory)
       # What is alive at the peak of allocated memory, by allocating line (bench/memory_peak.py).
       run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;

@@ -491,3 +491,48 @@ def test_reserved_replay_splits_the_pools_and_names_the_eager_high_water():
         assert memory_peak.reserved_breakdown(snap)["peak"]["pools_reserved"]["private"] == 100
     finally:
         memory_peak._remembered_private.clear()
+
+
+def test_op_origins_group_ops_by_their_launching_line():
+    """bench/op_origins.py: ops grouped by (aten op, innermost non-torch frames), GPU time summed,
+    ops without GPU work dropped, largest first; the table names op and origin."""
+    from types import SimpleNamespace
+
+    from bench import op_origins
+
+    here = ["/usr/lib/python3/site-packages/torch/nn/functional.py(10): linear",
+            "/work/main/solution/kernels/nf4_linear.py(143): dequant_and_cast",
+            "/work/main/solution/patches/bnb_linear4bit.py(40): forward",
+            "/usr/lib/python3/site-packages/transformers/models/qwen2/modeling_qwen2.py(90): forward",
+            "/work/main/bench/run_one.py(1): main"]
+    avgs = [SimpleNamespace(key="aten::copy_", stack=here, self_device_time_total=300.0, count=4),
+            SimpleNamespace(key="aten::copy_", stack=list(here), self_device_time_total=100.0, count=2),
+            SimpleNamespace(key="aten::add", stack=[], self_device_time_total=50.0, count=1),
+            SimpleNamespace(key="aten::view", stack=here, self_device_time_total=0.0, count=9)]
+    rows = op_origins.rows_from(avgs)
+    assert [(r["op"], r["gpu_ms"], r["calls"]) for r in rows] == [("aten::copy_", 0.4, 6), ("aten::add", 0.05, 1)]
+    assert rows[0]["origin"] == ("solution/kernels/nf4_linear.py(143): dequant_and_cast < solution/patches/"
+                                 "bnb_linear4bit.py(40): forward < transformers/models/qwen2/modeling_qwen2.py(90): forward")
+    assert rows[1]["origin"] == "(no Python frame)"
+    text = op_origins.format_rows(rows, steps=3)
+    assert "aten::copy_" in text and "88.9%" in text and "launched from" in text
+
+
+def test_op_origins_profiler_runs_on_the_cpu():
+    """start/stop on the CPU: the profiler runs, and ops with no GPU time give no row."""
+    import torch
+
+    from bench import op_origins
+
+    prof = op_origins.start()
+    torch.ones(8).add_(1)  # a CPU op: no GPU time, no row
+    assert op_origins.stop(prof, steps=1) == []
+
+
+def test_op_origins_and_profile_are_refused_together(tmp_path, capsys):
+    from bench import run_one
+
+    with pytest.raises(SystemExit) as exc:
+        run_one.main(["--variant", "solution", "--model", "m", "--data", "d", "--workdir", str(tmp_path),
+                      "--profile", "--op-origins", str(tmp_path / "o.md")])
+    assert exc.value.code == 2 and "separate passes" in capsys.readouterr().err
