@@ -3,7 +3,7 @@ variable-length attention with no padding vs our own Triton attention.
 
     python bench/kernels/bench_attn_layout.py --out attn_layout.json
 
-``sdpa_unpadded`` (solution/patches/attention.py) at the Qwen2.5-1.5B attention shape (12 query
+``sdpa_unpadded`` (solution/step/attention.py) at the Qwen2.5-1.5B attention shape (12 query
 heads, 2 KV heads, head_dim 128), q/k/v fp32 packed rows as the projections give them, under fp16
 autocast, forward and forward + backward, for a batch of 4 rows with lengths like the workload's
 (one row at the maximum 512, the others shorter) and for 4 full rows. "stock" here is our own
@@ -26,8 +26,7 @@ import torch  # noqa: E402
 
 from bench.kernels._common import (bench_args, median_ms, print_stock_vs_ours, profile_call,  # noqa: E402
                                   profile_cells)
-from solution import padding  # noqa: E402
-from solution.step import attention  # noqa: E402
+from solution.step import attention, packing  # noqa: E402
 
 HQ, HKV, D = 12, 2, 128
 
@@ -42,7 +41,7 @@ IMPLS = ("stock", "ours", "varlen")
 def run_case(lengths, seqlen, impl: str):
     os.environ[attention.LAYOUT_KERNELS_ENV] = "0" if impl == "stock" else "1"
     os.environ[attention.VARLEN_ENV] = "1" if impl == "varlen" else "0"
-    info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
+    info = packing.make_unpadded(lengths, seqlen, torch.device("cuda"))
     n = sum(lengths)
     torch.manual_seed(0)
     q = torch.randn(1, n, HQ, D, device="cuda").transpose(1, 2).requires_grad_()
@@ -56,7 +55,7 @@ def run_case(lengths, seqlen, impl: str):
             attention.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
 
     def fwd_bwd():
-        with padding.running_unpadded(info), torch.autocast("cuda", dtype=torch.float16):
+        with packing.running_unpadded(info), torch.autocast("cuda", dtype=torch.float16):
             out, _ = attention.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
         out.backward(g)
 
