@@ -3,7 +3,7 @@ variable-length attention with no padding vs our own Triton attention.
 
     python bench/kernels/bench_attn_layout.py --out attn_layout.json
 
-``sdpa_unpadded`` (solution/patches/attention.py) at the Qwen2.5-1.5B attention shape (12 query
+``sdpa_unpadded`` (solution/step/attention.py) at the Qwen2.5-1.5B attention shape (12 query
 heads, 2 KV heads, head_dim 128), q/k/v fp32 packed rows as the projections give them, under fp16
 autocast, forward and forward + backward, for a batch of 4 rows with lengths like the workload's
 (one row at the maximum 512, the others shorter) and for 4 full rows. "stock" here is our own
@@ -13,6 +13,16 @@ attention with the layout moves in solution/kernels/attn_layout.py
 variable-length memory-efficient attention, no padded positions (solution/kernels/attn_varlen.py,
 $SOLUTION_ATTN_VARLEN=1, the default). Also: whether the
 outputs and gradients agree, host time and GPU work per call.
+SDPA's backends are left as PyTorch picks them (on an sm_80+ GPU the padded rows may run flash
+attention): bench_attention.py times attention on the T4's backends.
+
+Rates (bench/kernels/_common.py, rates; the same for the three, which take the same packed
+tensors): bytes that must move = every input read once + every output written once, forward
+q, k, v (fp32 packed rows) -> out (fp16); backward dout, q, k, v -> dq, dk, dv; forward + backward
+(timed together): the sum. GB/s = bytes / median time, % of a same-size copy (a uint8 copy
+moving those bytes, timed once per byte count), TFLOP/s of the real rows' causal attention
+(_common.causal_attention_flops: forward 4 H L^2 D / 2 per row of L tokens, backward 2.5x the
+forward), not counting what the padded paths also compute on pad positions.
 """
 from __future__ import annotations
 
@@ -24,10 +34,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from bench.kernels._common import (bench_args, median_ms, print_stock_vs_ours, profile_call,  # noqa: E402
-                                  profile_cells)
-from solution import padding  # noqa: E402
-from solution.step import attention  # noqa: E402
+from bench.kernels._common import (ATTN_BWD_OVER_FWD, bench_args, causal_attention_flops,  # noqa: E402
+                                   fwd_and_fwd_bwd_rates, median_ms, nbytes, print_stock_vs_ours, profile_call,
+                                   profile_cells)
+from solution.step import attention, packing  # noqa: E402
 
 HQ, HKV, D = 12, 2, 128
 
@@ -42,7 +52,7 @@ IMPLS = ("stock", "ours", "varlen")
 def run_case(lengths, seqlen, impl: str):
     os.environ[attention.LAYOUT_KERNELS_ENV] = "0" if impl == "stock" else "1"
     os.environ[attention.VARLEN_ENV] = "1" if impl == "varlen" else "0"
-    info = padding.make_unpadded(lengths, seqlen, torch.device("cuda"))
+    info = packing.make_unpadded(lengths, seqlen, torch.device("cuda"))
     n = sum(lengths)
     torch.manual_seed(0)
     q = torch.randn(1, n, HQ, D, device="cuda").transpose(1, 2).requires_grad_()
@@ -56,7 +66,7 @@ def run_case(lengths, seqlen, impl: str):
             attention.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
 
     def fwd_bwd():
-        with padding.running_unpadded(info), torch.autocast("cuda", dtype=torch.float16):
+        with packing.running_unpadded(info), torch.autocast("cuda", dtype=torch.float16):
             out, _ = attention.sdpa_unpadded(mod, q, k, v, info, scaling=D ** -0.5)
         out.backward(g)
 
@@ -76,6 +86,9 @@ def run_case(lengths, seqlen, impl: str):
            "fwd_ms": median_ms(fwd), "fwd_bwd_ms": median_ms(fwd_bwd, grad_to_none=[q, k, v]),
            "saved_for_bwd_MiB": float("nan"), "peak_fwd_bwd_MiB": peak,
            "fwd_bwd_profile": profile_call(fwd_bwd, reset=(q, k, v))}
+    flops = causal_attention_flops(lengths, HQ, D)
+    # fwd: q, k, v -> out; bwd: dout, q, k, v -> dq, dk, dv (q's, k's, v's shapes and dtypes)
+    fwd_and_fwd_bwd_rates(res, nbytes(q, k, v, out), nbytes(g, q, k, v, q, k, v), flops, ATTN_BWD_OVER_FWD * flops)
     return res, out.float(), grads
 
 

@@ -21,6 +21,18 @@ Also printed: the matmul floor (the two [tokens, 1536] x [1536, 151936] fp16 GEM
 other chunk budgets, and the row kernel alone (effective bandwidth) at a few block / warp settings.
 Median times from triton.testing.do_bench; peak = torch.cuda.max_memory_allocated above the
 baseline (inputs and the fp32 head already allocated) during forward + backward.
+
+Rates (bench/kernels/_common.py, rates), of forward + backward (timed together): bytes that must
+move = every input read once + every output written once per pass, summed: forward h, W, labels,
+attention mask -> loss, entropy, accuracy; backward h, W, labels -> dh (W frozen; the logits are
+not a tensor the op must keep). W is counted as the benchmark passes it (fp32, 0.93 GB a pass):
+ours reads its cached fp16 copy of the frozen head (cast_frozen_weight), half of that. GB/s =
+bytes / median time, % of a same-size copy (a uint8 copy moving those bytes, timed once per byte
+count), TFLOP/s = the two GEMMs' 2 M N K each / time: forward logits 2 T V H, backward dh 2 T V H,
+4 T V H in all (T = tokens, every position: the GEMMs run on all rows). The matmul floor row
+counts its own tensors' bytes (h16, W16 -> dlogits; dlogits, W16 -> dh16). The row kernel alone:
+bytes = logits read + its gradient written in place + labels read + loss, entropy, argmax written
+(its "effective GB/s" column counts the three passes it makes over the logits, 2 reads + 1 write).
 """
 from __future__ import annotations
 
@@ -31,7 +43,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args  # noqa: E402
+from bench.kernels._common import bench_args, nbytes, rate_cells, rates  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
@@ -96,15 +108,19 @@ def ours_step(h, w, labels, attention, n_items, chunk_rows=None):
 
 
 def matmul_floor(h, w):
-    """The two lm_head GEMMs every implementation must do (logits, and dlogits @ W), fp16."""
+    """The two lm_head GEMMs every implementation must do (logits, and dlogits @ W), fp16:
+    (median ms, bytes their inputs and outputs move)."""
     h16, w16 = h.detach().half().view(-1, HIDDEN), w.half()
     dl = torch.empty(h16.shape[0], VOCAB, device="cuda", dtype=torch.float16)
 
+    dh = torch.empty_like(h16)
+
     def run():
         torch.mm(h16, w16.t(), out=dl)
-        torch.mm(dl, w16)
+        torch.mm(dl, w16, out=dh)
 
-    return triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
+    return ms, nbytes(h16, w16, dl) + nbytes(dl, w16, dh)
 
 
 def timed(fn, h):
@@ -138,6 +154,9 @@ def bench_shape(batch, seq):
     h.grad = None
     del s_grad
     tokens = batch * seq
+    # fwd: h, W, labels, attention -> loss, entropy, accuracy; bwd: h, W, labels -> dh (h's shape and dtype)
+    op_bytes = nbytes(h, w, labels, attention, s_loss, s_ent, s_acc) + nbytes(h, w, labels, h)
+    flops = 4 * tokens * VOCAB * HIDDEN  # logits (fwd) + dh (bwd), 2 M N K each
     rows.append({"impl": "stock", "tokens": tokens, "fwd_bwd_ms": timed(lambda: stock_step(*args), h),
                  "peak_MiB": peak_mib(lambda: stock_step(*args), h)})
     for budget_mib in (128, 256, 512):
@@ -146,8 +165,11 @@ def bench_shape(batch, seq):
         rows.append({"impl": name, "tokens": tokens, "chunk_rows": chunk,
                      "fwd_bwd_ms": timed(lambda: ours_step(*args, chunk_rows=chunk), h),
                      "peak_MiB": peak_mib(lambda: ours_step(*args, chunk_rows=chunk), h)})
-    rows.append({"impl": "matmul floor (2 fp16 GEMMs)", "tokens": tokens, "fwd_bwd_ms": matmul_floor(h, w),
-                 "peak_MiB": float("nan")})
+    for r in rows:
+        r.update(rates(op_bytes, r["fwd_bwd_ms"], flops, "fwd_bwd_"))
+    floor_ms, floor_bytes = matmul_floor(h, w)
+    rows.append({"impl": "matmul floor (2 fp16 GEMMs)", "tokens": tokens, "fwd_bwd_ms": floor_ms,
+                 "peak_MiB": float("nan"), **rates(floor_bytes, floor_ms, flops, "fwd_bwd_")})
     return rows, check
 
 
@@ -167,8 +189,10 @@ def bench_row_kernel(rows=880):
             lambda: ours_mod.launch_rows_kernel(logits, labels, loss, ent, arg, True, block_v, warps, block_rows),
             warmup=25, rep=200, return_mode="median")
         gbps = 3 * logits.numel() * 2 / (ms * 1e-3) / 1e9
+        # bytes that must move: logits read, their gradient written (in place), labels read, outputs written
+        must = nbytes(logits, logits, labels, loss, ent, arg)
         out.append({"block_rows": block_rows, "block_v": block_v, "num_warps": warps, "rows": rows, "ms": ms,
-                    "GB_per_s": gbps, "default": (block_rows, block_v, warps) == (
+                    "GB_per_s": gbps, **rates(must, ms), "default": (block_rows, block_v, warps) == (
                         ours_mod.BLOCK_ROWS, ours_mod.BLOCK_V, ours_mod.NUM_WARPS)})
     return out
 
@@ -185,19 +209,21 @@ def main() -> int:
     kernel_rows = bench_row_kernel()
     print(f"GPU: {torch.cuda.get_device_name()}")
     print(f"Soup rewind recorder included: {row_losses is not None}\n")
-    print("| impl | tokens | fwd+bwd ms | peak MiB | speedup vs stock |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print("| impl | tokens | fwd+bwd ms | peak MiB | speedup vs stock | MB | GB/s | % of a same-size copy | TFLOP/s |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         base = next(x for x in results if x["impl"] == "stock" and x["tokens"] == r["tokens"])
         r["speedup_vs_stock"] = base["fwd_bwd_ms"] / r["fwd_bwd_ms"]
         print(f"| {r['impl']} | {r['tokens']} | {r['fwd_bwd_ms']:.2f} | {r['peak_MiB']:.0f} | "
-              f"{r['speedup_vs_stock']:.2f}x |")
+              f"{r['speedup_vs_stock']:.2f}x | {r['fwd_bwd_bytes'] / 1e6:.0f} | "
+              + " | ".join(rate_cells(r, "fwd_bwd_", True)) + " |")
     print("\nagreement with stock:", json.dumps(checks))
-    print("\n| row kernel BLOCK_ROWS x BLOCK_V | warps | rows | ms | effective GB/s |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("\n| row kernel BLOCK_ROWS x BLOCK_V | warps | rows | ms | effective GB/s (3 passes) | GB/s (bytes that"
+          " must move) | % of a same-size copy |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for k in kernel_rows:
         print(f"| {k['block_rows']} x {k['block_v']}{' (default)' if k['default'] else ''} | {k['num_warps']} | "
-              f"{k['rows']} | {k['ms']:.3f} | {k['GB_per_s']:.0f} |")
+              f"{k['rows']} | {k['ms']:.3f} | {k['GB_per_s']:.0f} | " + " | ".join(rate_cells(k)) + " |")
     with open(args.out, "w") as f:
         json.dump({"op": "lm_head_loss", "gpu": torch.cuda.get_device_name(), "hidden": HIDDEN, "vocab": VOCAB,
                    "rewind_recorder_included": row_losses is not None, "results": results,

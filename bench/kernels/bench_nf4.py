@@ -20,6 +20,10 @@ peak memory of one forward + backward above the baseline, and per forward + back
 (CPU) time to issue it, number of GPU work items and their summed GPU time (torch.profiler),
 number of our Triton launches. At these sizes an H200 finishes the kernels faster than Python
 issues them, so the host time is what decides there.
+Rates of both parts (bench/kernels/_common.py, rates): GB/s = bytes / median time and % of a
+same-size copy (timed once per byte count); for the linear, bytes forward x, the NF4 weight
+(packed codes + quantization state), bias -> y, backward dy, the NF4 weight -> dx, forward +
+backward (timed together) the sum, and TFLOP/s from 2 T in out FLOPs per pass (T tokens).
 """
 from __future__ import annotations
 
@@ -31,8 +35,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import (_x, autocast_fwd_and_fwd_bwd, bench_args, median_ms,  # noqa: E402
-                                   profile_call, profile_cells)
+from bench.kernels._common import (_x, autocast_fwd_and_fwd_bwd, bench_args, fwd_and_fwd_bwd_rates,  # noqa: E402
+                                   median_ms, nbytes, nf4_weight_tensors, profile_call, profile_cells, rate_cells,
+                                   rates)
 import triton  # noqa: E402
 
 SHAPES = {"q_proj/o_proj": (1536, 1536), "k_proj/v_proj": (256, 1536), "gate/up_proj": (8960, 1536),
@@ -75,13 +80,7 @@ def bench_dequant(copy_gbs, nominal_gbs):
         ours = nd.dequantize_nf4(packed, qs, out=buf)
         ref = bnbF.dequantize_4bit(packed, qs)
         exact = torch.equal(ours.view(torch.int16), ref.view(torch.int16))
-        nbytes = n // 2 + n // 64 + 2 * n
-        # a device-to-device copy moving the same bytes (half read, half written): at these sizes
-        # (1-35 MB) a copy does not reach the 512 MiB copy's bandwidth either
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-        dst = torch.empty_like(src)
-        t_same = median_ms(lambda: dst.copy_(src))
-        del src, dst
+        n_bytes = n // 2 + n // 64 + 2 * n
         t_bnb = median_ms(lambda: bnbF.dequantize_4bit(packed, qs))
         plan = nd.DequantPlan(packed, qs)  # what the layers use: prepared once, one launch per call
         t_ours = median_ms(lambda: plan.launch(buf))
@@ -115,11 +114,12 @@ def bench_dequant(copy_gbs, nominal_gbs):
             ok = torch.equal(buf.view(torch.int16), ref.view(torch.int16))
             sweep[f"NB{nb}_w{warps}"] = median_ms(launch) if ok else float("nan")
         for impl, t in (("bnb dequantize_4bit", t_bnb), ("ours", t_ours)):
-            gbs = nbytes / (t * 1e-3) / 1e9
-            rows.append({"weight": name, "shape": list(shape), "impl": impl, "ms": t, "GB_s": gbs,
-                         "pct_of_copy": 100 * gbs / copy_gbs, "same_size_copy_ms": t_same,
-                         "pct_of_same_size_copy": 100 * t_same / t,
-                         "pct_of_nominal": None if nominal_gbs is None else 100 * gbs / nominal_gbs})
+            # bytes, GB_s, and against a device-to-device copy moving the same bytes (half read, half
+            # written): at these sizes (1-35 MB) a copy does not reach the 512 MiB copy's bandwidth either
+            r = rates(n_bytes, t)
+            rows.append({"weight": name, "shape": list(shape), "impl": impl, "ms": t, **r,
+                         "pct_of_copy": 100 * r["GB_s"] / copy_gbs,
+                         "pct_of_nominal": None if nominal_gbs is None else 100 * r["GB_s"] / nominal_gbs})
         rows[-1]["bit_exact_vs_bnb"] = exact
         rows[-1]["speedup"] = t_bnb / t_ours
         rows[-1]["sweep_ms"] = sweep
@@ -180,8 +180,15 @@ def bench_linear():
                              "fwd_bwd_profile": profile_call(fwd_bwd, reset=[x])}
             with torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
                 same = torch.equal(fns["ours"](x), fns["stock"](x))
+                y = fns["stock"](x)
+            # fwd: x, NF4 weight, bias -> y; bwd: dy, NF4 weight -> dx (frozen weight); 2 M N K FLOPs each
+            w4 = nf4_weight_tensors(layer.weight)
+            n_tok = tokens[0] * tokens[1]
+            fwd_b, bwd_b, flops = nbytes(x, *w4, layer.bias, y), nbytes(g, *w4, x), 2 * n_tok * in_f * out_f
+            del y
             for impl in ("stock", "ours"):
-                rows.append({"weight": name, "tokens": tokens[0] * tokens[1], "impl": impl, **res[impl]})
+                rows.append(fwd_and_fwd_bwd_rates({"weight": name, "tokens": n_tok, "impl": impl, **res[impl]},
+                                                  fwd_b, bwd_b, flops, flops))
             rows[-1]["fwd_equal_to_stock"] = same
             rows[-1]["speedup_fwd_bwd"] = res["stock"]["fwd_bwd_ms"] / res["ours"]["fwd_bwd_ms"]
     return rows
@@ -215,13 +222,15 @@ def main() -> int:
         for r in sweeps:
             print(f"| {r['weight']} | " + " | ".join(f"{r['cast_block_sweep_ms'][k]:.4f}" for k in keys) + " |")
     print("\n| weight | tokens | impl | fwd ms | fwd+bwd ms | peak fwd+bwd MiB | speedup fwd+bwd | fwd equal |"
-          " fwd+bwd: host ms | GPU ops | GPU ms | our launches |")
-    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
+          " fwd+bwd: host ms | GPU ops | GPU ms | our launches | fwd GB/s | fwd % of a same-size copy | fwd TFLOP/s |"
+          " fwd+bwd GB/s | fwd+bwd % of a same-size copy | fwd+bwd TFLOP/s |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"
+          " ---: | ---: |")
     for r in lin:
         p = r["fwd_bwd_profile"]
         print(f"| {r['weight']} | {r['tokens']} | {r['impl']} | {r['fwd_ms']:.4f} | {r['fwd_bwd_ms']:.4f} | "
               f"{r['peak_fwd_bwd_MiB']:.1f} | {_x(r.get('speedup_fwd_bwd'))} | {r.get('fwd_equal_to_stock', '')} | "
-              f"{profile_cells(p)} |")
+              f"{profile_cells(p)} | " + " | ".join(rate_cells(r, "fwd_", True) + rate_cells(r, "fwd_bwd_", True)) + " |")
     print("\n(host ms: CPU time to issue one forward + backward with the GPU idle; when it is above the GPU ms,"
           " the call is host-bound and the do_bench time follows the host time)")
     with open(args.out, "w") as f:

@@ -8,12 +8,18 @@ Dtypes: x fp32 / weight fp32 (the workload: fp32 residual stream, weight cast to
 prepare_model_for_kbit_training) and x fp16 / weight fp32. The weight is frozen as in the workload
 (no weight gradient). Reports median times (triton.testing.do_bench) for forward and forward +
 backward, the memory the forward keeps alive for backward, and the peak memory of fwd + bwd.
+Rates (bench/kernels/_common.py, rates): bytes that must move = every input read once + every
+output written once, forward: x, weight -> y; backward: dy, x, weight -> dx (frozen weight; the
+saved per-row rstd is left out, it can be recomputed); forward + backward (timed together): the
+sum; GB/s = bytes / median time and % of a same-size copy (a uint8 copy moving those bytes,
+timed here once per byte count).
 
 Residual add + RMSNorm: ``h = residual + x; y = norm(h)`` with residual fp32 and x fp16 (the
 attention output under fp16 autocast), 2048 x 1536, weight fp32 frozen; forward + backward takes
 upstream gradients for both h (the later ``residual + mlp_out``) and y (the MLP), as in the layer.
 Three implementations, printed as two stock-vs-ours pairs: the stock ops vs ``add_rmsnorm``, and
 torch's add followed by our RMSNorm kernel (what the RMSNorm patch alone runs) vs ``add_rmsnorm``.
+Bytes: forward residual, x, weight -> h, y; backward dh, dy, h, weight -> d residual, dx.
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args, print_stock_vs_ours  # noqa: E402
+from bench.kernels._common import bench_args, fwd_and_fwd_bwd_rates, nbytes, print_stock_vs_ours  # noqa: E402
 import triton  # noqa: E402
 
 from solution.kernels.add_rmsnorm import add_rmsnorm  # noqa: E402
@@ -79,9 +85,14 @@ def bench_case(shape, x_dtype, w_dtype):
 
         t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[x], return_mode="median")
         kept, peak = _memory(fn, x, g)
-        rows.append({"impl": name, "tokens": shape[0] * shape[1], "x_dtype": str(x_dtype).split(".")[-1],
-                     "w_dtype": str(w_dtype).split(".")[-1], "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
-                     "saved_for_bwd_MiB": kept / 2**20, "peak_fwd_bwd_MiB": peak / 2**20})
+        with torch.no_grad():
+            y = fn(x)
+        row = {"impl": name, "tokens": shape[0] * shape[1], "x_dtype": str(x_dtype).split(".")[-1],
+               "w_dtype": str(w_dtype).split(".")[-1], "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
+               "saved_for_bwd_MiB": kept / 2**20, "peak_fwd_bwd_MiB": peak / 2**20}
+        # fwd: x, w -> y; bwd: dy, x, w -> dx (x's shape and dtype)
+        rows.append(fwd_and_fwd_bwd_rates(row, nbytes(x, m.weight, y), nbytes(g, x, m.weight, x)))
+        del y
     # correctness guard: the benchmark must compare equal work
     with torch.no_grad():
         a, b = fns["ours"](x), fns["stock"](x)
@@ -139,10 +150,15 @@ def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
 
         t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[r, x], return_mode="median")
         kept, peak = _memory_pair(fn, r, x, gh, gy)
-        timed[name] = {"impl": name, "tokens": shape[0] * shape[1], "res_dtype": str(r_dtype).split(".")[-1],
-                       "x_dtype": str(x_dtype).split(".")[-1], "w_dtype": str(w_dtype).split(".")[-1],
-                       "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "saved_for_bwd_MiB": kept / 2**20,
-                       "peak_fwd_bwd_MiB": peak / 2**20}
+        with torch.no_grad():
+            h, y = fn(r, x)
+        row = {"impl": name, "tokens": shape[0] * shape[1], "res_dtype": str(r_dtype).split(".")[-1],
+               "x_dtype": str(x_dtype).split(".")[-1], "w_dtype": str(w_dtype).split(".")[-1],
+               "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "saved_for_bwd_MiB": kept / 2**20,
+               "peak_fwd_bwd_MiB": peak / 2**20}
+        # fwd: residual, x, w -> h, y; bwd: dh, dy, h, w -> d residual, dx (their shapes and dtypes)
+        timed[name] = fwd_and_fwd_bwd_rates(row, nbytes(r, x, m.weight, h, y), nbytes(gh, gy, h, m.weight, r, x))
+        del h, y
     # correctness guard: the benchmark must compare equal work (h is exact, y within rounding)
     with torch.no_grad():
         (h_o, y_o), (h_s, y_s) = fused(r, x), stock(r, x)

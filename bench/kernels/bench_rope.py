@@ -9,6 +9,10 @@ padding-free). L = 512 (4 x 512 = 2048 tokens) and 375 (~1500 tokens). Dtypes: f
 workload: bitsandbytes' Linear4bit returns its input's dtype, and the input is the fp32 normed
 residual) and fp16 q/k with fp32 cos/sin. Reports median fwd and fwd+bwd times (do_bench),
 the memory the forward keeps for backward, and the peak memory of fwd + bwd.
+Rates (bench/kernels/_common.py, rates): bytes that must move = every input read once + every
+output written once, forward: q, k, cos, sin -> q_rot, k_rot; backward: dq_rot, dk_rot, cos, sin
+-> dq, dk; forward + backward (timed together): the sum; GB/s = bytes / median time and % of a
+same-size copy (a uint8 copy moving those bytes, timed here once per byte count).
 
 Then a sweep of the kernel's tokens per program (BLOCK_T = 1, the default on the GPU, and 2 and 4,
 with 4 warps per token) at 2048 fp32 tokens, to confirm the launch configuration on the T4.
@@ -22,7 +26,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
-from bench.kernels._common import bench_args, print_stock_vs_ours  # noqa: E402
+from bench.kernels._common import (bench_args, fwd_and_fwd_bwd_rates, nbytes,  # noqa: E402
+                                   print_stock_vs_ours, rate_cells)
 import triton  # noqa: E402
 
 from solution.kernels import rope as rope_mod  # noqa: E402
@@ -60,6 +65,12 @@ def _rope_closures(fn, q_flat, k_flat, seq, cos, sin, gq, gk):
     return fwd, fwd_bwd
 
 
+def _bytes(q_flat, k_flat, cos, sin, gq, gk):
+    """(forward, backward) bytes that must move: q, k, cos, sin -> q_rot, k_rot (gq / gk's shapes
+    and dtypes); dq_rot, dk_rot, cos, sin -> dq, dk (q / k's)."""
+    return nbytes(q_flat, k_flat, cos, sin, gq, gk), nbytes(gq, gk, cos, sin, q_flat, k_flat)
+
+
 def _time_fwd_and_fwd_bwd(fwd, fwd_bwd, q_flat, k_flat):
     """Median ms of the forward (no grad) and of forward + backward."""
     with torch.no_grad():
@@ -93,9 +104,10 @@ def bench_case(seq, qk_dtype, cs_dtype):
         peak = torch.cuda.max_memory_allocated() - base
         q_flat.grad = k_flat.grad = None
         del qo, ko
-        rows.append({"impl": name, "tokens": B * seq, "qk_dtype": str(qk_dtype).split(".")[-1],
-                     "cos_dtype": str(cs_dtype).split(".")[-1], "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
-                     "saved_for_bwd_MiB": kept / 2**20, "peak_fwd_bwd_MiB": peak / 2**20})
+        row = {"impl": name, "tokens": B * seq, "qk_dtype": str(qk_dtype).split(".")[-1],
+               "cos_dtype": str(cs_dtype).split(".")[-1], "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
+               "saved_for_bwd_MiB": kept / 2**20, "peak_fwd_bwd_MiB": peak / 2**20}
+        rows.append(fwd_and_fwd_bwd_rates(row, *_bytes(q_flat, k_flat, cos, sin, gq, gk)))
     with torch.no_grad():  # correctness guard: ours must equal stock bit for bit
         q, k = _views(q_flat, k_flat, seq)
         a, b = rope(q, k, cos, sin), stock(q, k, cos, sin)
@@ -118,8 +130,9 @@ def sweep_tokens_per_program(seq=512):
 
             fwd, fwd_bwd = _rope_closures(rope, q_flat, k_flat, seq, cos, sin, gq, gk)
             t_fwd, t_fb = _time_fwd_and_fwd_bwd(fwd, fwd_bwd, q_flat, k_flat)
-            rows.append({"gpu_tile_elems": tile, "block_t": block_t, "default": tile == default,
-                         "tokens": B * seq, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb})
+            row = {"gpu_tile_elems": tile, "block_t": block_t, "default": tile == default,
+                   "tokens": B * seq, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb}
+            rows.append(fwd_and_fwd_bwd_rates(row, *_bytes(q_flat, k_flat, cos, sin, gq, gk)))
     finally:
         rope_mod.GPU_TILE_ELEMS = default
     return rows
@@ -137,11 +150,12 @@ def main() -> int:
     print("\nours bit-equal to stock:", [r.get("bit_equal_to_stock") for r in results if r["impl"] == "ours"])
     sweep = sweep_tokens_per_program()
     print("\nTokens per program (ours, fp32, 2048 tokens):\n")
-    print("| BLOCK_T | GPU_TILE_ELEMS | default | fwd ms | fwd+bwd ms |")
-    print("| ---: | ---: | --- | ---: | ---: |")
+    print("| BLOCK_T | GPU_TILE_ELEMS | default | fwd ms | fwd+bwd ms | fwd GB/s | fwd % of a same-size copy |"
+          " fwd+bwd GB/s | fwd+bwd % of a same-size copy |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in sweep:
         print(f"| {r['block_t']} | {r['gpu_tile_elems']} | {'yes' if r['default'] else ''} | {r['fwd_ms']:.4f} | "
-              f"{r['fwd_bwd_ms']:.4f} |")
+              f"{r['fwd_bwd_ms']:.4f} | " + " | ".join(rate_cells(r, "fwd_") + rate_cells(r, "fwd_bwd_")) + " |")
     with open(args.out, "w") as f:
         json.dump({"op": "rope", "gpu": torch.cuda.get_device_name(), "shape": {"B": B, "Hq": HQ, "Hk": HK, "D": D},
                    "results": results, "tokens_per_program_sweep": sweep}, f, indent=2)

@@ -10,6 +10,11 @@ and backward (output + saved tensors) and the peak of one fwd+bwd above what was
 before it, both including the clones (identical for all variants). Also reports whether our
 output and gradients are bitwise identical to stock on this GPU, and which way the kernels get
 fp16 silu here ("compute" in registers or "table", see solution/kernels/swiglu.py).
+Rates (bench/kernels/_common.py, rates): bytes that must move = every input read once + every
+output written once, forward: g, u -> h; backward: dh, g, u -> dg, du (the same for every
+variant: the packed one's [tokens, 2 x 8960] input is g and u side by side); forward + backward:
+the sum, against the net (clone subtracted) time; GB/s = bytes / median time and % of a
+same-size copy (a uint8 copy moving those bytes, timed here once per byte count).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 
+from bench.kernels._common import fwd_and_fwd_bwd_rates, nbytes, rate_cells  # noqa: E402
 import solution.kernels.swiglu as sw  # noqa: E402
 
 INTER = 8960
@@ -85,6 +91,8 @@ def bench_tokens(tokens: int) -> list[dict]:
 
     fs, bs = make("stock")
     grads_ref = bs(fs())
+    # fwd: g, u -> h; bwd: dh, g, u -> dg, du (g's and u's shapes and dtypes)
+    fwd_bytes, bwd_bytes = nbytes(g0, u0, h_ref), nbytes(dh, g0, u0, g0, u0)
     rows = []
     for kind in ("stock", "ours", "ours in-place", "packed"):
         fwd, bwd = make(kind)
@@ -93,14 +101,14 @@ def bench_tokens(tokens: int) -> list[dict]:
         grads = bwd(fwd())
         if kind == "packed":
             grads = (grads[0][:, :INTER], grads[0][:, INTER:])
-        rows.append({
+        rows.append(fwd_and_fwd_bwd_rates({
             "tokens": tokens, "variant": kind,
             "fwd_ms": fwd_stock_ms if kind == "stock" else fwd_ours_ms,
             "fwd_bwd_ms": total_ms, "fwd_bwd_net_ms": total_ms - clone_ms, "clone_ms": clone_ms,
             "held_after_fwd_MB": held, "peak_fwd_bwd_MB": peak,
             "bitwise_fwd": True if kind == "stock" else same_fwd,
             "bitwise_grads": all(torch.equal(a, b) for a, b in zip(grads, grads_ref)),
-        })
+        }, fwd_bytes, bwd_bytes, fwd_bwd_ms_key="fwd_bwd_net_ms"))
     return rows
 
 
@@ -116,12 +124,13 @@ def main() -> int:
     dev = torch.cuda.get_device_name()
     print(f"\nSwiGLU h = silu(g) * u, [tokens, {INTER}] fp16 on {dev}; fp16 silu mode: {mode}\n")
     print("| tokens | variant | fwd ms | fwd+bwd ms (net of clone) | held after fwd MB | peak fwd+bwd MB "
-          "| bitwise fwd | bitwise grads |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| bitwise fwd | bitwise grads | fwd GB/s | fwd % of a same-size copy | fwd+bwd GB/s (net) "
+          "| fwd+bwd % of a same-size copy |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tokens']} | {r['variant']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_net_ms']:.3f} "
               f"| {r['held_after_fwd_MB']:.1f} | {r['peak_fwd_bwd_MB']:.1f} | {r['bitwise_fwd']} "
-              f"| {r['bitwise_grads']} |")
+              f"| {r['bitwise_grads']} | " + " | ".join(rate_cells(r, "fwd_") + rate_cells(r, "fwd_bwd_")) + " |")
     with open(args.out, "w") as f:
         json.dump({"op": "swiglu", "device": dev, "silu_mode": mode, "intermediate": INTER,
                    "rows": rows}, f, indent=2)
