@@ -435,3 +435,34 @@ class _Rows:
 
     def __getitem__(self, name):
         return self.columns[name]
+
+
+def test_settle_precompile_waits_for_the_in_process_preload_only(monkeypatch):
+    """Before the first probe sample the precompile's in-process preload is waited for (bounded),
+    so it cannot void the sample; nothing is waited for when no precompile runs, nor while only
+    its compile processes run (they do not void a sample)."""
+    import threading
+    import time
+
+    from solution import precompile
+
+    monkeypatch.setattr(precompile, "_thread", None)
+    assert cuda_graphs.settle_precompile() == 0.0
+    monkeypatch.setattr(precompile, "STATE", {"preload_started_t": None, "finished_t": None})
+    workers = threading.Thread(target=lambda: time.sleep(0.3))
+    monkeypatch.setattr(precompile, "_thread", workers)
+    workers.start()
+    assert cuda_graphs.settle_precompile(timeout=5.0) == 0.0 and precompile.running()  # compile processes only
+    workers.join()
+    done = threading.Event()
+    preload = threading.Thread(target=lambda: (time.sleep(0.2), done.set()))
+    monkeypatch.setattr(precompile, "_thread", preload)
+    precompile.STATE["preload_started_t"] = time.perf_counter()
+    preload.start()
+    waited = cuda_graphs.settle_precompile(timeout=5.0)
+    assert done.is_set() and waited >= 0.1 and not precompile.running()
+    slow = threading.Thread(target=lambda: time.sleep(1.0))
+    monkeypatch.setattr(precompile, "_thread", slow)
+    slow.start()
+    assert cuda_graphs.settle_precompile(timeout=0.05) < 0.5  # bounded: a stuck preload is not waited out
+    slow.join()

@@ -95,7 +95,8 @@ def bucketed_tokens(n: int, bucket: int) -> int:
 # background precompile's in-process preload ran (it holds the GIL) is not used; the next step
 # is timed instead. Its compile processes still running do not void a sample: each has its own
 # core. (Voiding those too put a cold run's captures into step 3, inside the timed steps:
-# docs/cuda_graphs.md, section 5b.)
+# docs/cuda_graphs.md, section 5b.) And a timed part does not start during the preload
+# (``settle_precompile`` waits for its end), so that the first step's sample is a clean one.
 GPU_BOUND_RATIO = 1.15
 
 
@@ -112,6 +113,24 @@ def decide(samples: list[tuple[float, float]]) -> tuple[bool | None, str]:
     return True, f"host-bound ({figures}): the GPU waits for the host's launches"
 
 
+PRECOMPILE_WAIT_S = 30.0  # the most the first timed forward waits for the precompile's in-process preload
+
+
+def settle_precompile(timeout: float = PRECOMPILE_WAIT_S) -> float:
+    """Before a probe sample: if the background precompile is in its in-process preload (the
+    short last phase: disk hits once the compile processes are done, 0.05 s in the 13:59 cold
+    run), wait for it to end (at most ``timeout`` seconds), so that it cannot void the sample and
+    delay the decision by a step (a late decision put a cold run's captures into the timed steps:
+    docs/cuda_graphs.md, section 5b). While the compile processes still run, nothing is waited
+    for: they do not void a sample, and on a host with few cores the step compiles what it needs
+    sooner than the processes' queue would. Returns the seconds waited."""
+    if not precompile.running() or precompile.STATE.get("preload_started_t") is None:
+        return 0.0
+    t0 = time.perf_counter()
+    precompile.wait(timeout)
+    return time.perf_counter() - t0
+
+
 class _Timer:
     """Times one eager forward's layers from ``start()`` to ``stop()`` for a _Probe."""
 
@@ -120,6 +139,7 @@ class _Timer:
         self.t0, self.start_ev = None, torch.cuda.Event(enable_timing=True)
 
     def start(self) -> None:
+        settle_precompile()
         self.start_ev.record(self.stream)
         self.t0 = time.perf_counter()
 
