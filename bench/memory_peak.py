@@ -94,22 +94,38 @@ def peak_breakdown(snap: dict, device: int = 0) -> dict:
             size = live.pop(ev["addr"], None)
             if size is not None:
                 total -= size
-    # second pass: the set alive at the peak event, with the allocating frames
+    dropped = len(trace) >= MAX_ENTRIES
+    return {"peak_bytes": peak, "event_index": peak_at, "events": len(trace), "trace_truncated": dropped,
+            "by_site": _alive_by_site(trace, peak_at),
+            "peak_frames": trace[peak_at].get("frames", [])[:12] if peak_at >= 0 else []}
+
+
+def _alive_by_site(trace: list[dict], upto: int, keep=None) -> list[tuple[str, int, int]]:
+    """The blocks alive right after event ``upto`` (those ``keep(i)`` accepts, i = the event that
+    allocated it; all when None), grouped by allocating site: (site, bytes, blocks), largest first."""
     alive: dict[int, dict] = {}
-    for ev in trace[: peak_at + 1]:
-        if ev["action"] == "alloc":
+    for i, ev in enumerate(trace[: upto + 1]):
+        if ev["action"] == "alloc" and (keep is None or keep(i)):
             alive[ev["addr"]] = ev
         elif ev["action"] == "free_requested":
             alive.pop(ev["addr"], None)
     by_site: dict[str, list] = defaultdict(lambda: [0, 0])
     for ev in alive.values():
-        s = by_site[_site(ev.get("frames", []))]
-        s[0] += ev["size"]
-        s[1] += 1
-    dropped = len(trace) >= MAX_ENTRIES
-    return {"peak_bytes": peak, "event_index": peak_at, "events": len(trace), "trace_truncated": dropped,
-            "by_site": sorted(((k, v[0], v[1]) for k, v in by_site.items()), key=lambda r: -r[1]),
-            "peak_frames": trace[peak_at].get("frames", [])[:12] if peak_at >= 0 else []}
+        site = by_site[_site(ev.get("frames", []))]
+        site[0] += ev["size"]
+        site[1] += 1
+    return sorted(((k, v[0], v[1]) for k, v in by_site.items()), key=lambda r: -r[1])
+
+
+def _site_table(rows: list[tuple[str, int, int]], top: int, header: str) -> list[str]:
+    """Markdown lines of ``_alive_by_site`` rows: the ``top`` largest, then the rest summed."""
+    lines = [f"| {header} | blocks | allocated at |", "| ---: | ---: | --- |"]
+    for site, nbytes, count in rows[:top]:
+        lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")
+    rest = rows[top:]
+    if rest:
+        lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
+    return lines
 
 
 _remembered_private: list[tuple[int, int]] = []
@@ -212,22 +228,10 @@ def reserved_breakdown(snap: dict, device: int = 0) -> dict:
             nxt = next((t for t in trace[i + 1: i + 50] if t["action"] == "alloc" and int(t.get("stream", 0)) == stream), {})
             growth.append((int(ev.get("size", 0)), i, stream, _site(nxt.get("frames", [])), int(nxt.get("size", 0))))
     growth.sort(key=lambda r: -r[0])
-    # the second replay to the top's moment: the eager blocks alive then, with their frames
-    alive: dict[int, dict] = {}
-    for i, ev in enumerate(trace[: top.get("event", -1) + 1]):
-        if ev["action"] == "alloc" and pool_of[i] == "eager":
-            alive[ev["addr"]] = ev
-        elif ev["action"] == "free_requested":
-            alive.pop(ev["addr"], None)
-    by_site: dict[str, list] = defaultdict(lambda: [0, 0])
-    for ev in alive.values():
-        site = by_site[_site(ev.get("frames", []))]
-        site[0] += ev["size"]
-        site[1] += 1
     top_ev = trace[top["event"]] if top.get("event") is not None else {}
     return {"peak": peak, "eager_top": top, "events": len(trace),
-            "private_segments_bytes": sum(b - a for a, b in private),
-            "eager_by_site": sorted(((k, v[0], v[1]) for k, v in by_site.items()), key=lambda r: -r[1]),
+            # the second replay to the top's moment: the eager blocks alive then, by site
+            "eager_by_site": _alive_by_site(trace, top.get("event", -1), keep=lambda i: pool_of[i] == "eager"),
             "eager_top_frames": top_ev.get("frames", [])[:14], "eager_growth": growth[:20],
             "eager_growth_total_by_stream": {st: sum(g[0] for g in growth if g[2] == st) for st in {g[2] for g in growth}}}
 
@@ -252,12 +256,7 @@ def format_reserved(br: dict, top: int = 30) -> str:
         at_start = e.get("eager_allocated_at_start_by_stream", {})
         lines.append("eager allocated per stream when the window opens (GiB): " + ", ".join(
             f"stream {st}: {b / gib:.3f}" for st, b in sorted(at_start.items())))
-    lines += ["", "| MiB alive in the eager pool then | blocks | allocated at |", "| ---: | ---: | --- |"]
-    for site, nbytes, count in br["eager_by_site"][:top]:
-        lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")
-    rest = br["eager_by_site"][top:]
-    if rest:
-        lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
+    lines += [""] + _site_table(br["eager_by_site"], top, "MiB alive in the eager pool then")
     if br.get("eager_growth"):
         lines += ["", "the eager pool's growth inside the window, by stream (MiB): " + ", ".join(
             f"stream {st}: {b / 2**20:.0f}" for st, b in sorted(br["eager_growth_total_by_stream"].items())),
@@ -272,12 +271,7 @@ def format_breakdown(br: dict, top: int = 40) -> str:
     gib = 2**30
     lines = [f"peak allocated (replayed trace): {br['peak_bytes'] / gib:.3f} GiB at event {br['event_index']} "
              f"of {br['events']}" + (" (TRACE TRUNCATED: early blocks missing)" if br["trace_truncated"] else ""),
-             "", "| MiB alive at peak | blocks | allocated at |", "| ---: | ---: | --- |"]
-    for site, nbytes, count in br["by_site"][:top]:
-        lines.append(f"| {nbytes / 2**20:9.1f} | {count} | `{site}` |")
-    rest = br["by_site"][top:]
-    if rest:
-        lines.append(f"| {sum(r[1] for r in rest) / 2**20:9.1f} | {sum(r[2] for r in rest)} | ({len(rest)} other sites) |")
+             ""] + _site_table(br["by_site"], top, "MiB alive at peak")
     lines += ["", "the allocation that set the peak, innermost frame first:"]
     lines += [f"  {_frame(fr)}" for fr in br["peak_frames"]]
     return "\n".join(lines)

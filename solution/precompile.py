@@ -395,7 +395,8 @@ def contended(since: float) -> bool:
 
 
 def wait(timeout: float | None = None) -> dict:
-    """Wait for the background preload (tests, diagnosis); returns STATE."""
+    """Wait for the background preload (at most ``timeout`` seconds; before a capture, before the
+    first probe sample, in tests); returns STATE."""
     if _thread is not None:
         _thread.join(timeout)
     return dict(STATE)

@@ -174,13 +174,12 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False,
     # Packed real tokens of a right-padded batch: draw over stock's padded shape, keep the real
     # rows, so the random numbers are stock's.
     padded_shape = padded_draw_shape(x, packed)
-    source = mask_source
     with torch.no_grad():  # our Function owns the whole input gradient, dropout's part included
         if _dropout_is_native(x):
-            if source is not None:
+            if mask_source is not None:
                 # Layers replayed from a CUDA graph (solution/step/cuda_graphs.py): the mask was drawn
                 # before the replay, over stock's padded shape, exactly as below; take it, draw nothing.
-                mask = source.take(p, x)
+                mask = mask_source.take(p, x)
             elif padded_shape is None:
                 xd, mask = torch.native_dropout(x, p, True)
                 return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
