@@ -6,8 +6,11 @@ grouped by (aten op, innermost frames) and sorted by the GPU time of their own k
 profile's kernel-name list (bench.compare's "top kernels") says *what* runs; this says *where
 from*: e.g. which line's ``.to(torch.float16)`` is the ``float16_copy_kernel`` of the list.
 
-Only PyTorch ops have a row: our Triton kernels are launched without an aten op (they are
-named in the profile's kernel list already), and so are the kernels of a graph replay.
+A row is an op event: its own GPU time is that of the kernels launched inside it and not inside
+a child op, so a Triton kernel launched from our autograd Function's forward counts in that
+Function's row. The backward's ops run on autograd's own thread with no Python frame; their
+origin is the autograd node they ran in ("backward of LoraNF4FunctionBackward"). The kernels of a
+graph replay have no op at all.
 
 Measurement only, in a pass of its own: recording CPU ops with stacks slows the host a lot.
 Run it with graphs off (``SOLUTION_CUDA_GRAPHS=0``): a graph replay launches its kernels without
@@ -19,19 +22,30 @@ kernels.
 from __future__ import annotations
 
 ORIGIN_STEPS = 3  # steps 3..5: enough for every op of a step, short enough for the slow host
-STACK_DEPTH = 12  # frames kept per group by the profiler; the table shows the innermost non-torch ones
+NO_FRAME = "(no Python frame)"
 SHOWN_FRAMES = 3
 _PLUMBING = ("/torch/", "torch/", "<built-in", "/contextlib.py", "/functools.py", "<frozen", "/triton/",
              "/typing.py")
 
 
 def start():
-    """Start a profiler of CPU ops (with Python stacks) and the GPU kernels they launch."""
+    """Start a profiler of CPU ops (with Python stacks) and the GPU kernels they launch.
+
+    ``verbose=True`` is what puts the Python stack on each op's event: without it, recent torch
+    (2.11 measured on the H200, 2.13 here) records the Python frames as events of their own and
+    leaves every op's ``stack`` empty (the 15:1x call's table had no frame at all)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    prof = profile(activities=acts, record_shapes=False, with_stack=True)
+    extra = {}
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        extra["experimental_config"] = _ExperimentalConfig(verbose=True)
+    except (ImportError, TypeError):  # an older torch attaches stacks without it
+        pass
+    prof = profile(activities=acts, record_shapes=False, with_stack=True, **extra)
     prof.__enter__()
     return prof
 
@@ -49,28 +63,55 @@ def origin(stack: list[str]) -> str:
     checkout's and site-packages' prefixes cut off), innermost first."""
     kept = [fr for fr in stack if not any(p in fr for p in _PLUMBING)]
     short = [fr.split("site-packages/")[-1].split("/work/main/")[-1] for fr in kept[:SHOWN_FRAMES]]
-    return " < ".join(short) if short else "(no Python frame)"
+    return " < ".join(short) if short else NO_FRAME
 
 
-def rows_from(averages) -> list[dict]:
-    """One row per (aten op, origin) with its kernels' own GPU time: from key_averages grouped
-    by stack. Ops that launched no GPU work are left out."""
+def _is_cpu_op(event) -> bool:
+    """An op event (its kernels' time is its own device time), not a kernel event."""
+    return str(getattr(event, "device_type", "CPU")).rsplit(".", 1)[-1] == "CPU"
+
+
+def backward_node(event) -> str | None:
+    """The autograd node whose backward ran this op (ops of the backward run on the autograd
+    engine's thread, with no Python frame): the nearest ancestor event named after a node."""
+    parent = getattr(event, "cpu_parent", None)
+    while parent is not None:
+        name = getattr(parent, "name", "")
+        if name.startswith("autograd::engine::evaluate_function: "):
+            return name.split(": ", 1)[1]
+        if name.endswith("Backward") or name.endswith("Backward0") or name.endswith("Backward1"):
+            return name
+        parent = getattr(parent, "cpu_parent", None)
+    return None
+
+
+def rows_from(events) -> list[dict]:
+    """One row per (aten op, origin) with its kernels' own GPU time, from the profiler's op
+    events (one per call). The origin is the innermost Python frames (``origin``), prefixed with
+    "backward of NODE" for an op of the backward. Kernel events and ops that launched no GPU work are left
+    out (the kernel's time is its op's own device time already)."""
     rows: dict[tuple[str, str], dict] = {}
-    for avg in averages:
-        us = _device_self_us(avg)
+    for ev in events:
+        if not _is_cpu_op(ev):
+            continue
+        us = _device_self_us(ev)
         if us <= 0:
             continue
-        key = (avg.key, origin(list(getattr(avg, "stack", None) or [])))
-        row = rows.setdefault(key, {"op": key[0], "origin": key[1], "gpu_ms": 0.0, "calls": 0})
+        where = origin(list(getattr(ev, "stack", None) or []))
+        node = backward_node(ev)
+        if node:  # its frames, if any, are the caller of backward() (or our Function's backward)
+            where = f"backward of {node}" + ("" if where == NO_FRAME else f": {where}")
+        name = getattr(ev, "name", None) or getattr(ev, "key", "?")
+        row = rows.setdefault((name, where), {"op": name, "origin": where, "gpu_ms": 0.0, "calls": 0})
         row["gpu_ms"] += us / 1e3
-        row["calls"] += int(getattr(avg, "count", 0))
+        row["calls"] += int(getattr(ev, "count", 1) or 1)
     return sorted(rows.values(), key=lambda r: -r["gpu_ms"])
 
 
 def stop(prof, steps: int) -> list[dict]:
     """Stop the profiler; the rows of ``rows_from``, GPU time per step (``steps`` profiled)."""
     prof.__exit__(None, None, None)
-    rows = rows_from(prof.key_averages(group_by_stack_n=STACK_DEPTH))
+    rows = rows_from(prof.events())
     for r in rows:
         r["gpu_ms"] /= max(steps, 1)
         r["calls"] = r["calls"] / max(steps, 1)

@@ -494,9 +494,10 @@ def test_reserved_replay_splits_the_pools_and_names_the_eager_high_water():
 
 
 def test_op_origins_group_ops_by_their_launching_line():
-    """bench/op_origins.py: ops grouped by (aten op, innermost non-torch frames), GPU time summed,
-    ops without GPU work dropped, largest first; the table names op and origin."""
-    from types import SimpleNamespace
+    """bench/op_origins.py: op events grouped by (aten op, innermost non-torch frames), GPU time
+    summed, kernel events and ops without GPU work dropped, largest first; an op of the backward
+    (no Python frame) is named by its autograd node; the table names op and origin."""
+    from types import SimpleNamespace as NS
 
     from bench import op_origins
 
@@ -505,17 +506,39 @@ def test_op_origins_group_ops_by_their_launching_line():
             "/work/main/solution/patches/bnb_linear4bit.py(40): forward",
             "/usr/lib/python3/site-packages/transformers/models/qwen2/modeling_qwen2.py(90): forward",
             "/work/main/bench/run_one.py(1): main"]
-    avgs = [SimpleNamespace(key="aten::copy_", stack=here, self_device_time_total=300.0, count=4),
-            SimpleNamespace(key="aten::copy_", stack=list(here), self_device_time_total=100.0, count=2),
-            SimpleNamespace(key="aten::add", stack=[], self_device_time_total=50.0, count=1),
-            SimpleNamespace(key="aten::view", stack=here, self_device_time_total=0.0, count=9)]
-    rows = op_origins.rows_from(avgs)
-    assert [(r["op"], r["gpu_ms"], r["calls"]) for r in rows] == [("aten::copy_", 0.4, 6), ("aten::add", 0.05, 1)]
+    node = NS(name="autograd::engine::evaluate_function: MulBackward0", cpu_parent=None)
+    cpu = "DeviceType.CPU"
+    events = [NS(name="aten::copy_", stack=here, self_device_time_total=300.0, device_type=cpu),
+              NS(name="aten::copy_", stack=list(here), self_device_time_total=100.0, device_type=cpu),
+              NS(name="aten::mul", stack=["/work/main/solution/kernels/lora_nf4.py(300): backward"],
+                 cpu_parent=NS(name="aten::mul_", cpu_parent=node),
+                 self_device_time_total=60.0, device_type=cpu),
+              NS(name="aten::add", stack=[], cpu_parent=None, self_device_time_total=50.0, device_type=cpu),
+              NS(name="some_kernel", stack=[], self_device_time_total=400.0, device_type="DeviceType.CUDA"),
+              NS(name="aten::view", stack=here, self_device_time_total=0.0, device_type=cpu)]
+    rows = op_origins.rows_from(events)
+    assert [(r["op"], r["gpu_ms"], r["calls"]) for r in rows] == [
+        ("aten::copy_", 0.4, 2), ("aten::mul", 0.06, 1), ("aten::add", 0.05, 1)]
     assert rows[0]["origin"] == ("solution/kernels/nf4_linear.py(143): dequant_and_cast < solution/patches/"
                                  "bnb_linear4bit.py(40): forward < transformers/models/qwen2/modeling_qwen2.py(90): forward")
-    assert rows[1]["origin"] == "(no Python frame)"
+    assert rows[1]["origin"] == "backward of MulBackward0: solution/kernels/lora_nf4.py(300): backward"
+    assert rows[2]["origin"] == "(no Python frame)"
     text = op_origins.format_rows(rows, steps=3)
-    assert "aten::copy_" in text and "88.9%" in text and "launched from" in text
+    assert "aten::copy_" in text and "78.4%" in text and "launched from" in text
+
+
+def test_op_origins_profiler_records_python_frames_on_the_cpu():
+    """The profiler as started puts Python frames on the op events (torch >= 2.11 needs the
+    verbose experimental config for that; without it every row read "(no Python frame)")."""
+    import torch
+
+    from bench import op_origins
+
+    prof = op_origins.start()
+    torch.ones(8).add_(1)
+    prof.__exit__(None, None, None)
+    adds = [ev for ev in prof.events() if ev.name == "aten::add_"]
+    assert adds and any("test_harness.py" in fr for fr in adds[0].stack)
 
 
 def test_op_origins_profiler_runs_on_the_cpu():
