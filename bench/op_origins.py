@@ -21,8 +21,14 @@ kernels.
 """
 from __future__ import annotations
 
+import re
+
 ORIGIN_STEPS = 3  # steps 3..5: enough for every op of a step, short enough for the slow host
 NO_FRAME = "(no Python frame)"
+_MODULE_INDEX = re.compile(r"(nn\.Module: \w+?)_\d+$")  # "nn.Module: Qwen2MLP_21": one row for all 28 layers
+# Ops whose kernels are matrix products or attention (issue 13.2 counts the others)
+MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
+              "aten::_efficient_attention_forward", "aten::_efficient_attention_backward")
 SHOWN_FRAMES = 3
 _PLUMBING = ("/torch/", "torch/", "<built-in", "/contextlib.py", "/functools.py", "<frozen", "/triton/",
              "/typing.py")
@@ -62,7 +68,8 @@ def origin(stack: list[str]) -> str:
     """The innermost frames of a profiler stack that are not torch / Triton plumbing (the
     checkout's and site-packages' prefixes cut off), innermost first."""
     kept = [fr for fr in stack if not any(p in fr for p in _PLUMBING)]
-    short = [fr.split("site-packages/")[-1].split("/work/main/")[-1] for fr in kept[:SHOWN_FRAMES]]
+    short = [_MODULE_INDEX.sub(r"\1", fr.split("site-packages/")[-1].split("/work/main/")[-1])
+             for fr in kept[:SHOWN_FRAMES]]
     return " < ".join(short) if short else NO_FRAME
 
 
@@ -118,16 +125,28 @@ def stop(prof, steps: int) -> list[dict]:
     return rows
 
 
-def format_rows(rows: list[dict], steps: int, top: int = 50) -> str:
-    total = sum(r["gpu_ms"] for r in rows)
-    lines = [f"GPU time of the kernels each op launched itself, per step (mean of {steps} profiled steps; "
-             f"{total:.2f} ms a step in all ops with an origin)", "",
-             "| GPU ms / step | share | calls / step | aten op | launched from (innermost first) |",
-             "| ---: | ---: | ---: | --- | --- |"]
+_HEADER = ["| GPU ms / step | share | calls / step | aten op | launched from (innermost first) |",
+           "| ---: | ---: | ---: | --- | --- |"]
+
+
+def _table(rows: list[dict], total: float, top: int) -> list[str]:
+    out = list(_HEADER)
     for r in rows[:top]:
         share = r["gpu_ms"] / total if total else 0.0
-        lines.append(f"| {r['gpu_ms']:.3f} | {share:.1%} | {r['calls']:.0f} | `{r['op']}` | `{r['origin']}` |")
+        out.append(f"| {r['gpu_ms']:.3f} | {share:.1%} | {r['calls']:.0f} | `{r['op']}` | `{r['origin']}` |")
+    return out
+
+
+def format_rows(rows: list[dict], steps: int, top: int = 50) -> str:
+    """The rows, largest first, then the PyTorch ops that are neither matrix products nor
+    attention (issue 13.2's list); shares are of all rows' GPU time."""
+    total = sum(r["gpu_ms"] for r in rows)
+    lines = [f"GPU time of the kernels each op launched itself, per step (mean of {steps} profiled steps; "
+             f"{total:.2f} ms a step in all ops with an origin)", ""] + _table(rows, total, top)
     rest = rows[top:]
     if rest:
         lines.append(f"| {sum(r['gpu_ms'] for r in rest):.3f} | | | ({len(rest)} more) | |")
-    return "\n".join(lines)
+    others = [r for r in rows if r["op"].startswith("aten::") and r["op"] not in MATMUL_OPS]
+    lines += ["", f"PyTorch ops that are not matrix products or attention (issue 13.2): "
+              f"{sum(r['gpu_ms'] for r in others):.3f} ms a step in {len(others)} rows", ""]
+    return "\n".join(lines + _table(others, total, top))

@@ -150,6 +150,7 @@ class StepClock:
         rows = op_origins.stop(self.origins_prof, steps)
         self.origins_prof = None
         Path(self.op_origins).write_text(op_origins.format_rows(rows, steps) + "\n", encoding="utf-8")
+        Path(self.op_origins).with_suffix(".json").write_text(json.dumps(rows, indent=1), encoding="utf-8")
 
     def step_times(self) -> list[float]:
         out, prev = [], self.t_begin

@@ -155,6 +155,38 @@ def test_mask_slots_pack_into_one_block_and_keep_handing_out_views():
     cuda_graphs._MaskSlots(capacity=3).pack()  # nothing recorded: nothing to do
 
 
+def test_grad_buffers_hand_out_one_clone_as_parameter_views():
+    """The graphs' gradient buffers are views of one flat buffer; a replay's copies are views of
+    one clone of it, each kept by autograd as its parameter's .grad (no second copy), and the
+    optimizer and clipping read them as before. Mixed dtypes fall back to one buffer each."""
+    ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2, 2))]
+    bufs = cuda_graphs._GradBuffers(ps)
+    for i, v in enumerate(bufs.views):
+        v.fill_(i + 1)
+    assert bufs.flat is not None and bufs.flat.numel() == 21
+
+    class Replay(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *params):
+            return sum(p.sum() for p in params)
+
+        @staticmethod
+        def backward(ctx, _):
+            return tuple(bufs.copies([True, False, True]))
+
+    Replay.apply(*ps).backward()
+    assert [p.grad is None for p in ps] == [False, True, False]
+    assert torch.equal(ps[0].grad, torch.full((3, 4), 1.0)) and torch.equal(ps[2].grad, torch.full((2, 2), 3.0))
+    assert ps[0].grad.untyped_storage().data_ptr() == ps[2].grad.untyped_storage().data_ptr()  # kept, not copied
+    assert ps[0].grad.untyped_storage().data_ptr() != bufs.flat.untyped_storage().data_ptr()  # safe from the next replay
+    bufs.views[0].fill_(7)
+    assert torch.equal(ps[0].grad, torch.full((3, 4), 1.0))
+    torch.nn.utils.clip_grad_norm_([ps[0], ps[2]], 0.5, foreach=True)
+    torch.optim.AdamW([ps[0], ps[2]], foreach=True).step()
+    mixed = cuda_graphs._GradBuffers([ps[0], torch.nn.Parameter(torch.randn(2, dtype=torch.float16))])
+    assert mixed.flat is None and [c.dtype for c in mixed.copies([True, True])] == [torch.float32, torch.float16]
+
+
 def test_mask_slots_draw_as_the_eager_dropout():
     """draw() makes the eager path's calls: the same masks for the same seed, filler rows copied."""
     info = packing.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=6)

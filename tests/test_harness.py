@@ -525,6 +525,12 @@ def test_op_origins_group_ops_by_their_launching_line():
     assert rows[2]["origin"] == "(no Python frame)"
     text = op_origins.format_rows(rows, steps=3)
     assert "aten::copy_" in text and "78.4%" in text and "launched from" in text
+    assert "not matrix products or attention (issue 13.2): 0.510 ms a step in 3 rows" in text
+    mm = op_origins.rows_from([NS(name="aten::mm", stack=here + ["nn.Module: Qwen2MLP_21"],
+                                  self_device_time_total=9.0, device_type=cpu)])
+    assert mm[0]["origin"].endswith("< transformers/models/qwen2/modeling_qwen2.py(90): forward")
+    assert op_origins.origin(["nn.Module: Qwen2MLP_21"]) == "nn.Module: Qwen2MLP"  # one row for all layers
+    assert "in 0 rows" in op_origins.format_rows(mm, steps=1)
 
 
 def test_op_origins_profiler_records_python_frames_on_the_cpu():

@@ -190,6 +190,32 @@ def test_ignored_rows_and_one_token_rows(device):
     assert math.isnan(a2["loss"].item()) and math.isnan(s2["loss"].item())
 
 
+@pytest.mark.parametrize("compute_dtype", [F32, F16])
+@pytest.mark.parametrize("ignore_frac", [0.4, 0.0, 1.0])
+def test_labelled_rows_first_gives_the_same_results(device, compute_dtype, ignore_frac):
+    """labelled_rows (the caller's count of non-ignored shift labels): the gradient GEMM runs on the
+    labelled rows only, moved first. Per-token results, the loss and the gradient are those of the
+    plain call up to the GEMMs' rounding (a row at another place in a chunk, a gradient GEMM of
+    another row count: fp32 on the CPU moved entropies by ~1 ulp), the gradient exactly zero on
+    every unlabelled row, with chunks that straddle the labelled / unlabelled boundary (7-row
+    chunks, 3 x 11 rows)."""
+    h, w, labels = make_inputs(3, 11, 48, 1000, device, ignore_frac=ignore_frac, seed=7)
+    shift = shift_labels_like_stock(labels)
+    n_lab = int((shift != IGNORE_INDEX).sum())
+    kw = dict(num_items=max(n_lab, 1), chunk_rows=7, block_v=SMALL_BLOCK)
+    plain = ours(h, w, labels, compute_dtype, **kw)
+    first = ours(h, w, labels, compute_dtype, labelled_rows=n_lab, **kw)
+    tol = 3e-3 if compute_dtype == F16 else 1e-6
+    for key in ("argmax", "correct", "total"):
+        assert torch.equal(first[key], plain[key]), key
+    for key in ("entropy", "token_loss", "loss"):
+        assert rel_err(first[key], plain[key]) <= tol, key
+    assert torch.count_nonzero(first["grad"][shift == IGNORE_INDEX]) == 0
+    assert first["grad"].shape == plain["grad"].shape and rel_err(first["grad"], plain["grad"]) <= tol
+    s = stock(h, w, labels, compute_dtype, num_items=max(n_lab, 1))
+    assert_close_to_stock(first, s, compute_dtype)
+
+
 def test_large_logits(device):
     """Logits up to ~6e4 (near the fp16 limit 65504): fp32 online log-sum-exp must stay finite and
     match stock's fp32 upcast."""

@@ -310,8 +310,13 @@ def clear_weight_cache() -> None:
 # --------------------------------------------------------------------------------------------------
 def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor,
                     compute_dtype: torch.dtype, want_grad: bool, chunk_rows: int | None,
-                    block_v: int | None, block_rows: int | None, cache_weight: bool = True):
+                    block_v: int | None, block_rows: int | None, cache_weight: bool = True,
+                    grad_rows: int | None = None):
+    """grad_rows: only rows [0, grad_rows) can have a label (the caller put them first): the
+    hidden-state gradient is computed for them only ([grad_rows, H]; the other rows' is zero).
+    None: every row."""
     n_rows, _ = hidden2d.shape
+    grad_rows = n_rows if grad_rows is None else grad_rows
     vocab = weight.shape[0]
     device = hidden2d.device
     # Exactly the operands autocast would hand to cuBLAS (round-to-nearest casts).
@@ -322,7 +327,7 @@ def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     token_loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
     argmax = torch.empty(n_rows, dtype=torch.int64, device=device)
-    grad_hidden = torch.empty((n_rows, hidden2d.shape[1]), dtype=compute_dtype, device=device) if want_grad else None
+    grad_hidden = torch.empty((grad_rows, hidden2d.shape[1]), dtype=compute_dtype, device=device) if want_grad else None
 
     if chunk_rows is None:
         # Chunks a multiple of the kernel's row tile (only > ROW_ALIGN in the interpreter), so
@@ -337,9 +342,11 @@ def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
         torch.mm(h_c[r0:r1], w_c.t(), out=logits)
         run_rows(logits, labels1d[r0:r1], token_loss[r0:r1], entropy[r0:r1], argmax[r0:r1],
                  write_grad=want_grad, block_v=block_v, block_rows=block_rows)
-        if want_grad:
-            # logits now holds (softmax - onehot) * GRAD_SCALE: the hidden-state gradient, scaled.
-            torch.mm(logits, w_c, out=grad_hidden[r0:r1])
+        if want_grad and r0 < grad_rows:
+            # logits now holds (softmax - onehot) * GRAD_SCALE: the hidden-state gradient, scaled
+            # (zero on rows without a label: those past grad_rows are not multiplied at all).
+            g1 = min(r1, grad_rows)
+            torch.mm(logits[: g1 - r0], w_c, out=grad_hidden[r0:g1])
     return token_loss, entropy, argmax, grad_hidden
 
 
@@ -350,11 +357,25 @@ class _FusedLMHeadCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad,
-                cache_weight):
+                cache_weight, labelled_rows=None):
+        order = None
+        if want_grad and labelled_rows is not None and labelled_rows < hidden2d.shape[0]:
+            # rows with a label first (stable: each group in its own order), so that the gradient
+            # GEMM runs on them only; every per-row result is put back in place below
+            labels1d = labels1d.to(device=hidden2d.device, dtype=torch.int64)
+            order = torch.argsort((labels1d == IGNORE_INDEX).to(torch.int8), stable=True)
+            hidden_in, labels_in = hidden2d.index_select(0, order), labels1d.index_select(0, order)
+        else:
+            hidden_in, labels_in, labelled_rows = hidden2d, labels1d, None
         with torch.autocast(hidden2d.device.type, enabled=False):
             token_loss, entropy, argmax, grad_hidden = _forward_chunks(
-                hidden2d, weight, labels1d, compute_dtype, want_grad, chunk_rows, block_v, block_rows, cache_weight)
-        loss_sum = token_loss.sum()
+                hidden_in, weight, labels_in, compute_dtype, want_grad, chunk_rows, block_v, block_rows, cache_weight,
+                grad_rows=labelled_rows)
+        if order is not None:
+            token_loss, entropy, argmax = (torch.empty_like(t).index_copy_(0, order, t) for t in (token_loss, entropy, argmax))
+            full = torch.zeros((hidden2d.shape[0], grad_hidden.shape[1]), dtype=grad_hidden.dtype, device=grad_hidden.device)
+            grad_hidden = full.index_copy_(0, order[:labelled_rows], grad_hidden)
+        loss_sum = token_loss.sum()  # in the rows' own order, as without the reordering
         ctx.hidden_dtype = hidden2d.dtype
         ctx.has_grad = grad_hidden is not None
         if ctx.has_grad:
@@ -371,7 +392,7 @@ class _FusedLMHeadCE(torch.autograd.Function):
         # grad_loss_sum carries the GradScaler factor and 1 / num_items_in_batch: applied in fp32.
         factor = grad_loss_sum.to(torch.float32) / GRAD_SCALE
         grad_hidden = (scaled.to(torch.float32) * factor).to(ctx.hidden_dtype)
-        return grad_hidden, None, None, None, None, None, None, None, None
+        return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -405,7 +426,8 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
                        compute_dtype: torch.dtype | None = None,
                        num_items_in_batch: torch.Tensor | int | None = None,
                        chunk_rows: int | None = None, block_v: int | None = None,
-                       block_rows: int | None = None, cache_weight: bool = True) -> LMHeadLossOutput:
+                       block_rows: int | None = None, cache_weight: bool = True,
+                       labelled_rows: int | None = None) -> LMHeadLossOutput:
     """LM head + causal-LM cross-entropy without materializing the [tokens, vocab] logits.
 
     hidden: [..., H] (fp32 or fp16; requires_grad decides whether the gradient is prepared).
@@ -418,6 +440,11 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
         default_launch_config()); the results do not depend on them beyond summation order.
     cache_weight: keep the weight's compute_dtype copy between calls (cast_frozen_weight;
         $SOLUTION_LM_HEAD_WEIGHT_CACHE, passed by patches/qwen2_lm_head_loss.py); same values.
+    labelled_rows: the number of tokens whose shift label is not ignored, when the caller knows it
+        (a host int; it must be exact). Then the hidden-state gradient GEMM runs on those rows only
+        (their gradient is zero elsewhere: nothing to multiply), moved first. The results are
+        the same up to the GEMMs' rounding (a row at another place in a chunk, a gradient GEMM of
+        another row count). None: every row in its place.
     Returns LMHeadLossOutput (see there); loss backpropagates into hidden.
     """
     if compute_dtype is None:
@@ -432,7 +459,8 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
         raise ValueError(f"shift_labels has {labels1d.numel()} tokens, hidden has {hidden2d.shape[0]}")
     want_grad = torch.is_grad_enabled() and hidden.requires_grad
     loss_sum, entropy, argmax, token_loss = _FusedLMHeadCE.apply(
-        hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad, cache_weight)
+        hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad, cache_weight,
+        labelled_rows)
     labels1d = labels1d.to(argmax.device)
     valid = labels1d != IGNORE_INDEX
     num_valid = valid.sum()

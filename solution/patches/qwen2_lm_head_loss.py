@@ -134,7 +134,7 @@ def _head_ok(model, labels, logits_to_keep, kwargs) -> bool:
             and head.weight.shape[0] == model.config.vocab_size)
 
 
-def _packed_lm_head(packed, weight, shift_labels, dtype, num_items_in_batch):
+def _packed_lm_head(packed, weight, shift_labels, dtype, num_items_in_batch, labelled_rows):
     """The fused LM head on the packed real-token rows of an unpadded decoder run (qwen2_unpad):
     labels gathered the same way, per-token results put back at their [batch, seqlen] positions
     (0 at pad positions, where stock's values are never used)."""
@@ -144,7 +144,7 @@ def _packed_lm_head(packed, weight, shift_labels, dtype, num_items_in_batch):
     hidden, info = packed
     labels = unpad_rows(shift_labels.reshape(-1), info).view(1, -1)
     res = fused_lm_head_loss(hidden, weight, labels, compute_dtype=dtype, num_items_in_batch=num_items_in_batch,
-                             cache_weight=settings.current().lm_head_weight_cache)
+                             cache_weight=settings.current().lm_head_weight_cache, labelled_rows=labelled_rows)
     shape = (info.batch, info.seqlen)
     per_token = [pad_rows(t.reshape(-1), info).view(shape) for t in (res.token_entropy, res.token_argmax, res.token_loss)]
     return (*per_token, res.loss)
@@ -170,6 +170,10 @@ def _make_forward(stock_forward):
                                  position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
                                  use_cache=use_cache, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         drop_cache_args(kwargs)
+        # The labelled tokens' count, read before the decoder is queued (one sync, next to the one
+        # the packed step makes for its row lengths): the LM head's gradient GEMM then runs on
+        # those rows only (Soup trains on the responses: ~36% of the shipped tokens have no label).
+        labelled = int((labels[..., 1:] != -100).sum()) if torch.is_grad_enabled() else None
         # From here on: the stock forward's body, with the LM head + loss fused.
         with capture_packed_hidden() as packed:  # filled when the decoder ran on real tokens only
             outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -189,11 +193,11 @@ def _make_forward(stock_forward):
             # Only the real tokens' rows go through the LM head (pad positions: label -100, and
             # trl weighs their entropy by attention_mask 0); their results are scattered back.
             token_entropy, token_argmax, token_loss, loss = _packed_lm_head(
-                packed[0], weight, shift_labels, dtype, kwargs.get("num_items_in_batch"))
+                packed[0], weight, shift_labels, dtype, kwargs.get("num_items_in_batch"), labelled)
         else:
             res = fused_lm_head_loss(hidden_states, weight, shift_labels, compute_dtype=dtype,
                                      num_items_in_batch=kwargs.get("num_items_in_batch"),
-                                     cache_weight=settings.current().lm_head_weight_cache)
+                                     cache_weight=settings.current().lm_head_weight_cache, labelled_rows=labelled)
             token_entropy, token_argmax, token_loss, loss = res.token_entropy, res.token_argmax, res.token_loss, res.loss
         return output_class(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                             attentions=outputs.attentions, token_entropy=token_entropy, token_argmax=token_argmax,

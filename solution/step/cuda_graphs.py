@@ -260,6 +260,35 @@ class _Arena:
                 and cos.dtype == self.cos.dtype and cos.shape[-1] == self.cos.shape[-1])
 
 
+class _GradBuffers:
+    """The trainable parameters' gradient buffers the backward graphs write: views of one flat
+    buffer when the parameters share a dtype and device (the LoRA weights), so that a replay
+    hands autograd its copies with one clone, not one per parameter (112 clones a step before:
+    issue 13.2). Autograd keeps each view as that parameter's ``.grad`` as it kept each clone:
+    the same values and layout, in disjoint memory."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.shapes = [p.shape for p in params]
+        one_kind = len({(p.dtype, p.device) for p in params}) == 1
+        self.flat = (torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+                     if params and one_kind else None)
+        self.views = self._views(self.flat) if self.flat is not None else [torch.zeros_like(p) for p in params]
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out, at = [], 0
+        for shape in self.shapes:
+            n = shape.numel()
+            out.append(flat[at: at + n].view(shape))
+            at += n
+        return out
+
+    def copies(self, wanted: list[bool]) -> list[torch.Tensor | None]:
+        """Copies of the buffers (None where ``wanted`` is False), safe to keep past the next replay."""
+        if self.flat is None:
+            return [buf.clone() if w else None for buf, w in zip(self.views, wanted)]
+        return [v if w else None for v, w in zip(self._views(self.flat.clone()), wanted)]
+
+
 class _LayerGraphs:
     """The forward and backward graphs of one bucket, and the views of the arena they use."""
 
@@ -271,7 +300,7 @@ class _LayerGraphs:
         self.cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.arange = torch.arange(n, device=device)
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        self.param_grads: list[torch.Tensor] = []  # the runner's buffers, shared by its graphs
+        self.param_grads: _GradBuffers | None = None  # the runner's buffers, shared by its graphs
         self.has_grad: list[bool] = []
         self.rng_checked = False
 
@@ -317,7 +346,7 @@ class _ReplayDecoderLayers(torch.autograd.Function):
         g.grad_out.copy_(grad_out)
         g.bwd.replay()
         grad_h = g.grad_h.clone() if g.needs_input_grad else None
-        grads = [buf.clone() if has else None for buf, has in zip(g.param_grads, g.has_grad)]
+        grads = g.param_grads.copies(g.has_grad)
         return (None, grad_h, *grads)
 
 
@@ -400,7 +429,7 @@ class DecoderGraphs:
         self.graphs: dict[tuple, _LayerGraphs] = {}
         self.arena: _Arena | None = None
         self.params: list[torch.nn.Parameter] | None = None
-        self.grads: list[torch.Tensor] | None = None
+        self.grads: _GradBuffers | None = None
         self.warmed = False
         self.failed: str | None = None
         self.full_said = False
@@ -410,7 +439,7 @@ class DecoderGraphs:
     def _trainable(self, layers) -> list[torch.nn.Parameter]:
         params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
         if self.params is None or len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
-            self.params, self.graphs, self.grads = params, {}, [torch.zeros_like(p) for p in params]
+            self.params, self.graphs, self.grads = params, {}, _GradBuffers(params)
         return params
 
     # -- capture ------------------------------------------------------------------------------
@@ -493,7 +522,7 @@ class DecoderGraphs:
                 grads = torch.autograd.grad(out, inputs, grad_outputs=g.grad_out, allow_unused=True)
                 if g.needs_input_grad:
                     g.grad_h.copy_(grads[0])
-                pairs = [(buf, gr) for buf, gr in zip(self.grads, grads[inputs_from:]) if gr is not None]
+                pairs = [(buf, gr) for buf, gr in zip(self.grads.views, grads[inputs_from:]) if gr is not None]
                 if pairs:
                     torch._foreach_copy_([b for b, _ in pairs], [gr for _, gr in pairs])
             finally:
