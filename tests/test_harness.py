@@ -565,3 +565,26 @@ def test_op_origins_and_profile_are_refused_together(tmp_path, capsys):
         run_one.main(["--variant", "solution", "--model", "m", "--data", "d", "--workdir", str(tmp_path),
                       "--profile", "--op-origins", str(tmp_path / "o.md")])
     assert exc.value.code == 2 and "separate passes" in capsys.readouterr().err
+
+
+def test_kernel_rates_divide_the_modelled_bytes_by_the_profiled_time(tmp_path, capsys):
+    """bench/kernel_rates.py: GPU ms a step from the profile (steps 3-N), bytes from the workload's
+    model at the layers' mean token count (bucketed when graphs ran), GB/s and % of the copy."""
+    from bench import kernel_rates
+
+    steps = 6  # 4 timed steps
+    logs = [{"num_tokens": 1000.0 * (i + 1)} for i in range(steps)]  # 1000 real tokens a step
+    result = {"step_times_s": [0.1] * steps, "trainer_logs": logs,
+              "profile": {"kernel_times_s": {"_swiglu_fwd_kernel": 4 * 0.5e-3, "unmodelled_kernel": 1.0}}}
+    t, r, rl = kernel_rates.token_counts(result)
+    assert (t, r) == (1000.0, 1000.0) and abs(rl - 640.0) < 1e-9
+    (row,) = kernel_rates.rows(result, copy_gbs=4000.0)
+    assert row["kernel"] == "_swiglu_fwd_kernel" and abs(row["gpu_ms_per_step"] - 0.5) < 1e-12
+    nbytes = 28 * 6 * 1000 * 8960
+    assert abs(row["gb_s"] - nbytes / 0.5e-3 / 1e9) < 1e-6 and abs(row["pct_of_copy"] - 100 * row["gb_s"] / 4000) < 1e-9
+    result["cuda_graphs"] = {"captures": [{"tokens": 1024}]}  # graphs on: the layers ran on buckets of 256
+    assert kernel_rates.token_counts(result)[0] == 1024.0
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps(result))
+    assert kernel_rates.main([str(path)]) == 0
+    assert "| `_swiglu_fwd_kernel` | 0.500 |" in capsys.readouterr().out
