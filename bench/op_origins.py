@@ -39,7 +39,7 @@ def start():
 
     ``verbose=True`` is what puts the Python stack on each op's event: without it, recent torch
     (2.11 measured on the H200, 2.13 here) records the Python frames as events of their own and
-    leaves every op's ``stack`` empty (the 15:1x call's table had no frame at all)."""
+    leaves every op's ``stack`` empty (the 15:0x call's table had no frame at all)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
