@@ -91,20 +91,19 @@ def rows(result: dict, copy_gbs: float) -> list[dict]:
 
 
 def token_counts(result: dict) -> tuple[float, float, float]:
-    """(T, R, R_lab) per step over steps 3-N: T the layers' tokens (bucketed when graphs were on),
-    R the real tokens (trl's num_tokens), R_lab = R x the labelled fraction
-    (result["labelled_fraction"], default 0.64: Soup's response-only labels on the shipped data)."""
+    """(T, R, R_lab) per step over steps 3-N: T the layers' tokens, R the real tokens (trl's
+    num_tokens), R_lab = R x the labelled fraction (result["labelled_fraction"], default 0.64:
+    Soup's response-only labels on the shipped data). With CUDA graphs a step of n real tokens ran
+    in the smallest bucket the run captured above n (a bucket always holds a filler token), read
+    from the run's own captures; a step with none ran eagerly, on its n tokens."""
     nt = [lg["num_tokens"] for lg in result.get("trainer_logs") or [] if "num_tokens" in lg]
     per_step = [b - a for a, b in zip([0.0] + nt[:-1], nt)][2:]
-    r = sum(per_step) / len(per_step) if per_step else 0.0
-    graphs = (result.get("cuda_graphs") or {}).get("captures")
-    if graphs:
-        from solution.step.cuda_graphs import bucket_size, bucketed_tokens
-
-        t = sum(bucketed_tokens(int(n), bucket_size()) for n in per_step) / len(per_step)
-    else:
-        t = r
-    return t, r, r * float(result.get("labelled_fraction", 0.64))
+    if not per_step:
+        return 0.0, 0.0, 0.0
+    buckets = sorted(c["tokens"] for c in (result.get("cuda_graphs") or {}).get("captures") or [])
+    layer_tokens = [next((b for b in buckets if b > n), n) for n in per_step]
+    r = sum(per_step) / len(per_step)
+    return sum(layer_tokens) / len(per_step), r, r * float(result.get("labelled_fraction", 0.64))
 
 
 def markdown(table: list[dict], copy_gbs: float, tokens: tuple[float, float, float]) -> str:

@@ -379,8 +379,8 @@ def _release_capture_state(device: torch.device) -> None:
     cudaStreamEndCapture has succeeded: after an invalidated capture the state still counts itself
     as capturing, and every later random draw (the eager dropout the layers fall back to) fails
     with "Offset increment outside graph capture encountered unexpectedly". A clone of the state has
-    the same seed and offset and is not capturing (test_decoder_graphs.py's failed-capture test;
-    not yet run on a GPU)."""
+    the same seed and offset and is not capturing (test_decoder_graphs.py's failed-capture test,
+    passed on the H200)."""
     gen = _cuda_generator(device)
     if gen is None:
         return
