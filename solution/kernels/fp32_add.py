@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from solution.kernels._blocks import load_block, store_block
 from solution.kernels._device import runs_here
 from solution.kernels._launches import cdiv, launch
 
@@ -42,14 +43,24 @@ GPU_NUM_WARPS = 4
 INTERPRETER_BLOCK = 1 << 16
 
 
+@triton.jit
+def _add(offs, mask, a_ptr, b_ptr, out_ptr, MASKED: tl.constexpr):
+    a = load_block(a_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    b = load_block(b_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    store_block(out_ptr + offs, a + b, mask, MASKED)
+
+
 @triton.jit(do_not_specialize=["n"])
 def fp32_add_kernel(a_ptr, b_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    """out[i] = fp32(a[i]) + fp32(b[i]) over contiguous tensors of n elements."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    """out[i] = fp32(a[i]) + fp32(b[i]) over contiguous tensors of n elements (whole blocks
+    unmasked, the last one masked: kernels/_blocks.py)."""
+    start = tl.program_id(0).to(tl.int64) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, a + b, mask=mask)
+    if start + BLOCK <= n:
+        _add(offs, mask, a_ptr, b_ptr, out_ptr, False)
+    else:
+        _add(offs, mask, a_ptr, b_ptr, out_ptr, True)
 
 
 def supported(a: torch.Tensor, b: torch.Tensor) -> bool:

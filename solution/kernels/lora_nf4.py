@@ -47,6 +47,7 @@ from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
+from solution.kernels._blocks import load_block, store_block
 from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
@@ -58,16 +59,40 @@ INTERPRETER_BLOCK = 1 << 16
 NO_DROPOUT, DROPOUT_MASK, DROPOUT_NOISE = 0, 1, 2
 
 
+@triton.jit
+def _combine(offs, mask, base_ptr, lora_ptr, out_ptr, scaling, MASKED: tl.constexpr):
+    base = load_block(base_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    lora = load_block(lora_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    scaled = (lora * scaling).to(tl.float16).to(tl.float32)  # peft's fp16 `output * scaling`
+    store_block(out_ptr + offs, (base + scaled).to(out_ptr.dtype.element_ty), mask, MASKED)
+
+
 @triton.jit(do_not_specialize=["n"])
 def lora_combine_kernel(base_ptr, lora_ptr, out_ptr, n, scaling, BLOCK: tl.constexpr):
     """out = fp32(base) + fp32(fp16(fp32(lora) * scaling)), stored in out's dtype (fp32 or fp16).
-    base, lora: fp16. This is peft's ``result.clone() + lora_B(...) * scaling`` in one pass."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    base, lora: fp16. This is peft's ``result.clone() + lora_B(...) * scaling`` in one pass.
+    Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
+    start = tl.program_id(0) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    base = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    lora = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    scaled = (lora * scaling).to(tl.float16).to(tl.float32)  # peft's fp16 `output * scaling`
-    tl.store(out_ptr + offs, (base + scaled).to(out_ptr.dtype.element_ty), mask=mask)
+    if start + BLOCK <= n:
+        _combine(offs, mask, base_ptr, lora_ptr, out_ptr, scaling, False)
+    else:
+        _combine(offs, mask, base_ptr, lora_ptr, out_ptr, scaling, True)
+
+
+@triton.jit
+def _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP: tl.constexpr, MASKED: tl.constexpr):
+    a = load_block(a_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    g = load_block(b_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    if DROP == 1:
+        keep = load_block(m_ptr + offs, mask, 0, MASKED).to(tl.float32)
+        g = ((keep * g) * drop_scale).to(out_ty).to(tl.float32)
+    if DROP == 2:
+        noise = load_block(m_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
+        g = (g * noise).to(out_ty).to(tl.float32)
+    store_block(out_ptr + offs, (a + g).to(out_ty), mask, MASKED)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -81,19 +106,15 @@ def lora_grad_sum_kernel(a_ptr, b_ptr, m_ptr, out_ptr, n, drop_scale, DROP: tl.c
                                    as native_dropout_backward computes it
       DROP 2 (CPU composite dropout, noise m = mask / (1 - p) in T)  g = T(fp32(b) * fp32(m)),
                                    as the MulBackward of ``x * noise``
-    i.e. exactly autograd's casts of the two fp16 gradients, dropout's backward and their sum."""
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    i.e. exactly autograd's casts of the two fp16 gradients, dropout's backward and their sum.
+    Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
+    start = tl.program_id(0) * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    if DROP == 1:
-        keep = tl.load(m_ptr + offs, mask=mask, other=0).to(tl.float32)
-        g = ((keep * g) * drop_scale).to(out_ty).to(tl.float32)
-    if DROP == 2:
-        noise = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        g = (g * noise).to(out_ty).to(tl.float32)
-    tl.store(out_ptr + offs, (a + g).to(out_ty), mask=mask)
+    if start + BLOCK <= n:
+        _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP, False)
+    else:
+        _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP, True)
 
 
 def _grid_block(n: int, device: torch.device):

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from solution.kernels._blocks import load_block, store_block
 from solution.kernels._launches import cdiv, launch
 
 KERNEL_NAME = "nf4_dequant"
@@ -126,6 +127,23 @@ def _dequant_blocks(
 
 
 @triton.jit
+def _cast_elems(offs, mask, a_ptr, a16_ptr, b_ptr, b16_ptr, scaling,
+                CAST_A: tl.constexpr, CAST_B: tl.constexpr, MASKED: tl.constexpr):
+    a_raw = load_block(a_ptr + offs, mask, 0.0, MASKED)
+    a16 = a_raw.to(tl.float16)
+    if CAST_A:
+        store_block(a16_ptr + offs, a16, mask, MASKED)
+    if CAST_B == 1:
+        b16 = load_block(b_ptr + offs, mask, 0.0, MASKED).to(tl.float16)
+        store_block(b16_ptr + offs, b16, mask, MASKED)
+    if CAST_B == 2:
+        store_block(b16_ptr + offs, (a16.to(tl.float32) * scaling).to(tl.float16), mask, MASKED)
+    if CAST_B == 3:
+        keep = load_block(b_ptr + offs, mask, 0, MASKED).to(tl.float32)
+        store_block(b16_ptr + offs, ((a_raw.to(tl.float32) * keep) * scaling).to(tl.float16), mask, MASKED)
+
+
+@triton.jit
 def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
                 CAST_A: tl.constexpr, CAST_B: tl.constexpr, BLOCK: tl.constexpr):
     """Elements [pid * BLOCK, (pid + 1) * BLOCK) of one or two same-sized contiguous tensors:
@@ -133,21 +151,15 @@ def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
     CAST_B == 1: b16 = fp16(b); CAST_B == 2: b16 = fp16(fp32(fp16(a)) * scaling), the scaled
     fp16 copy of a (with a already fp16 when CAST_A is off); CAST_B == 3: b is a bool dropout mask
     and b16 = fp16((fp32(a) * mask) * scaling), dropout's value (native_dropout's
-    ``src * keep * scale`` in fp32) cast to fp16, without an fp32 copy of it."""
-    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    ``src * keep * scale`` in fp32) cast to fp16, without an fp32 copy of it. Every block but the
+    last is whole and runs unmasked (vector accesses); the last one masked."""
+    start = pid * BLOCK
+    offs = start + tl.arange(0, BLOCK)
     mask = offs < n
-    a_raw = tl.load(a_ptr + offs, mask=mask, other=0.0)
-    a16 = a_raw.to(tl.float16)
-    if CAST_A:
-        tl.store(a16_ptr + offs, a16, mask=mask)
-    if CAST_B == 1:
-        b16 = tl.load(b_ptr + offs, mask=mask, other=0.0).to(tl.float16)
-        tl.store(b16_ptr + offs, b16, mask=mask)
-    if CAST_B == 2:
-        tl.store(b16_ptr + offs, (a16.to(tl.float32) * scaling).to(tl.float16), mask=mask)
-    if CAST_B == 3:
-        keep = tl.load(b_ptr + offs, mask=mask, other=0).to(tl.float32)
-        tl.store(b16_ptr + offs, ((a_raw.to(tl.float32) * keep) * scaling).to(tl.float16), mask=mask)
+    if start + BLOCK <= n:
+        _cast_elems(offs, mask, a_ptr, a16_ptr, b_ptr, b16_ptr, scaling, CAST_A, CAST_B, False)
+    else:
+        _cast_elems(offs, mask, a_ptr, a16_ptr, b_ptr, b16_ptr, scaling, CAST_A, CAST_B, True)
 
 
 @triton.jit
