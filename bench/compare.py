@@ -79,14 +79,25 @@ def parse_shapes(text: str | None, cuda: bool) -> list[str]:
 def plan_runs(shapes: list[str], cuda: bool, profile: bool = True, host_split: bool = True,
               cold: bool = False, profile_shapes: list[str] | None = None) -> list[tuple[str, str, str]]:
     """The runs, in order, as (run key, variant, mode): each shape timed, then (GPU) profiled;
-    the host-split pass for the shipped shape only; the cold pass last (timed, shipped data)."""
+    for the shipped shape also the solution profiled with graphs off ("profiled-eager": the GPU
+    work of the step a GPU-bound T4 runs, bench/t4_projection.py) and the host-split pass; the
+    cold pass last (timed, shipped data)."""
     plan = []
     for shape in shapes:
         profiled = cuda and profile and (profile_shapes is None or shape in profile_shapes)
         modes = ["timed"] + (["profiled"] if profiled else [])
-        modes += ["hostsplit"] if cuda and host_split and shape == "shipped" else []
         plan += [(shape, v, m) for m in modes for v in VARIANTS]
+        if profiled and shape == "shipped":
+            plan.append((shape, "solution", EAGER_PROFILED))
+        if cuda and host_split and shape == "shipped":
+            plan += [(shape, v, "hostsplit") for v in VARIANTS]
     return plan + ([(COLD, v, "timed") for v in VARIANTS] if cold else [])
+
+
+# The solution's profiled pass with the decoder's CUDA graphs off: on a GPU-bound machine (a T4)
+# the measured decision keeps them off, so its GPU work is this pass's, without the buckets' filler.
+EAGER_PROFILED = "profiled-eager"
+MODE_ENV = {EAGER_PROFILED: {"SOLUTION_CUDA_GRAPHS": "0"}}
 
 
 def git_commit() -> str:
@@ -280,7 +291,7 @@ def _progress(log_path: Path, proc: subprocess.Popen, label: str) -> None:
 def _pass_args(mode: str, work: Path) -> list[str]:
     """bench.run_one's options for a pass: none when timed; the host-split pass also logs Triton's
     compiles (both are diagnosis; neither runs in a timed pass)."""
-    if mode == "profiled":
+    if mode in ("profiled", EAGER_PROFILED):
         return ["--profile"]
     if mode == "hostsplit":
         return ["--host-split", str(work / "host_split.md"), "--compile-log", str(work / "compiles.md")]
@@ -312,6 +323,7 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
     env = child_env(variant, cold)
+    env.update(MODE_ENV.get(mode, {}))
     cmd = [sys.executable, "-m", "bench.run_one", "--variant", variant, "--model", model, "--data", data,
            "--workdir", str(work)] + (["--workload", workload] if workload else [])
     cmd += _pass_args(mode, work)
@@ -438,22 +450,30 @@ def kernel_split(result: dict | None) -> dict | None:
 
 
 def shape_entry(data: str | None, base: dict, sol: dict, base_prof: dict | None = None,
-                sol_prof: dict | None = None) -> dict:
+                sol_prof: dict | None = None, sol_prof_eager: dict | None = None) -> dict:
     """A run key's entry of the report's "shapes": its data file and each variant's figures
-    (report.run_figures; GPU kernel time from the profiled pass), and solution / baseline."""
+    (report.run_figures; GPU kernel time from the profiled pass; ``sol_prof_eager``: the
+    solution's profiled pass with graphs off, its GPU kernel time as "gpu_kernel_s_graphs_off"),
+    and solution / baseline."""
     b = report_mod.run_figures(base, kernel_split(base_prof))
     s = report_mod.run_figures(sol, kernel_split(sol_prof), base)
-    return {"data": data, "baseline": b, "solution": s, "ratios": report_mod.ratios(b, s)}
+    r = report_mod.ratios(b, s)
+    eager = kernel_split(sol_prof_eager)
+    if eager:
+        s["gpu_kernel_s_graphs_off"] = eager["total_gpu_s"]
+        r["gpu_kernel_s_graphs_off"] = eager["total_gpu_s"] / b["gpu_kernel_s"] if b.get("gpu_kernel_s") else None
+    return {"data": data, "baseline": b, "solution": s, "ratios": r}
 
 
 def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split=None, sol_split=None,
                  shape: str = "shipped", data: str | None = None, others: dict | None = None,
-                 machine: dict | None = None) -> dict:
+                 machine: dict | None = None, sol_prof_eager: dict | None = None) -> dict:
     """The report of the ``shape`` runs (time, memory, kernels, host split, rules), plus "shapes":
     the figures of every run key (``shape`` first, then ``others``: key -> {"data", "baseline",
     "solution", "baseline-profiled", "solution-profiled"}), whose timed results are kept in
     "shape_runs" for the rule check. ``machine``: the comparison's date, GPU, versions and commit
-    (machine_record); None: this machine's, now."""
+    (machine_record); None: this machine's, now. ``sol_prof_eager``: the solution's profiled pass
+    with graphs off (plan_runs' "profiled-eager"), or None."""
     if machine is None:
         machine = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": _gpu(),
                    "versions": _versions(), "commit": git_commit()}
@@ -467,7 +487,8 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
                      "max_length": workload.max_length},
         "baseline": base,
         "solution": sol,
-        "kernel_split": {"baseline": kernel_split(base_prof), "solution": kernel_split(sol_prof)},
+        "kernel_split": {"baseline": kernel_split(base_prof), "solution": kernel_split(sol_prof),
+                         "solution_graphs_off": kernel_split(sol_prof_eager)},
         "host_split": {"baseline": (base_split or {}).get("host_split"), "solution": (sol_split or {}).get("host_split")},
         "compile_log": {"baseline": (base_split or {}).get("compile_log"), "solution": (sol_split or {}).get("compile_log")},
     }
@@ -492,7 +513,7 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
             "no GPU time)")
     rep["commit"] = machine.get("commit") or git_commit()
     rep["shape"] = shape
-    rep["shapes"] = {shape: shape_entry(data, base, sol, base_prof, sol_prof)}
+    rep["shapes"] = {shape: shape_entry(data, base, sol, base_prof, sol_prof, sol_prof_eager)}
     rep["shape_runs"] = {}
     for key, runs in (others or {}).items():
         rep["shapes"][key] = shape_entry(runs["data"], runs["baseline"], runs["solution"],
@@ -500,7 +521,8 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
         rep["shape_runs"][key] = {v: runs[v] for v in VARIANTS}
     # T4 projection (issue 13.5, bench/t4_projection.py): a model from this shape's profiled and timed passes
     rep["t4_projection"] = t4_projection.project(base, base_prof, sol, sol_prof, steps=workload.steps,
-                                                 device=rep["gpu"]["name"], shape=shape)
+                                                 device=rep["gpu"]["name"], shape=shape,
+                                                 sol_prof_eager=sol_prof_eager)
     rep["rules"] = check_static() + check_run(rep)
     return rep
 
@@ -613,7 +635,8 @@ def _main(args) -> int:
     rep = build_report(args, model_label, get(primary, "baseline"), get(primary, "solution"),
                        get(primary, "baseline", "profiled"), get(primary, "solution", "profiled"), workload,
                        get(primary, "baseline", "hostsplit"), get(primary, "solution", "hostsplit"),
-                       shape=primary, data=datas[primary], others=others, machine=machine)
+                       shape=primary, data=datas[primary], others=others, machine=machine,
+                       sol_prof_eager=get(primary, "solution", EAGER_PROFILED))
     write_outputs(rep, out)
     print()
     print(report_mod.summary_table(rep))

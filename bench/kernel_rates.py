@@ -36,14 +36,15 @@ Q, KVW, MLP = H * H, KV * H, H * I  # weight sizes (q_proj = o_proj, k_proj = v_
 # fixed (the LM head's chunks), bytes moved in one step as a function of (T, R, R_lab), what the
 # model counts)
 BYTE_MODEL = {
-    "nf4_dequant_kernel": (7 * LAYERS, 
-        lambda t, r, rl: LAYERS * (6 * _w(MLP) + _w(Q)),
-        "per layer: gate/up/down forward and backward, o_proj forward (fp16 input): 7 weights"),
-    "nf4_dequant_cast_kernel": (7 * LAYERS, 
-        lambda t, r, rl: LAYERS * (3 * _w(Q) + 4 * _w(KVW) + 38 * t * H + 14 * t * KV),
-        "per layer: q/k/v forward and backward, o_proj backward (7 weights) + the fp16 casts in the "
-        "same launches: x (fp32 -> fp16) for q, k, v, dropout(x) for q and v (mask read), the fp32 "
-        "gradients of q, k, v, o (and the scaled copy for q, v): 38 bytes per [T, H] element, 14 per [T, KV]"),
+    "nf4_dequant_kernel": (7 * LAYERS,
+        lambda t, r, rl: LAYERS * (5 * _w(MLP) + 2 * _w(Q)),
+        "per layer: up/down forward, gate/up/down backward, o_proj forward and backward (fp16 input and "
+        "gradient: nothing to cast): 7 weights"),
+    "nf4_dequant_cast_kernel": (7 * LAYERS,
+        lambda t, r, rl: LAYERS * (2 * _w(Q) + 4 * _w(KVW) + _w(MLP) + 38 * t * H + 14 * t * KV),
+        "per layer: q/k/v forward and backward, gate forward (7 weights) + the fp16 casts in the same "
+        "launches: x (fp32 -> fp16) for q, k, v and gate, dropout(x) for q and v (mask read), the fp32 "
+        "gradients of q, k, v (and the scaled copy for q, v): 38 bytes per [T, H] element, 14 per [T, KV]"),
     "_swiglu_fwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 6 * t * I, "read gate, up (fp16), write h (fp16)"),
     "_swiglu_bwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 10 * t * I, "read gate, up, dh; write dgate, dup (fp16)"),
     "_lm_head_ce_rows_kernel": (None, 

@@ -31,7 +31,7 @@ def collect(out: Path) -> tuple[dict, list[str]]:
         base = out if key == "shipped" else out / key
         found = {}
         for v in compare.VARIANTS:
-            for name in (v, f"{v}-profiled"):
+            for name in (v, f"{v}-profiled") + ((f"{v}-{compare.EAGER_PROFILED}",) if v == "solution" else ()):
                 r = compare.read_result(base / name, cold=key == compare.COLD)
                 if r is not None:
                     found[name] = r
@@ -60,7 +60,8 @@ def rebuild(out: Path, machine: dict, reason: str) -> dict:
            "gpu": machine["gpu"], "versions": machine["versions"], "commit": machine.get("commit")}
     rep = compare.build_report(args, machine.get("model_label", "stand-in (full)"), ship["baseline"],
                                ship["solution"], ship.get("baseline-profiled"), ship.get("solution-profiled"),
-                               workload, shape="shipped", data=machine.get("data"), others=others, machine=rec)
+                               workload, shape="shipped", data=machine.get("data"), others=others, machine=rec,
+                               sol_prof_eager=ship.get(f"solution-{compare.EAGER_PROFILED}"))
     rep["rebuilt"] = {"by": "bench.rebuild_report", "reason": reason, "missing_runs": missing,
                       "rebuilt_at": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     note = (f"> **Rebuilt** by `bench.rebuild_report` from the run folders: {reason}. "

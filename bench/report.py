@@ -78,6 +78,8 @@ def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
         ("peak GPU memory reserved (GiB)", _mem(b, "peak_mem_reserved_bytes"), _mem(s, "peak_mem_reserved_bytes"), "lower"),
         (f"GPU kernel time, {timed_steps(rep)} (s)", kb["total_gpu_s"] if kb else None,
          ks["total_gpu_s"] if ks else None, "lower"),
+        *([(f"GPU kernel time, graphs off (the T4's path), {timed_steps(rep)} (s)", kb["total_gpu_s"] if kb else None,
+            ke["total_gpu_s"], "lower")] if (ke := rep["kernel_split"].get("solution_graphs_off")) else []),
         ("final loss", final_loss(b), final_loss(s), "same"),
     ]
 
@@ -370,11 +372,12 @@ def markdown(rep: dict) -> str:
     out += _cuda_graph_lines(rep)
     out += _targets_section(rep)
     out += t4_projection.section(rep.get("t4_projection"))  # issue 13.5: a model, not a measurement
-    for variant in ("baseline", "solution"):
-        ks = rep["kernel_split"][variant]
+    for variant in ("baseline", "solution", "solution_graphs_off"):
+        ks = rep["kernel_split"].get(variant)
         if not ks:
             continue
-        out += [f"## Where GPU time goes: {variant} ({timed_steps(rep)}, profiled pass)", "",
+        title = "solution, CUDA graphs off (SOLUTION_CUDA_GRAPHS=0)" if variant == "solution_graphs_off" else variant
+        out += [f"## Where GPU time goes: {title} ({timed_steps(rep)}, profiled pass)", "",
                 "| category | GPU s | share |", "| --- | ---: | ---: |"]
         for cat, t in ks["by_category_s"].items():
             out.append(f"| {cat} | {t:.3f} | {t / ks['total_gpu_s']:.1%} |")

@@ -38,7 +38,11 @@ Every step of it, in plain words:
    time per step is used instead, an upper bound (the solution's eager step does the stock step's
    host work or less: fewer, fused launches). On the T4 decide() would say "off" (GPU-bound) when
    the projected GPU time exceeds GPU_BOUND_RATIO times the eager host time: then the eager host
-   time is the one that counts.
+   time is the one that counts, and so is the GPU time *without* graphs: a graphs run replays
+   every batch in a bucket of tokens, whose filler tokens are GPU work the eager step does not do.
+   bench/compare.py profiles the solution a second time with graphs off (SOLUTION_CUDA_GRAPHS=0,
+   "solution-profiled-eager") for that figure; without that pass the graphs profile stands in
+   for it (an upper bound, said in the result).
 3. Step time = max(host, GPU) per step: the slower side sets the pace (the other one waits).
    64-step training time = 64 x the step time (the first two steps' extra costs, compiles and
    warm-up, are not modelled separately).
@@ -163,33 +167,47 @@ def used_graphs(timed: dict) -> bool:
     return bool((timed.get("cuda_graphs") or {}).get("captures"))
 
 
-def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = None, steps: int = 64) -> dict:
+def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = None, steps: int = 64,
+                eager_profiled: dict | None = None) -> dict:
     """One run on a T4, uncalibrated. ``eager_host_h200``: the H200 host time per step without
-    graphs, for a run whose timed pass used graphs (None: its own wall time is the eager one)."""
+    graphs, for a run whose timed pass used graphs (None: its own wall time is the eager one).
+    ``eager_profiled``: for such a run, its profiled pass with graphs off (the GPU work of the
+    eager step, which the T4 runs where decide() says off); None: the graphs profile stands in."""
     gpu = gpu_split(profiled)
     host = host_per_step(timed)
     graphs = used_graphs(timed)
+    eager_gpu = gpu
     if graphs:
         host_graphs, host_eager = host, eager_host_h200
         eager_source = "the baseline's host time per step (upper bound: this run's eager host time is not measured)"
+        if eager_profiled is not None:
+            eager_gpu = gpu_split(eager_profiled)
+            eager_gpu_source = "this run's profiled pass with graphs off (SOLUTION_CUDA_GRAPHS=0)"
+        else:
+            eager_gpu_source = ("the graphs pass's profile (upper bound: it includes the buckets' filler "
+                                "tokens; no profiled pass with graphs off)")
     else:
         host_graphs, host_eager = None, host
         eager_source = "this run's timed wall time per step (no CUDA graphs)"
+        eager_gpu_source = "this run's profiled pass (no CUDA graphs)"
     if host_eager is None:
         raise ValueError("a run with CUDA graphs needs the eager host time (eager_host_h200)")
-    t4_gpu = gpu["t4_gpu_s_per_step"]
+    t4_gpu_graphs = gpu["t4_gpu_s_per_step"] if graphs else None
+    t4_gpu_eager = eager_gpu["t4_gpu_s_per_step"]
     t4_eager = host_eager * KAGGLE_CPU_FACTOR
     t4_graphs = None if host_graphs is None else host_graphs * KAGGLE_CPU_FACTOR
-    # decide() on the T4: graphs stay off where the eager step is GPU-bound
-    graphs_on_t4 = t4_graphs is not None and not (t4_gpu > GPU_BOUND_RATIO * t4_eager)
-    t4_host = t4_graphs if graphs_on_t4 else t4_eager
+    # decide() on the T4 times the eager step: graphs stay off where it is GPU-bound
+    graphs_on_t4 = t4_graphs is not None and not (t4_gpu_eager > GPU_BOUND_RATIO * t4_eager)
+    t4_host, t4_gpu, used = ((t4_graphs, t4_gpu_graphs, gpu) if graphs_on_t4 else (t4_eager, t4_gpu_eager, eager_gpu))
     step = max(t4_host, t4_gpu)
     return {
         "h200": {"gpu_s_per_step": gpu["h200_gpu_s_per_step"], "by_class_s_per_step": gpu["h200_s_per_step"],
+                 "gpu_eager_s_per_step": eager_gpu["h200_gpu_s_per_step"],
                  "host_s_per_step": host, "host_eager_s_per_step": host_eager,
                  "host_graphs_s_per_step": host_graphs, "graphs": graphs, "host_eager_source": eager_source,
-                 "profiled_steps": gpu["profiled_steps"]},
-        "t4": {"gpu_s_per_step": t4_gpu, "by_class_s_per_step": gpu["t4_s_per_step"],
+                 "gpu_eager_source": eager_gpu_source, "profiled_steps": gpu["profiled_steps"]},
+        "t4": {"gpu_s_per_step": t4_gpu, "by_class_s_per_step": used["t4_s_per_step"],
+               "gpu_eager_s_per_step": t4_gpu_eager, "gpu_graphs_s_per_step": t4_gpu_graphs,
                "host_eager_s_per_step": t4_eager, "host_graphs_s_per_step": t4_graphs,
                "graphs": graphs_on_t4, "host_s_per_step": t4_host, "step_s": step,
                "bound": "GPU" if t4_gpu >= t4_host else "host"},
@@ -218,15 +236,19 @@ def skipped(base_timed, base_prof, sol_timed, sol_prof, device: str | None = Non
 
 
 def project(base_timed: dict, base_prof: dict, sol_timed: dict, sol_prof: dict, steps: int = 64,
-            device: str | None = None, shape: str = "shipped") -> dict:
+            device: str | None = None, shape: str = "shipped", sol_prof_eager: dict | None = None) -> dict:
     """Both runs on a T4, calibrated against the official baseline (module docstring). Returns
     {"model", "skipped": why} when the runs cannot be projected (no profile, not an H200, another
-    shape than the shipped one)."""
+    shape than the shipped one). ``sol_prof_eager``: the solution's profiled pass with graphs off
+    (None: its graphs profile stands in, an upper bound)."""
     why = skipped(base_timed, base_prof, sol_timed, sol_prof, device, shape)
     if why:
         return {"model": LABEL, "skipped": why}
     base = project_run(base_timed, base_prof, steps=steps)
-    sol = project_run(sol_timed, sol_prof, eager_host_h200=base["h200"]["host_s_per_step"], steps=steps)
+    if sol_prof_eager is not None and not (sol_prof_eager.get("profile") or {}).get("kernel_times_s"):
+        sol_prof_eager = None
+    sol = project_run(sol_timed, sol_prof, eager_host_h200=base["h200"]["host_s_per_step"], steps=steps,
+                      eager_profiled=sol_prof_eager)
     factor = OFFICIAL_BASELINE_TRAIN_S / base["train_s_raw"]
     error = base["train_s_raw"] / OFFICIAL_BASELINE_TRAIN_S - 1
     for r in (base, sol):
@@ -291,6 +313,8 @@ def section(proj: dict | None) -> list[str]:
     out += ["", f"Calibration: {proj['calibration']}. Projected solution / baseline: "
             f"{1 / proj['speedup']:.3f} ({proj['speedup']:.2f}x faster).",
             f"Solution's host time without graphs: {proj['solution']['h200']['host_eager_source']}.",
+            *([f"Solution's GPU time without graphs: {proj['solution']['h200']['gpu_eager_source']}."]
+              if proj['solution']['h200'].get('gpu_eager_source') else []),
             "Beside the official baseline's other figures (not part of the model): this run's tokens at "
             f"{OFFICIAL_BASELINE_TRAIN_S:.0f} s give {'n/a' if tok is None else f'{tok:.0f}'} tokens/s "
             f"(official ~{OFFICIAL_BASELINE_TOKENS_PER_S:.0f}); peak allocated "
@@ -312,6 +336,9 @@ def summary(proj: dict | None) -> dict | None:
         t4 = proj[variant]["t4"]
         out[variant] = {"gpu_s_per_step": t4["gpu_s_per_step"], "host_s_per_step": t4["host_s_per_step"],
                         "graphs": t4["graphs"], "step_s": t4["step_s"], "bound": t4["bound"]}
+    src = proj["solution"]["h200"].get("gpu_eager_source")
+    if src:
+        out["solution"]["gpu_eager_source"] = src
     return out
 
 

@@ -130,9 +130,12 @@ def test_plan_cpu_default_is_the_two_timed_runs():
 def test_plan_gpu_default_runs_every_pass_where_it_belongs():
     plan = compare.plan_runs(["shipped", "long", "short"], cuda=True, cold=True)
     modes = {key: sorted({m for k, _, m in plan if k == key}) for key, _, _ in plan}
-    assert modes == {"shipped": ["hostsplit", "profiled", "timed"], "long": ["profiled", "timed"],
+    assert modes == {"shipped": ["hostsplit", "profiled", "profiled-eager", "timed"], "long": ["profiled", "timed"],
                      "short": ["profiled", "timed"], "shipped-cold": ["timed"]}
-    assert len(plan) == 16 and all(sum(1 for p in plan if p[0] == k and p[2] == m) == 2 for k, _, m in plan)
+    # every pass for both variants, but the graphs-off profile: the solution's only (the baseline has no graphs)
+    assert plan[4] == ("shipped", "solution", "profiled-eager")
+    assert len(plan) == 17 and all(sum(1 for p in plan if p[0] == k and p[2] == m) == (1 if m == "profiled-eager" else 2)
+                                   for k, _, m in plan)
     shapes_step = compare.plan_runs(["long", "short"], cuda=True, host_split=False, cold=False)
     assert len(shapes_step) == 8 and {k for k, _, _ in shapes_step} == {"long", "short"}
     assert {m for _, _, m in compare.plan_runs(["long"], cuda=True, profile=False)} == {"timed"}
@@ -342,7 +345,8 @@ def test_profile_shapes_limits_the_profiled_passes():
 
     plan = plan_runs(["shipped", "long", "short"], cuda=True, host_split=False, cold=True, profile_shapes=["shipped"])
     assert [(k, m) for k, v, m in plan if v == "solution"] == [
-        ("shipped", "timed"), ("shipped", "profiled"), ("long", "timed"), ("short", "timed"), ("shipped-cold", "timed")]
+        ("shipped", "timed"), ("shipped", "profiled"), ("shipped", "profiled-eager"), ("long", "timed"), ("short", "timed"),
+        ("shipped-cold", "timed")]
 
 
 # --- a report rebuilt from the run folders (bench/rebuild_report.py) ------------------------------

@@ -179,3 +179,56 @@ def test_a_report_without_a_projection_says_so(monkeypatch):
     rep.pop("t4_projection")  # a report.json from before the projection
     assert "made before bench/t4_projection.py" in report.markdown(rep)
     assert report.summary(rep)["t4_projection"] is None
+
+
+def test_a_gpu_bound_t4_takes_the_gpu_time_of_the_profile_without_graphs():
+    """decide() on the T4 says off: the step is the eager one, host and GPU (the profile with graphs
+    off: no bucket filler); the decision itself is made on that eager GPU time."""
+    graphs_prof, eager_prof = profiled({COPY: 3.3}), profiled({COPY: 3.0})
+    r = t4.project_run(timed(0.05, graphs=True), graphs_prof, eager_host_h200=0.2, eager_profiled=eager_prof)
+    assert r["t4"]["graphs"] is False
+    assert r["t4"]["gpu_s_per_step"] == pytest.approx(3.0 / 62 * t4.MEM_SCALE)
+    assert r["t4"]["gpu_graphs_s_per_step"] == pytest.approx(3.3 / 62 * t4.MEM_SCALE)
+    assert r["h200"]["gpu_eager_s_per_step"] == pytest.approx(3.0 / 62)
+    assert "graphs off" in r["h200"]["gpu_eager_source"]
+    # without that pass the graphs profile stands in, and the result says so
+    r = t4.project_run(timed(0.05, graphs=True), graphs_prof, eager_host_h200=0.2)
+    assert r["t4"]["gpu_s_per_step"] == pytest.approx(3.3 / 62 * t4.MEM_SCALE)
+    assert "upper bound" in r["h200"]["gpu_eager_source"]
+    # a host-bound T4 keeps the graphs: their own GPU time counts
+    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 0.33}), eager_host_h200=0.2,
+                       eager_profiled=profiled({COPY: 0.3}))
+    assert r["t4"]["graphs"] is True
+    assert r["t4"]["gpu_s_per_step"] == pytest.approx(0.33 / 62 * t4.MEM_SCALE)
+
+
+def test_project_uses_the_solutions_eager_profile_when_given():
+    bt, bp, st, _ = _pair()
+    sp = profiled({NVJET: 0.7, "nf4_dequant_cast_kernel": 2.0, COPY: 1.0})  # GPU-bound on the T4
+    eager = profiled({k: v * 0.9 for k, v in sp["profile"]["kernel_times_s"].items()})
+    with_eager = t4.project(bt, bp, st, sp, device="NVIDIA H200", sol_prof_eager=eager)
+    without = t4.project(bt, bp, st, sp, device="NVIDIA H200")
+    assert with_eager["baseline_train_s"] == without["baseline_train_s"] == pytest.approx(80.0)
+    assert with_eager["solution"]["t4"]["graphs"] is False
+    assert with_eager["solution_train_s"] < without["solution_train_s"]
+    assert "graphs off" in t4.summary(with_eager)["solution"]["gpu_eager_source"]
+
+
+def test_the_report_shows_the_solutions_gpu_time_with_graphs_off(monkeypatch):
+    """bench.compare's graphs-off profile: its own row, its own category table, the shipped
+    shape's "gpu_kernel_s_graphs_off" (and its ratio to the baseline's GPU time) in summary.json."""
+    monkeypatch.setattr(compare, "_gpu", lambda: {"name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8})
+    base, base_prof, sol, sol_prof = _pair()
+    eager = profiled({NVJET: 0.65, "nf4_dequant_cast_kernel": 0.45, ATTN: 0.18, COPY: 0.12, H2D: 0.04})
+    rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (full)", base, sol, base_prof, sol_prof,
+                               load_workload(), shape="shipped", data="k.jsonl", sol_prof_eager=eager)
+    md = report.markdown(rep)
+    assert "| GPU kernel time, graphs off (the T4's path), steps 3-64 (s) | 3.48 | 1.44 | 2.42x |" in md
+    assert "## Where GPU time goes: solution, CUDA graphs off" in md
+    shipped = report.summary(rep)["runs"]["shipped"]
+    assert shipped["solution"]["gpu_kernel_s_graphs_off"] == pytest.approx(1.44)
+    assert rep["shapes"]["shipped"]["ratios"]["gpu_kernel_s_graphs_off"] == pytest.approx(1.44 / 3.48)
+    # without the pass: no such row
+    rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (full)", base, sol, base_prof, sol_prof,
+                               load_workload(), shape="shipped", data="k.jsonl")
+    assert "graphs off (the T4's path)" not in report.markdown(rep)
