@@ -39,6 +39,16 @@ def test_max_len_bound():
     assert bounded.max_len == 64 and bounded.n_tokens == 8
 
 
+def test_row_bound_is_the_runs_cap_where_it_holds():
+    """Attention's row bound of a bucket: the run's cap where this batch's longest row (filler
+    included) is within it, never more than the bucket; the bucket without a cap or beyond it."""
+    assert cuda_graphs.row_bound(1280, 512, 512) == 512
+    assert cuda_graphs.row_bound(256, 200, 512) == 256  # a small bucket: itself
+    assert cuda_graphs.row_bound(1280, 513, 512) == 1280  # a longer row than the run's: the bucket
+    assert cuda_graphs.row_bound(1280, 0, 512) == 512  # captured ahead (stand-in rows)
+    assert cuda_graphs.row_bound(1280, 300, None) == 1280  # no length profile
+
+
 @pytest.mark.parametrize("n,bucket,expected", [(1, 64, 64), (63, 64, 64), (64, 64, 128), (1009, 64, 1024),
                                                 (1009, 128, 1024), (1024, 128, 1152), (5, 1, 6)])
 def test_bucketed_tokens(n, bucket, expected):
@@ -328,12 +338,15 @@ def _train_steps(model_dir, batches, plan, graphs: str, monkeypatch, profile=Non
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bucket,ahead", [("64", False), ("16", False), ("16", True)])
-def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahead):
+@pytest.mark.parametrize("bucket,ahead,cap", [("64", False, None), ("16", False, None), ("16", True, None),
+                                              ("16", False, 64)])
+def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahead, cap):
     """Graphs against eager on 4 QLoRA steps: same generator offsets, losses and gradients. With
     ``ahead`` a length profile is noted (as patches/trainer_lengths does) that predicts the
     batches' buckets: they are captured ahead, in the first step, from zeros, and the replays
-    of the later steps still train as eager does.
+    of the later steps still train as eager does. With ``cap`` the runner takes it as the run's
+    longest row (the batches' longest is 64): attention's row bound is then 64 in every bucket
+    above it, and the filler row (at most one bucket width, 16) within it.
     The workload's stack on a tiny model (NF4 double quant, LoRA r=16 on q/v, dropout 0.05,
     fp16 autocast, every patch): four forward/backward steps on batches of different lengths
     (two in one bucket, a new bucket, and a gradient accumulation of two batches), with graphs and
@@ -348,6 +361,9 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahea
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     batches = _four_batches()
     plan = [(0, True), (1, True), (2, True), (3, False)]  # (batch, zero_grad first): the last accumulates
+    if cap is not None:
+        bound = cuda_graphs.row_bound
+        monkeypatch.setattr(cuda_graphs, "row_bound", lambda tokens, longest, _cap: bound(tokens, longest, cap))
 
     def run(graphs: bool):
         return _train_steps(model_dir, batches, plan, "1" if graphs else "0", monkeypatch,
@@ -362,6 +378,9 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahea
     assert state[0] == len({cuda_graphs.bucketed_tokens(int(m.sum()), int(bucket)) for _, m, _ in batches})
     caps = cuda_graphs.CAPTURES[first_capture:]
     assert sum(1 for c in caps if c.get("ahead")) == (state[0] - 1 if ahead else 0)
+    if cap is not None:
+        assert [c["row_bound"] for c in caps] == [min(c["tokens"], cap) for c in caps]
+        assert any(c["row_bound"] < c["tokens"] for c in caps)
     for i, ((loss_e, grads_e, off_e), (loss_g, grads_g, off_g)) in enumerate(zip(eager, graphed)):
         assert off_g == off_e, f"step {i}: the generator moved differently"
         assert rel_err(loss_g, loss_e) < 1e-3, i

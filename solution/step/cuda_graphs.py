@@ -14,8 +14,14 @@
      $SOLUTION_GRAPH_BUCKET, 256 by default, at least one token more than N) by one extra packed
      row (packing.make_unpadded(extra=...)): copies of the first tokens of the longest row, with
      their own attention row, so they never touch a real token and get a zero gradient;
-   - attention's longest row: the bucket size is passed as the bound (Unpadded.max_len_bound);
-     the kernel reads each row's true extent from cu_seqlens, which is copied in every step;
+   - attention's longest row: a bound that holds for every batch of the bucket is passed
+     (Unpadded.max_len_bound); the kernel reads each row's true extent from cu_seqlens, which is
+     copied in every step. The bound is the bucket size, or, when the run's row lengths are known
+     (lengths.py), the smaller ``row_bound``: no real row is longer than the run's longest, and the
+     filler row is at most one bucket width. PyTorch's attention sizes its grid and its backward's
+     zero-filled workspace by this bound (the workspace fill was 1.3% of the step's GPU time with
+     the bucket as the bound: docs/cuda_graphs.md); a batch with a longer row is replayed in graphs
+     of its own, captured with the bucket size as the bound;
    - dropout: stock draws each LoRA mask over the padded [batch, longest row, hidden] shape,
      which changes every step, so the masks cannot be drawn inside a graph. They are drawn
      before each replay, in the layers' call order, with the very calls stock makes
@@ -72,6 +78,16 @@ def enabled() -> bool:
 def bucket_size() -> int:
     """Token bucket of the graphs ($SOLUTION_GRAPH_BUCKET, default 256; settings.current())."""
     return settings.current().graph_bucket
+
+
+def row_bound(tokens: int, longest: int, cap: int | None) -> int:
+    """Attention's row bound for a bucket of ``tokens`` whose longest row (the filler row included)
+    is ``longest``: ``cap`` (the run's longest real row or one bucket width, whichever is larger:
+    DecoderGraphs.row_cap) where it holds, else the bucket size (always a bound: no row is longer
+    than the whole bucket). Pure."""
+    if cap is None or longest > cap:
+        return tokens
+    return min(tokens, cap)
 
 
 def bucketed_tokens(n: int, bucket: int) -> int:
@@ -292,8 +308,9 @@ class _GradBuffers:
 class _LayerGraphs:
     """The forward and backward graphs of one bucket, and the views of the arena they use."""
 
-    def __init__(self, arena: _Arena, n: int, rows: int, needs_input_grad: bool, device):
+    def __init__(self, arena: _Arena, n: int, rows: int, needs_input_grad: bool, device, bound: int | None = None):
         self.arena, self.n, self.needs_input_grad = arena, n, needs_input_grad
+        self.bound = n if bound is None else bound  # attention's row bound (``row_bound``)
         self.h, self.out = arena.h[:, :n], arena.out[:, :n]
         self.grad_out, self.grad_h = arena.grad_out[:, :n], arena.grad_h[:, :n]
         self.cos, self.sin, self.pos = arena.cos[:, :n], arena.sin[:, :n], arena.pos[:, :n]
@@ -305,10 +322,10 @@ class _LayerGraphs:
         self.rng_checked = False
 
     def info(self, capture: packing.Unpadded) -> packing.Unpadded:
-        """The Unpadded the captured layers see: this graph's buffers; the row bound is the bucket."""
+        """The Unpadded the captured layers see: this graph's buffers and row bound."""
         return packing.Unpadded(idx=self.arange, positions=self.pos[0], src=self.arange, batch=capture.batch,
                                 seqlen=capture.seqlen, lengths=capture.lengths, arange=self.arange,
-                                cu_seqlens=self.cu_seqlens, max_len_bound=self.n)
+                                cu_seqlens=self.cu_seqlens, max_len_bound=self.bound)
 
     def load(self, info: packing.Unpadded, h, cos, sin) -> None:
         """This step's inputs into the graph's buffers (h's values; its autograd edge stays with
@@ -434,6 +451,9 @@ class DecoderGraphs:
         self.failed: str | None = None
         self.full_said = False
         self.ahead: list[int] | None = None  # buckets to capture ahead (lengths.py), set at the first step
+        # the longest row any bucket of this run holds, where the run's row lengths are known
+        # (``row_bound``; set at the first step with ``ahead``), else None (the bucket is the bound)
+        self.row_cap: int | None = None
 
     # -- parameters ---------------------------------------------------------------------------
     def _trainable(self, layers) -> list[torch.nn.Parameter]:
@@ -446,8 +466,11 @@ class DecoderGraphs:
     def _graphs_for(self, layers, binfo, h, cos, sin, dropouts: int, ahead: bool = False) -> _LayerGraphs | None:
         n = h.shape[1]
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+        # a bucket captured ahead holds batches whose rows are within the run's (its own stand-in
+        # rows are only shapes); a real batch's rows, the filler row included, are checked
+        bound = row_bound(n, 0 if ahead else max(binfo.lengths), self.row_cap)
         # dropouts: the LoRA dropouts active now (a dropout put in eval mode changes what the layers do)
-        key = (n, binfo.batch, len(binfo.lengths), h.dtype, cos.dtype, h.requires_grad, autocast, dropouts)
+        key = (n, bound, binfo.batch, len(binfo.lengths), h.dtype, cos.dtype, h.requires_grad, autocast, dropouts)
         g = self.graphs.get(key)
         if g is not None:
             return g
@@ -457,13 +480,13 @@ class DecoderGraphs:
                 say(f"{MAX_GRAPHS} decoder graphs captured: new batch sizes run eagerly")
             return None
         self._ensure_arena(binfo, h, cos)
-        g = _LayerGraphs(self.arena, n, len(binfo.lengths), h.requires_grad, self.device)
+        g = _LayerGraphs(self.arena, n, len(binfo.lengths), h.requires_grad, self.device, bound)
         g.load(binfo, h, cos, sin)
         g.param_grads = self.grads
         t0 = time.perf_counter()
         self._capture(g, layers, binfo, autocast, dropouts)
         seconds = time.perf_counter() - t0
-        CAPTURES.append({"tokens": n, "seconds": seconds, "t": t0, "ahead": ahead})
+        CAPTURES.append({"tokens": n, "seconds": seconds, "t": t0, "ahead": ahead, "row_bound": bound})
         say(f"captured the decoder layers' CUDA graphs for {n} tokens in {seconds * 1e3:.0f} ms "
              f"({len(self.graphs) + 1} buckets{', ahead' if ahead else ''})")
         self.graphs[key] = g
@@ -574,6 +597,7 @@ class DecoderGraphs:
         if first:
             prof = lengths.profile()
             self.ahead = [] if prof is None else lengths.predicted_buckets(prof, lambda t: bucketed_tokens(t, bucket_size()))
+            self.row_cap = None if prof is None else max(bucket_size(), max(prof.lengths))
             if self.ahead:
                 say(f"decoder CUDA graphs: {len(self.ahead)} buckets predicted from the dataset's row lengths "
                      f"({self.ahead[0]}-{self.ahead[-1]} tokens), captured ahead in this step")
@@ -603,7 +627,7 @@ _RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _REFUSALS_SAID: set[str] = set()
 
 # Every capture and failure in this process, for the measurement harness (bench/run_one.py):
-# {"tokens", "seconds", "t": time.perf_counter() at its start}, and the failure reasons.
+# {"tokens", "seconds", "t": time.perf_counter() at its start, "ahead", "row_bound"}, and the failure reasons.
 CAPTURES: list[dict] = []
 FAILURES: list[str] = []
 DECISIONS: list[dict] = []  # "auto" mode: {"graphs", "reason", "samples"} per model decided
