@@ -163,16 +163,17 @@ def test_matches_peft(in_f, out_f, prefix, pad, noncontig, dropout, lora_dtype, 
 def test_torch_ops_per_call(device, autocast_ctx, monkeypatch):
     """The work of one training call (fp32 x, dropout 0.05, fp32 LoRA weights), pinned so that
     extra casts or copies show up. Forward: dropout, 1 Triton launch (W + casts of x and
-    dropout(x)), base GEMM, casts of A and B, 2 LoRA GEMMs, 1 Triton combine. Backward: 1 Triton
-    launch (W + fp16 gradient + scaled copy), 5 GEMMs, 2 casts of the A/B gradients, 1 Triton
-    input-gradient kernel (dropout backward + sum). Stock peft + bnb on CUDA: 15 kernels forward,
+    dropout(x)), base GEMM, 1 Triton launch casting A and B, 2 LoRA GEMMs, 1 Triton combine.
+    Backward: 1 Triton launch (W + fp16 gradient + scaled copy), 5 GEMMs, 1 Triton launch casting
+    the A/B gradients, 1 Triton input-gradient kernel (dropout backward + sum). Stock peft + bnb on CUDA: 15 kernels forward,
     ~17 backward."""
     layer = make_lora_layer(128, 64, 0.05, torch.float32, device)
     x = fresh_x((*tokens((2, 5), device), 128), device)
     with Patched():
         run(layer, x, autocast_ctx)  # builds the plan and the scratch buffer
         x.grad = layer.lora_A["default"].weight.grad = layer.lora_B["default"].weight.grad = None
-        counter = CountOps(monkeypatch, [(lora_nf4, "lora_combine"), (lora_nf4, "lora_grad_sum")])
+        counter = CountOps(monkeypatch, [(lora_nf4, "lora_combine"), (lora_nf4, "lora_grad_sum"),
+                                         (lora_nf4, "cast_pair")])
         with counter, autocast_ctx():
             out = layer(x)
         fwd = counter.take()
@@ -181,9 +182,8 @@ def test_torch_ops_per_call(device, autocast_ctx, monkeypatch):
             out.backward(g)
         bwd = counter.take()
     dropout_ops = ["native_dropout"] if device == "cuda" else ["empty_like", "bernoulli_", "div_", "mul"]
-    assert fwd == dropout_ops + ["empty", "empty", "triton", "addmm", "_to_copy", "_to_copy", "mm", "mm",
-                                 "triton"]
-    assert bwd == ["empty", "empty", "triton", "mm", "_to_copy", "mm", "mm", "_to_copy", "mm", "mm", "triton"]
+    assert fwd == dropout_ops + ["empty", "empty", "triton", "addmm", "triton", "mm", "mm", "triton"]
+    assert bwd == ["empty", "empty", "triton", "mm", "mm", "mm", "triton", "mm", "mm", "triton"]
 
 
 def test_fp16_input(device, autocast_ctx):
@@ -370,3 +370,45 @@ def test_patched_forward_defers_dropout_only_when_asked(device, monkeypatch, aut
         finally:
             swaps.restore()
     assert seen == [False, True]
+
+
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.float16), (torch.float16, torch.float32)])
+@pytest.mark.parametrize("n0,n1", [(16 * 1536, 1536 * 16), (16 * 1536, 256 * 16), (5, 4097), (4096, 1)])
+def test_cast_pair_is_torchs_two_casts(device, src, dst, n0, n1):
+    """cast_pair: the very bits of ``.to`` for both tensors (round to nearest even, overflow to
+    inf, subnormals, signed zero; NaN stays NaN), at the LoRA shapes, odd sizes and a block
+    boundary; one launch."""
+    special = torch.tensor([65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, -0.0, float("nan"), float("inf"),
+                            1 + 2 ** -11, 1 + 3 * 2 ** -11, 2 ** -24 * 1.5])
+
+    def make(n, seed):
+        g = torch.Generator().manual_seed(seed)
+        t = torch.randn(n, generator=g) * 3
+        k = min(n, special.numel())
+        t[:k] = special[:k]
+        return t.to(src).to(device)
+
+    a, b = make(n0, 1), make(n1, 2)
+    before = _launches.LAUNCHES["pair_cast"]
+    a_out, b_out = lora_nf4.cast_pair(a, b, dst, dst)
+    assert _launches.LAUNCHES["pair_cast"] == before + 1
+    bits = torch.int32 if dst == torch.float32 else torch.int16
+    for got, ref in ((a_out, a.to(dst)), (b_out, b.to(dst))):
+        assert got.dtype == dst and got.shape == ref.shape
+        nan = ref.isnan()
+        assert torch.equal(got.isnan(), nan)  # a NaN stays a NaN (its payload may differ)
+        assert torch.equal(got[~nan].view(bits), ref[~nan].view(bits))
+
+
+def test_cast_pair_falls_back_to_torch(device):
+    """A tensor already in its dtype, a strided one, bf16: torch's ``.to``, no launch."""
+    a = torch.randn(16, 64, device=device)
+    b = torch.randn(64, 16, device=device)
+    before = _launches.LAUNCHES["pair_cast"]
+    same, other = lora_nf4.cast_pair(a, b.half(), torch.float32, torch.float32)
+    assert same is a and torch.equal(other, b.half().float())
+    s0, s1 = lora_nf4.cast_pair(a.t(), b, torch.float16, torch.float16)  # a.t() is not contiguous
+    assert torch.equal(s0, a.t().half()) and torch.equal(s1, b.half())
+    d0, d1 = lora_nf4.cast_pair(a.bfloat16(), b.bfloat16(), torch.float16, torch.float16)
+    assert torch.equal(d0, a.bfloat16().half()) and torch.equal(d1, b.bfloat16().half())
+    assert _launches.LAUNCHES["pair_cast"] == before

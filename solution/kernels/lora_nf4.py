@@ -26,8 +26,9 @@ What we do instead (same numbers):
             gradient and the base input gradient; ONE kernel (``lora_grad_sum_kernel``) applies
             dropout's backward to the LoRA input gradient and adds the base one, in fp32, with
             the roundings autograd's separate casts / dropout backward / sum would make.
-That is 8 kernels forward (2 Triton, dropout, 3 GEMMs, 2 tiny casts of A and B) and 9 backward
-(2 Triton, 5 GEMMs, 2 tiny casts of the A/B gradients), in one autograd node.
+That is 7 kernels forward (2 Triton, dropout, 3 GEMMs, 1 Triton launch casting A and B:
+``pair_cast_kernel``) and 8 backward (2 Triton, 5 GEMMs, 1 Triton launch casting the A/B
+gradients), in one autograd node.
 On the packed path (no work on padding) the dropout mask is drawn over stock's padded shape and
 its value was computed by torch as ``x * mask * scale`` in fp32 (two elementwise kernels and an
 fp32 tensor), then cast. By default (``SOLUTION_DEFER_DROPOUT=0`` turns it off) the cast launch
@@ -48,6 +49,7 @@ import triton
 import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
+from solution.kernels._device import runs_here
 from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
@@ -115,6 +117,46 @@ def lora_grad_sum_kernel(a_ptr, b_ptr, m_ptr, out_ptr, n, drop_scale, DROP: tl.c
         _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP, False)
     else:
         _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP, True)
+
+
+@triton.jit(do_not_specialize=["n0", "n1"])
+def pair_cast_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, BLOCK: tl.constexpr):
+    """Two casts in one launch: dst0 = dst0's dtype(src0) over n0 elements, dst1 likewise (the
+    first cdiv(n0, BLOCK) programs take the first pair, the rest the second). The LoRA A and B
+    weights to fp16 in the forward, their fp16 gradients to the weights' dtype in the backward:
+    autocast's and autograd's casts, one launch for the two instead of one each. Conversions
+    round to nearest even, as torch's ``.to``; fp16 -> fp32 is exact."""
+    pid = tl.program_id(0)
+    first = tl.cdiv(n0, BLOCK)
+    if pid < first:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n0
+        tl.store(dst0_ptr + offs, tl.load(src0_ptr + offs, mask=mask).to(dst0_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs = (pid - first) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n1
+        tl.store(dst1_ptr + offs, tl.load(src1_ptr + offs, mask=mask).to(dst1_ptr.dtype.element_ty), mask=mask)
+
+
+PAIR_CAST_BLOCK = 4096  # the LoRA weights: 16 x 1536 = 24,576 elements (6 programs), v's B 4,096 (1)
+# the casts training makes (fp32 LoRA weights): fp32 -> fp16 forward, fp16 -> fp32 backward.
+# bf16 is left to torch: the interpreter's bf16 conversion did not round as torch does (CPU test).
+_PAIR_CASTS = {(torch.float32, torch.float16), (torch.float16, torch.float32)}
+
+
+def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype):
+    """(a.to(a_dtype), b.to(b_dtype)), in one launch where our kernels run and both are fp32 ->
+    fp16 or both fp16 -> fp32 casts of contiguous tensors on one device; otherwise torch's ``.to``
+    for each (a tensor already in its dtype is returned as it is, as ``.to`` does)."""
+    if ((a.dtype, a_dtype) not in _PAIR_CASTS or (b.dtype, b_dtype) != (a.dtype, a_dtype)
+            or not runs_here(a.device) or a.device != b.device or not (a.is_contiguous() and b.is_contiguous())):
+        return a.to(a_dtype), b.to(b_dtype)
+    a_out = torch.empty(a.shape, dtype=a_dtype, device=a.device)
+    b_out = torch.empty(b.shape, dtype=b_dtype, device=b.device)
+    n0, n1 = a.numel(), b.numel()
+    launch(pair_cast_kernel, (cdiv(n0, PAIR_CAST_BLOCK) + cdiv(n1, PAIR_CAST_BLOCK),), "pair_cast",
+           a, a_out, n0, b, b_out, n1, BLOCK=PAIR_CAST_BLOCK, num_warps=4)
+    return a_out, b_out
 
 
 def _grid_block(n: int, device: torch.device):
@@ -285,8 +327,7 @@ class LoraNF4Function(torch.autograd.Function):
     def forward(ctx, x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode, drop_scale, scaling):
         w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd, drop_mask)
         base16 = F.linear(x16, w16, bias16)
-        a16 = lora_a if lora_a.dtype == torch.float16 else lora_a.to(torch.float16)
-        b16 = lora_b if lora_b.dtype == torch.float16 else lora_b.to(torch.float16)
+        a16, b16 = cast_pair(lora_a, lora_b, torch.float16, torch.float16)  # autocast's two casts, one launch
         h16 = F.linear(xd16, a16)
         lora16 = F.linear(h16, b16)
         out = lora_combine(base16, lora16, scaling, x.dtype)
@@ -317,16 +358,21 @@ class LoraNF4Function(torch.autograd.Function):
         n_out, r, n_in = gs16.shape[-1], h16.shape[-1], xd16.shape[-1]
 
         grad_x = grad_a = grad_b = grad_bias = None
-        if need_b:  # lora_B: grad_weight = gs^T h
-            grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r)).to(b_dtype)
+        if need_b:  # lora_B: grad_weight = gs^T h (fp16, cast to B's dtype below)
+            grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r))
         if need_a or need_x:
             grad_h16 = torch.matmul(gs16, b16)  # [..., r]
-            if need_a:  # lora_A: grad_weight = grad_h^T xd16
-                grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in)).to(a_dtype)
-            if need_x:
-                grad_xd16 = torch.matmul(grad_h16, a16)
-                grad_base16 = torch.matmul(g16, w16)
-                grad_x = lora_grad_sum(grad_base16, grad_xd16, drop_mask, ctx.drop_mode, ctx.drop_scale, x_dtype)
+            if need_a:  # lora_A: grad_weight = grad_h^T xd16 (fp16, cast to A's dtype below)
+                grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in))
+        if need_a and need_b:  # autograd's two casts of the fp16 weight gradients, one launch
+            grad_a, grad_b = cast_pair(grad_a, grad_b, a_dtype, b_dtype)
+        elif need_a or need_b:
+            grad_a = None if grad_a is None else grad_a.to(a_dtype)
+            grad_b = None if grad_b is None else grad_b.to(b_dtype)
+        if need_x:
+            grad_xd16 = torch.matmul(grad_h16, a16)
+            grad_base16 = torch.matmul(g16, w16)
+            grad_x = lora_grad_sum(grad_base16, grad_xd16, drop_mask, ctx.drop_mode, ctx.drop_scale, x_dtype)
         if need_bias:
             grad_bias = g16.reshape(-1, n_out).sum(0, dtype=bias_dtype)
         return grad_x, grad_a, grad_b, grad_bias, None, None, None, None, None, None
@@ -341,7 +387,14 @@ def lora_nf4(x, lora_a, lora_b, bias16, plan, xd=None, drop_mask=None, drop_mode
 
 def sm75_specs():
     """Launch configurations used in training (x fp32 -> fp32 output, dropout on CUDA: bool mask;
-    fp16 for completeness)."""
+    fp16 for completeness; the A / B casts fp32 -> fp16 forward, fp16 -> fp32 backward)."""
+    for src, dst in (("fp32", "fp16"), ("fp16", "fp32")):
+        yield {
+            "name": f"pair_cast({src}->{dst})", "fn": pair_cast_kernel,
+            "signature": {"src0_ptr": f"*{src}", "dst0_ptr": f"*{dst}", "n0": "i32",
+                          "src1_ptr": f"*{src}", "dst1_ptr": f"*{dst}", "n1": "i32", "BLOCK": "constexpr"},
+            "constexprs": {"BLOCK": PAIR_CAST_BLOCK}, "num_warps": 4,
+        }
     for out_ty in ("fp32", "fp16"):
         yield {
             "name": f"lora_combine(out={out_ty})", "fn": lora_combine_kernel,
