@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 
-LAYERS, H, I, KV, V = 28, 1536, 8960, 256, 151936
+LAYERS, H, I, KV, V, R_ = 28, 1536, 8960, 256, 151936, 16  # R_: the LoRA rank
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 2  # packed codes, one u8 absmax per 64, the fp16 output
 
 
@@ -45,6 +45,9 @@ BYTE_MODEL = {
         "per layer: q/k/v forward and backward, gate forward (7 weights) + the fp16 casts in the same "
         "launches: x (fp32 -> fp16) for q, k, v and gate, dropout(x) for q and v (mask read), the fp32 "
         "gradients of q, k, v (and the scaled copy for q, v): 38 bytes per [T, H] element, 14 per [T, KV]"),
+    "pair_cast_kernel": (4 * LAYERS,
+        lambda t, r, rl: LAYERS * 2 * 6 * (2 * R_ * H + R_ * H + R_ * KV),
+        "q and v: A and B to fp16 (forward), their gradients back to fp32 (backward): 6 bytes an element"),
     "_swiglu_fwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 6 * t * I, "read gate, up (fp16), write h (fp16)"),
     "_swiglu_bwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 10 * t * I, "read gate, up, dh; write dgate, dup (fp16)"),
     "_lm_head_ce_rows_kernel": (None, 
