@@ -9,10 +9,12 @@ must move in one step by it. The bytes are a model of the workload, stated per k
 (with CUDA graphs: the bucket, filler included), R = the mean real token count (the LM head's
 rows), R_lab = the rows with a label. Times are measured; bytes and rates are computed.
 
-    python -m bench.kernel_rates RESULT_JSON [--copy-gbs 4178]
+    python -m bench.kernel_rates RESULT_JSON [--copy-gbs 4178 | --measure-copy]
 
 RESULT_JSON: a profiled run's result.json (the solution-profiled folder of a compare). The copy
-bandwidth is bench_nf4's device copy (512 MiB) on the same GPU. Transfers of a few MB per call do
+bandwidth is bench_nf4's device copy (512 MiB) on the same GPU: 4178 GB/s on the H200, or
+measured here with --measure-copy (bench_nf4's own copy, on this machine's GPU: on a T4, run it
+there; scripts/t4_run.sh does). Transfers of a few MB per call do
 not reach it (bench_nf4's same-size copies on the H200, 15:1x: 1.0 MB in 4.6 us, 5.9 MB in 8.6 us,
 34.6 MB in 16.3 us): compare a kernel's us per call with a copy of its MB per call.
 """
@@ -128,7 +130,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("result")
     ap.add_argument("--copy-gbs", type=float, default=4178.0, help="device copy bandwidth (bench_nf4, H200: 4178)")
+    ap.add_argument("--measure-copy", action="store_true",
+                    help="measure the copy bandwidth on this machine's GPU (bench_nf4's 512 MiB copy) instead")
     args = ap.parse_args(argv)
+    if args.measure_copy:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("--measure-copy: no CUDA GPU here", file=sys.stderr)
+            return 2
+        from bench.kernels.bench_nf4 import copy_bandwidth_gbs
+
+        args.copy_gbs = copy_bandwidth_gbs()
     result = json.load(open(args.result, encoding="utf-8"))
     if not (result.get("profile") or {}).get("kernel_times_s"):
         print(f"{args.result}: no profiled kernel times (run_one --profile)", file=sys.stderr)

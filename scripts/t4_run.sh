@@ -21,8 +21,25 @@ python3 -m bench.compare "$@" || rc=$?  # non-zero when a rule check fails: the 
 # The solution's host-split pass logged which of our kernels Triton compiled (bench/compile_log.py):
 # keep them in solution/kernels/compile_manifest.json, so that the background precompile (on by
 # default) has this GPU's records too next time (commit the file to keep it; solution/precompile.py).
-log=$(ls -t runs/*/solution-hostsplit/compiles.json 2>/dev/null | head -1 || true)
-if [ -n "$log" ]; then python3 -m solution.precompile add "$log" || true; fi
+# The comparison's folder: its --out (the notebook passes one), else the newest runs/<timestamp>.
+out="" prev=""
+for a in "$@"; do
+  [ "$prev" = "--out" ] && out=$a
+  case $a in --out=*) out=${a#--out=} ;; esac
+  prev=$a
+done
+[ -n "$out" ] || out=$(ls -td runs/*/ 2>/dev/null | grep -v variants | head -1 || true)
+out=${out%/}
+log=$out/solution-hostsplit/compiles.json
+if [ -n "$out" ] && [ -f "$log" ]; then python3 -m solution.precompile add "$log" || true; fi
+# This GPU's own figures beside the H200's in docs/PERFORMANCE.md: each of our kernels' achieved
+# bandwidth in the profiled pass, against a copy measured on this GPU (bench/kernel_rates.py), and
+# the launch-configuration model (bench/launch_table.py). Both go next to the report (and into
+# the notebook's zip).
+if [ -n "$out" ] && [ -f "$out/solution-profiled/result.json" ]; then
+  python3 -m bench.kernel_rates "$out/solution-profiled/result.json" --measure-copy | tee "$out/kernel_rates.md" || true
+  python3 -m bench.launch_table > "$out/launch_table.md" 2>&1 || true
+fi
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
   python3 -m bench.variants --out runs/variants-t4 --timed default balanced=SOLUTION_MEMORY_POLICY=balanced \
     memory=SOLUTION_MEMORY_POLICY=memory padded=SOLUTION_ATTN_VARLEN=0 \

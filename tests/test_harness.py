@@ -588,3 +588,8 @@ def test_kernel_rates_divide_the_modelled_bytes_by_the_profiled_time(tmp_path, c
     path.write_text(json.dumps(result))
     assert kernel_rates.main([str(path)]) == 0
     assert "| `_swiglu_fwd_kernel` | 0.500 |" in capsys.readouterr().out
+    import torch
+
+    if not torch.cuda.is_available():  # the T4 script's --measure-copy: refused with one line without a GPU
+        assert kernel_rates.main([str(path), "--measure-copy"]) == 2
+        assert "no CUDA GPU" in capsys.readouterr().err
