@@ -76,6 +76,12 @@ def parse_shapes(text: str | None, cuda: bool) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+# The solution's profiled pass with the decoder's CUDA graphs off: on a GPU-bound machine (a T4)
+# the measured decision keeps them off, so its GPU work is this pass's, without the buckets' filler.
+EAGER_PROFILED = "profiled-eager"
+MODE_ENV = {EAGER_PROFILED: {"SOLUTION_CUDA_GRAPHS": "0"}}
+
+
 def plan_runs(shapes: list[str], cuda: bool, profile: bool = True, host_split: bool = True,
               cold: bool = False, profile_shapes: list[str] | None = None) -> list[tuple[str, str, str]]:
     """The runs, in order, as (run key, variant, mode): each shape timed, then (GPU) profiled;
@@ -92,12 +98,6 @@ def plan_runs(shapes: list[str], cuda: bool, profile: bool = True, host_split: b
         if cuda and host_split and shape == "shipped":
             plan += [(shape, v, "hostsplit") for v in VARIANTS]
     return plan + ([(COLD, v, "timed") for v in VARIANTS] if cold else [])
-
-
-# The solution's profiled pass with the decoder's CUDA graphs off: on a GPU-bound machine (a T4)
-# the measured decision keeps them off, so its GPU work is this pass's, without the buckets' filler.
-EAGER_PROFILED = "profiled-eager"
-MODE_ENV = {EAGER_PROFILED: {"SOLUTION_CUDA_GRAPHS": "0"}}
 
 
 def git_commit() -> str:

@@ -308,9 +308,9 @@ class _GradBuffers:
 class _LayerGraphs:
     """The forward and backward graphs of one bucket, and the views of the arena they use."""
 
-    def __init__(self, arena: _Arena, n: int, rows: int, needs_input_grad: bool, device, bound: int | None = None):
+    def __init__(self, arena: _Arena, n: int, rows: int, needs_input_grad: bool, device, bound: int):
         self.arena, self.n, self.needs_input_grad = arena, n, needs_input_grad
-        self.bound = n if bound is None else bound  # attention's row bound (``row_bound``)
+        self.bound = bound  # attention's row bound (``row_bound``)
         self.h, self.out = arena.h[:, :n], arena.out[:, :n]
         self.grad_out, self.grad_h = arena.grad_out[:, :n], arena.grad_h[:, :n]
         self.cos, self.sin, self.pos = arena.cos[:, :n], arena.sin[:, :n], arena.pos[:, :n]
