@@ -130,8 +130,11 @@ def _gpu() -> dict:
 
     if not torch.cuda.is_available():
         return {"name": "cpu", "capability": None}
-    return {"name": torch.cuda.get_device_name(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
+    info = {"name": torch.cuda.get_device_name(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+    if "CUDA_VISIBLE_DEVICES" not in os.environ and torch.cuda.device_count() > 1:
+        info["runs_on"] = f"the first of {torch.cuda.device_count()} visible GPUs (child_env sets CUDA_VISIBLE_DEVICES=0)"
+    return info
 
 
 CALLER_CWD_ENV = "BENCH_CALLER_CWD"  # set by scripts/compare.sh, which runs us from the repo root
@@ -302,12 +305,16 @@ def child_env(variant: str, cold: bool = False, environ: dict | None = None) -> 
     """The environment of a bench.run_one child (a copy of ``environ``, default os.environ). On a
     CPU the solution's kernels run in Triton's interpreter. ``cold``: a new empty temporary
     directory for each of CACHE_ENV, so no kernel compiled before is found (the caller removes
-    them after the run)."""
+    them after the run). Several GPUs visible and no $CUDA_VISIBLE_DEVICES: the first one only, for
+    baseline and solution alike (the challenge's workload is one T4; Soup's device_map="auto" would
+    spread the model over every visible card: another workload, e.g. on Kaggle's "GPU T4 x2")."""
     import torch
 
     env = dict(os.environ if environ is None else environ)
     if variant == "solution" and not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # CPU: our kernels run in Triton's interpreter
+    if "CUDA_VISIBLE_DEVICES" not in env and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+        env["CUDA_VISIBLE_DEVICES"] = "0"
     if cold:
         for key in CACHE_ENV:
             env[key] = tempfile.mkdtemp(prefix=f"bench-cold-{variant}-{key.split('_')[0].lower()}-")
@@ -591,6 +598,8 @@ def _main(args) -> int:
     print(f"[compare] {model_label}, data {data}, output {out}", flush=True)
     # in the report, and what bench.rebuild_report needs if this comparison is cut before it writes one
     machine = machine_record(args, model_label, data)
+    if machine["gpu"].get("runs_on"):
+        print(f"[compare] runs on {machine['gpu']['runs_on']}", flush=True)
     (out / MACHINE_FILE).write_text(json.dumps(machine, indent=1), encoding="utf-8")
     datas = {"shipped": data, COLD: data}
     if set(shapes) - {"shipped"}:

@@ -351,7 +351,8 @@ def markdown(rep: dict) -> str:
               "kernels did not take part, and the figures are not the QLoRA workload's"] if why else []),
            f"- date: {rep['date']}", f"- GPU: {rep['gpu']['name']}"
            + (f" (sm {rep['gpu']['capability']}" + (f", {rep['gpu']['memory_gib']} GiB" if rep['gpu'].get('memory_gib') else "")
-              + ")" if rep['gpu'].get('capability') else ""),
+              + ")" if rep['gpu'].get('capability') else "")
+           + (f"; runs on {rep['gpu']['runs_on']}" if rep['gpu'].get('runs_on') else ""),
            "- versions: " + ", ".join(f"{k} {val}" for k, val in v.items()),
            f"- command: `{rep['command']}`",
            f"- workload: {rep['workload']['examples']} examples, batch {rep['workload']['batch_size']}, "

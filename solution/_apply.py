@@ -5,7 +5,7 @@ import importlib
 
 from solution import precompile, settings as _settings
 from solution.say import say
-from solution.env import check_support
+from solution.env import check_support, several_gpus_note
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
 from solution.settings import SKIP_ENV, Settings, check_skip_patches
@@ -44,6 +44,8 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
     _settings.activate(settings)  # what the patches read while they install and run
     if verbose:
         say(f"kernels run on: {support.reason}")
+    if support.device == "cuda" and (note := several_gpus_note()):
+        say(note)
     skip = settings.skip_patches
     for module_name in PATCHES:
         module = importlib.import_module(module_name)

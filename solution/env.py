@@ -51,6 +51,21 @@ def check_support() -> Support:
     return Support(False, "none", "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)")
 
 
+def several_gpus_note() -> str | None:
+    """A line for apply() when more than one CUDA GPU is visible (None otherwise): Soup loads the
+    model with ``device_map="auto"``, which spreads it over every visible GPU; our kernels then run
+    only where the tensors are on the current GPU (kernels/_device.py) and the packed step keeps
+    the stock forward (step/decoder.py), so such a run is correct but mostly stock."""
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n < 2:
+        return None
+    return (f"{n} CUDA GPUs visible: a model spread over them (device_map='auto') runs our kernels only on the "
+            f"current GPU's layers and the packed step not at all (stock path there); the challenge's workload "
+            f"is one GPU: CUDA_VISIBLE_DEVICES=0")
+
+
 # The oldest Triton our kernels are tested with: the sm_75 compile check passes on 3.0-3.8, but
 # Triton 3.0 / 3.1's interpreter cannot run them, so their results were never compared with the
 # references there (docs/NOTES.md, "Triton versions"). Triton 3.2 is what torch 2.6 ships.

@@ -284,19 +284,19 @@ def test_sft_trainer_logs_match_stock_with_packed_batches(device, tmp_path, monk
             assert abs(o[key] - s[key]) <= 1e-5 * max(1.0, abs(s[key])), (key, o[key], s[key])
 
 
-def qlora_tiny_model(model_dir, device="cuda"):
+def qlora_tiny_model(model_dir, device="cuda", device_map=None):
     """The workload's stack on the tiny stand-in, on the GPU (or the CPU: bitsandbytes quantizes
     there too, our kernels then run in the interpreter): NF4 double-quant weights
     (bitsandbytes, fp16 compute), prepare_model_for_kbit_training without checkpointing, peft LoRA
     r=16 alpha=32 on q/v with dropout 0.05 (LoRA A drawn after torch.manual_seed(1234): the same A
-    in every run), in train mode."""
+    in every run), in train mode. ``device_map``: from_pretrained's (None: all on ``device``)."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     q = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                            bnb_4bit_compute_dtype=torch.float16)
     model = AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=q, dtype=torch.float16,
-                                                 device_map={"": 0 if device == "cuda" else "cpu"})
+                                                 device_map=device_map or {"": 0 if device == "cuda" else "cpu"})
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(1234)
     model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, task_type="CAUSAL_LM",
@@ -304,10 +304,10 @@ def qlora_tiny_model(model_dir, device="cuda"):
     return model.train()
 
 
-def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None):
-    """One training forward + backward of qlora_tiny_model (``setup(model)`` first, if given) on
-    the same seed, stock or with every patch (solution.apply()): (loss, LoRA gradients, the CUDA
-    generator's offset after the step)."""
+def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None, device_map=None):
+    """One training forward + backward of qlora_tiny_model (``setup(model)`` first, if given; its
+    ``device_map``) on the same seed, stock or with every patch (solution.apply()): (loss, LoRA
+    gradients, the CUDA generator's offset after the step)."""
     import solution
     from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
 
@@ -315,11 +315,11 @@ def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None):
     if patched:
         assert "qwen2_unpad" in solution.apply(verbose=False)
     try:
-        model = qlora_tiny_model(model_dir)
+        model = qlora_tiny_model(model_dir, device_map=device_map)
         if setup is not None:
             setup(model)
         torch.manual_seed(0)
-        torch.cuda.manual_seed(0)
+        torch.cuda.manual_seed_all(0)  # every GPU's generator (a model spread over two draws on both)
         with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
             out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         out.loss.backward()

@@ -4,13 +4,19 @@
   checked for it, solution/sm75_check.py) while Triton's interpreter is off;
 - the CPU while TRITON_INTERPRET=1 (Triton's interpreter: slow, for tests);
 - nothing else: CUDA tensors while the interpreter is on, the CPU without it, other device types,
-  GPUs older than sm_75.
+  GPUs older than sm_75, and a CUDA device other than the current one (a Triton launch runs on the
+  current device and its stream: given another GPU's tensors it would read them from the wrong
+  GPU, racing that GPU's stream). That last case happens only with several GPUs visible, when
+  accelerate spreads a model over them (``device_map="auto"`` on Kaggle's "GPU T4 x2"): the layers
+  on the other GPU then run the stock path.
 
 ``kernel_device_reason(device)`` says why not (None: they run), ``runs_here(device)`` the same as
 a bool. The answer is kept per (device, interpreter on or off): the callers run per layer per step,
 so after the first call they pay one read of $TRITON_INTERPRET (read at each call, as Triton reads
 it) and a dict lookup, never a capability query. What a caller checks on top (dtypes, bf16 needing
-sm_80, ...) stays at the caller. Pure: torch and ``interpreter_enabled`` only.
+sm_80, ...) stays at the caller. The current-device part is asked at every call
+(``on_current_device``): with one GPU visible it costs one global read. Pure: torch and
+``interpreter_enabled`` only.
 """
 from __future__ import annotations
 
@@ -25,22 +31,56 @@ MIN_CAPABILITY = (7, 5)
 
 # interpreter off / on -> {torch.device: reason, None when the kernels run there}
 _REASONS: tuple[dict, dict] = ({}, {})
+# more than one CUDA device visible (None: not asked yet; asked once, at the first CUDA tensor)
+_SEVERAL_GPUS: bool | None = None
 
 
-def kernel_device_reason(device: torch.device) -> str | None:
-    """None when our kernels run on ``device`` (a tensor's device); else a one-line reason."""
+def kernel_device_reason(device: torch.device, current: bool = True) -> str | None:
+    """None when our kernels run on ``device`` (a tensor's device); else a one-line reason.
+    ``current=False`` leaves out the current-device part (a reason kept across calls, such as a
+    layer's plan, must not depend on which device is current; its caller asks
+    ``on_current_device`` at each call instead)."""
     interpreter = interpreter_enabled()
     cache = _REASONS[interpreter]
     try:
-        return cache[device]
+        reason = cache[device]
     except KeyError:
         reason = cache[device] = _reason(device, interpreter)
-        return reason
+    if reason is None and current and not on_current_device(device):
+        import torch
+
+        return f"{device} is not the current CUDA device (cuda:{torch.cuda.current_device()}); kernels launch on that one"
+    return reason
 
 
 def runs_here(device: torch.device) -> bool:
     """``kernel_device_reason(device) is None``."""
     return kernel_device_reason(device) is None
+
+
+def on_current_device(device: torch.device) -> bool:
+    """False only for a CUDA device other than the current one while several GPUs are visible
+    (a Triton kernel launches on the current device). One GPU visible: True after one global read."""
+    global _SEVERAL_GPUS
+    if device.type != "cuda":
+        return True
+    several = _SEVERAL_GPUS
+    if several is None:
+        import torch
+
+        several = _SEVERAL_GPUS = torch.cuda.device_count() > 1
+    if not several or device.index is None:
+        return True
+    import torch
+
+    return device.index == torch.cuda.current_device()
+
+
+def cuda_or_runs_here(device: torch.device) -> bool:
+    """The rule of the norm, RoPE and decoder-layer sites: any CUDA device (also under
+    TRITON_INTERPRET=1, their rule from before this module, kept) or ``runs_here``; never a CUDA
+    device other than the current one."""
+    return (device.type == "cuda" and on_current_device(device)) or runs_here(device)
 
 
 def capability_reason(device: torch.device | None = None) -> str | None:

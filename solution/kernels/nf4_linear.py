@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from solution.kernels._device import kernel_device_reason
+from solution.kernels._device import kernel_device_reason, on_current_device
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS, DequantPlan, unsupported_reason
 
 # ---------------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ class LinearPlan:
             return "weight shape is not 2-D"
         if qs.nested and qs.state2.blocksize != 256:
             return "nested second-level blocksize != 256 (bnb raises there)"
-        return kernel_device_reason(weight.device)
+        return kernel_device_reason(weight.device, current=False)  # the current device: input_reason, each call
 
     def matches(self, weight, qs, compute_dtype) -> bool:
         return (weight is self.weight_ref() and qs is self.qs and compute_dtype is self.compute_dtype
@@ -150,6 +150,8 @@ def input_reason(plan: LinearPlan, x: torch.Tensor) -> str | None:
         return f"input dtype {x.dtype}"
     if x.device != plan.device:
         return "input and weight on different devices"
+    if not on_current_device(x.device):
+        return f"{x.device} is not the current CUDA device"
     if x.dim() == 0 or x.shape[-1] != plan.k or x.numel() == 0:
         return "input / weight shapes"
     return None

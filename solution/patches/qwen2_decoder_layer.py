@@ -34,7 +34,7 @@ import torch
 
 from solution import settings
 from solution.hooks import has_hooks
-from solution.kernels._device import runs_here
+from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import unexpected_source
 
 NAME = "qwen2_decoder_layer"
@@ -82,9 +82,7 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward):
         cls_forward = norm_cls.forward
         if stock_norm_forward not in (cls_forward, getattr(cls_forward, "_solution_stock", None)):
             return False  # someone else replaced Qwen2RMSNorm.forward: call the module
-        # any CUDA tensor, also under TRITON_INTERPRET=1 (this site's rule before kernels/_device.py, kept)
-        device_ok = residual.is_cuda or runs_here(residual.device)
-        return device_ok and add_rmsnorm_supported(residual, attn_out, norm.weight)
+        return cuda_or_runs_here(residual.device) and add_rmsnorm_supported(residual, attn_out, norm.weight)
 
     def forward(
         self,

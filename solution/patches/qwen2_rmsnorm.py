@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 
-from solution.kernels._device import runs_here
+from solution.kernels._device import cuda_or_runs_here
 
 NAME = "qwen2_rmsnorm"
 
@@ -53,9 +53,7 @@ def install(swaps) -> str:
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        # any CUDA tensor, also under TRITON_INTERPRET=1 (this site's rule before kernels/_device.py, kept)
-        device_ok = hidden_states.is_cuda or runs_here(hidden_states.device)
-        if device_ok and isinstance(weight, torch.Tensor) and rmsnorm_supported(hidden_states, weight):
+        if cuda_or_runs_here(hidden_states.device) and isinstance(weight, torch.Tensor) and rmsnorm_supported(hidden_states, weight):
             return rmsnorm(hidden_states, weight, self.variance_epsilon)
         return stock_forward(self, hidden_states)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 
-from solution.kernels._device import runs_here
+from solution.kernels._device import cuda_or_runs_here
 
 NAME = "qwen2_rope"
 
@@ -59,8 +59,7 @@ def install(swaps) -> str:
         else:
             unsqueeze_dim = None
         if unsqueeze_dim == 1 and rope_supported(q, k, cos, sin):
-            # any CUDA tensor, also under TRITON_INTERPRET=1 (this site's rule before kernels/_device.py, kept)
-            if q.is_cuda or runs_here(q.device):
+            if cuda_or_runs_here(q.device):
                 return rope(q, k, cos, sin)
         return stock(q, k, cos, sin, *args, **kwargs)
 

@@ -12,20 +12,21 @@ positions). The CausalLM head patch (patches/qwen2_lm_head_loss.py) can take the
 directly (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
 generation, a cache, position_ids given, left padding, hidden states or attentions requested,
 checkpointed layers with hooks, sliding-window layers, attention dropout, another attention
-implementation, NEFTune, a dropout our LoRA kernel does not own) gets None from ``plan``: the
-stock forward runs unchanged.
+implementation, NEFTune, a dropout our LoRA kernel does not own, a model spread over several
+devices or offloaded by accelerate) gets None from ``plan``: the stock forward runs unchanged.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import functools
+import itertools
 import weakref
 
 import torch
 
 from solution.hooks import has_hooks
-from solution.kernels._device import runs_here
+from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import cache_given
 from solution.step import cuda_graphs, packing
 
@@ -45,10 +46,6 @@ def capture_packed_hidden():
     finally:
         _PACKED_SINK.reset(token)
 
-
-def _kernel_device_ok(device: torch.device) -> bool:
-    # any CUDA device, also under TRITON_INTERPRET=1 (this site's rule before kernels/_device.py, kept)
-    return device.type == "cuda" or runs_here(device)
 
 
 def _has_neftune_hook(module: torch.nn.Module) -> bool:
@@ -78,6 +75,25 @@ def _dropouts_ok(model) -> bool:
         ok = not any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 and id(mod) not in handled
                      for mod in model.modules())
         _DROPOUTS_OK[model] = ok
+    return ok
+
+
+_ONE_DEVICE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _on_one_device(model) -> bool:
+    """Every parameter and buffer of the decoder on one device, and no accelerate hook
+    (``_hf_hook``) on any of its modules. ``device_map="auto"`` over several visible GPUs (Kaggle's
+    "GPU T4 x2") spreads the layers over them, and CPU / disk offload loads weights at each
+    forward: accelerate then wraps each layer's forward to move its inputs or weights, while the
+    packed step's row description, attention and CUDA graphs live on the input's device. Such a
+    model keeps the stock forward (the per-layer patches still decide call by call). A one-device
+    map adds no hooks (accelerate's dispatch_model). (Cached per model.)"""
+    ok = _ONE_DEVICE.get(model)
+    if ok is None:
+        devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+        ok = len(devices) <= 1 and not any(hasattr(m, "_hf_hook") for m in model.modules())
+        _ONE_DEVICE[model] = ok
     return ok
 
 
@@ -134,7 +150,7 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
         return None  # a cache given, or one stock would build and return
     if (input_ids is None or inputs_embeds is not None or position_ids is not None
             or not isinstance(attention_mask, torch.Tensor) or input_ids.dim() != 2
-            or attention_mask.shape != input_ids.shape or not _kernel_device_ok(input_ids.device)):
+            or attention_mask.shape != input_ids.shape or not cuda_or_runs_here(input_ids.device)):
         return None
     if (kwargs.get("output_hidden_states") or kwargs.get("output_attentions") or kwargs.get("return_dict") is False
             or getattr(cfg, "output_hidden_states", False) or getattr(cfg, "output_attentions", False)
@@ -142,7 +158,7 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
         return None
     if (not _checkpointing_ok(model) or model.has_sliding_layers or cfg._attn_implementation != "sdpa"
             or getattr(cfg, "attention_dropout", 0.0) != 0.0 or _has_neftune_hook(model.embed_tokens)
-            or not _dropouts_ok(model)):
+            or not _dropouts_ok(model) or not _on_one_device(model)):
         return None
     lengths = packing.right_padded_lengths(attention_mask)
     if lengths is None or min(lengths) < 1:
