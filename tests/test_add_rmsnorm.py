@@ -329,6 +329,41 @@ def test_apply_installs_and_revert_restores(monkeypatch):
     assert modeling_qwen2.Qwen2DecoderLayer.forward is original
 
 
+def test_patched_layer_keeps_gradient_checkpointing(device, monkeypatch):
+    """Gradient checkpointing on, a training forward that calls the layer as a module (the stock
+    Qwen2Model loop: a batch the packed step does not take): the patched layer runs under the
+    checkpoint function, as stock does. Up to transformers 5.22 ``__call__`` checkpoints; from
+    5.23 the class's ``forward`` carries the wrapper (``forward_with_checkpointing``, made when the
+    class is created), which a plain replacement of the attribute would drop (more memory, the
+    same values). Outputs and gradients as stock's under checkpointing (rel 1e-5: fp32, the fused
+    add + norm against stock's ops)."""
+    import solution
+
+    layer, hidden, pos_emb = _layer_and_inputs(device)
+    calls = []
+
+    def checkpoint(fn, *args):
+        calls.append(1)
+        return cp.checkpoint(fn, *args, use_reentrant=False)
+
+    layer.gradient_checkpointing, layer._gradient_checkpointing_func = True, checkpoint
+    stock = _layer_run(layer, hidden, pos_emb, autocast=False)
+    assert calls == [1]
+    try:
+        _apply_only(monkeypatch, ["qwen2_decoder_layer"])
+        ours = _layer_run(layer, hidden, pos_emb, autocast=False)
+        assert calls == [1, 1], "the patched layer ran outside the checkpoint"
+        layer.gradient_checkpointing = False
+        _layer_run(layer, hidden, pos_emb, autocast=False)
+        assert calls == [1, 1]
+    finally:
+        solution.revert()
+    (out, dx, grads), (ref_out, ref_dx, ref_grads) = ours, stock
+    assert rel_err(out, ref_out) < 1e-5 and rel_err(dx, ref_dx) < 1e-5
+    for name, g in ref_grads.items():
+        assert rel_err(grads[name], g) < 1e-5, name
+
+
 def _tiny_config(**kw):
     from transformers import Qwen2Config
 

@@ -56,6 +56,17 @@ ACCEPTED: dict[str, dict[str, str]] = {
 }
 
 
+def checkpointing_body(forward):
+    """The plain body under transformers' ``forward_with_checkpointing`` (from 5.23 each
+    GradientCheckpointingLayer subclass's forward is wrapped in it when the class is created;
+    recognised by its code's name, since ``functools.wraps`` copies the function's name), or None
+    when ``forward`` is not that wrapper (up to 5.22 ``__call__`` checkpoints and ``forward`` is the
+    plain body)."""
+    if getattr(getattr(forward, "__code__", None), "co_name", "") == "forward_with_checkpointing":
+        return forward.__wrapped__
+    return None
+
+
 def source_sha256(fn) -> str:
     """sha256 of the source text of ``fn`` (decorators unwrapped), as the hashes above were taken."""
     return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()

@@ -22,6 +22,12 @@ Autocast: stock's add is not on autocast's lists and the norm's ops see fp32 (or
 inputs, so stock's dtypes do not depend on autocast; the fused Function reproduces them
 (h in promote(residual, attn_out), y in promote(h, weight)).
 
+Gradient checkpointing: from transformers 5.23 the stock class forward is a
+``forward_with_checkpointing`` wrapper around the body (made when the class is created); the
+mirror is installed under the same wrapper, made by transformers itself (``_checkpointing_wrapped``),
+so a checkpointed layer still runs inside its checkpoint. Up to 5.22 ``__call__`` checkpoints and
+the mirror replaces the plain body.
+
 Refused (check()) unless the installed ``Qwen2DecoderLayer.forward`` is one of the reviewed sources
 (sha256, solution/patches/_sources.py: transformers 5.16.1-5.23.0) and Qwen2RMSNorm's stock forward has the formula the kernel
 implements.
@@ -35,7 +41,7 @@ import torch
 from solution import settings
 from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
-from solution.patches._sources import unexpected_source
+from solution.patches._sources import checkpointing_body, unexpected_source
 
 NAME = "qwen2_decoder_layer"
 
@@ -127,11 +133,31 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward):
     return forward
 
 
+def _checkpointing_wrapped(layer_cls, body):
+    """``body`` under transformers' own checkpointing wrapper, as the stock forward is from 5.23:
+    ``GradientCheckpointingLayer.__init_subclass__`` wraps a subclass's ``forward`` when the class
+    is created (a plain assignment later gets no wrapper, and the layer would then run outside the
+    checkpoint: the same values, more memory), so a throwaway subclass whose forward is ``body``
+    has transformers make it. The wrapper runs ``body`` under the layer's checkpoint function while
+    checkpointing is on in training with gradients, else calls it directly (its "outermost" test
+    holds once it is Qwen2DecoderLayer's own forward)."""
+    sub = type(layer_cls.__name__, (layer_cls,), {"forward": body, "__module__": __name__})
+    wrapped = sub.__dict__["forward"]
+    if checkpointing_body(wrapped) is not body:
+        raise RuntimeError("transformers did not wrap the subclass's forward for checkpointing")
+    return wrapped
+
+
 def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
     layer_cls, norm_cls = modeling_qwen2.Qwen2DecoderLayer, modeling_qwen2.Qwen2RMSNorm
-    forward = make_forward(layer_cls.__dict__["forward"], norm_cls, _stock_norm_forward(norm_cls))
+    stock = layer_cls.__dict__["forward"]
+    body = checkpointing_body(stock)
+    forward = make_forward(stock if body is None else body, norm_cls, _stock_norm_forward(norm_cls))
+    if body is not None:
+        forward = _checkpointing_wrapped(layer_cls, forward)
+    forward._solution_stock = stock
     swaps.set(layer_cls, "forward", forward)
     return ("Qwen2DecoderLayer.forward: residual + attention output and post_attention_layernorm in one "
             "Triton kernel (backward: one kernel); stock ops for anything unsupported")

@@ -27,7 +27,7 @@ import torch
 
 from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
-from solution.patches._sources import cache_given
+from solution.patches._sources import cache_given, checkpointing_body
 from solution.step import cuda_graphs, packing
 
 # Set by the LM-head patch around its call of the decoder: a list that receives
@@ -113,16 +113,12 @@ def _checkpointing_ok(model) -> bool:
 
 
 def _layer_forward(layer):
-    """The layer class's forward without transformers' checkpointing wrapper: up to 5.22
-    transformers checkpoints in ``__call__`` and ``forward`` is the plain body (stock, or our
-    decoder-layer patch's mirror); from 5.23 it wraps ``forward`` itself in
-    ``forward_with_checkpointing`` (recognised by its code, since ``functools.wraps`` copies the
-    name), whose ``__wrapped__`` is the plain body. Only that one wrapper is taken off: our own
-    patch's forward also carries a ``__wrapped__`` (the stock body) and must stay."""
+    """The layer class's forward without transformers' checkpointing wrapper (``checkpointing_body``:
+    from 5.23 ``forward`` itself is wrapped, around the stock body or our decoder-layer patch's
+    mirror). Only that one wrapper is taken off: our own patch's mirror also carries a
+    ``__wrapped__`` (the stock body) and must stay."""
     forward = type(layer).forward
-    if getattr(getattr(forward, "__code__", None), "co_name", "") == "forward_with_checkpointing":
-        forward = forward.__wrapped__
-    return forward
+    return checkpointing_body(forward) or forward
 
 
 def _run_checkpointed(layer, info, hidden_states, kwargs):
