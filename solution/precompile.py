@@ -241,15 +241,50 @@ def _build_driver_utils() -> None:
 
 def worker_count(n_entries: int) -> int:
     """Compile processes: one per spare core this process may run on (its CPU affinity, not the
-    machine's count; one core stays with Soup's loading), at most 4."""
+    machine's count, and no more than a container's CPU quota allows; one core stays with Soup's
+    loading), at most 4."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 1
+    quota = cpu_quota()
+    if quota is not None:
+        cores = min(cores, quota)
     return max(0, min(n_entries, cores - 1, MAX_WORKERS))
 
 
 MAX_WORKERS = 4
+# the cgroup files that hold a container's CPU quota: v2 "cpu.max" ("<quota> <period>" or
+# "max <period>"), v1 cpu.cfs_quota_us / cpu.cfs_period_us (quota -1: none)
+CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
+CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"
+
+
+def cpu_quota() -> int | None:
+    """The CPUs a container's cgroup quota allows this process (rounded up, at least 1), or None
+    when there is no quota or it cannot be read. Affinity does not show a quota: a container given
+    2 CPUs of a 64-core host sees 64 cores, and 4 compile processes would then share 2 CPUs with
+    Soup's loading."""
+    import math
+
+    try:
+        with open(CGROUP_V2_CPU_MAX, encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+        if quota == "max":
+            return None
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        pass
+    try:
+        with open(f"{CGROUP_V1_CPU}/cpu.cfs_quota_us", encoding="ascii") as f:
+            quota_us = int(f.read())
+        with open(f"{CGROUP_V1_CPU}/cpu.cfs_period_us", encoding="ascii") as f:
+            period_us = int(f.read())
+    except (OSError, ValueError):
+        return None
+    if quota_us <= 0 or period_us <= 0:
+        return None
+    return max(1, math.ceil(quota_us / period_us))
 
 
 def _start_workers(entries: list[dict], target: tuple, workers: int):

@@ -243,6 +243,8 @@ def test_worker_count_leaves_a_core_for_soup(monkeypatch):
     """One compile process per core this process may use (its affinity), less one, at most 4."""
     import os
 
+    monkeypatch.setattr(precompile, "cpu_quota", lambda: None)  # this machine's own quota, if any, left out
+
     def cores(n):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(n)), raising=False)
 
@@ -252,6 +254,31 @@ def test_worker_count_leaves_a_core_for_soup(monkeypatch):
     assert precompile.worker_count(23) == 1
     cores(1)
     assert precompile.worker_count(23) == 0  # one core: the thread compiles in this process
+
+
+def test_worker_count_keeps_to_a_containers_cpu_quota(monkeypatch, tmp_path):
+    """A cgroup CPU quota caps the cores (v2 cpu.max, else v1 cfs quota / period); no quota or an
+    unreadable one leaves the affinity's count."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    v2, v1 = tmp_path / "cpu.max", tmp_path / "v1"
+    monkeypatch.setattr(precompile, "CGROUP_V2_CPU_MAX", str(v2))
+    monkeypatch.setattr(precompile, "CGROUP_V1_CPU", str(v1))
+    assert precompile.cpu_quota() is None and precompile.worker_count(23) == precompile.MAX_WORKERS
+    v2.write_text("250000 100000\n")  # 2.5 CPUs: 3 cores, 2 compile processes
+    assert precompile.cpu_quota() == 3 and precompile.worker_count(23) == 2
+    v2.write_text("max 100000\n")
+    assert precompile.cpu_quota() is None
+    v2.unlink()
+    v1.mkdir()
+    (v1 / "cpu.cfs_quota_us").write_text("200000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    assert precompile.cpu_quota() == 2 and precompile.worker_count(23) == 1
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    assert precompile.cpu_quota() is None
+    (v1 / "cpu.cfs_quota_us").write_text("garbage\n")
+    assert precompile.cpu_quota() is None
 
 
 @pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ADD_KERNEL", "SOLUTION_DEFER_DROPOUT",
