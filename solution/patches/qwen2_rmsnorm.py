@@ -53,7 +53,8 @@ def install(swaps) -> str:
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.weight
-        if cuda_or_runs_here(hidden_states.device) and isinstance(weight, torch.Tensor) and rmsnorm_supported(hidden_states, weight):
+        if (cuda_or_runs_here(hidden_states.device) and isinstance(weight, torch.Tensor)
+                and rmsnorm_supported(hidden_states, weight)):
             return rmsnorm(hidden_states, weight, self.variance_epsilon)
         return stock_forward(self, hidden_states)
 
