@@ -44,11 +44,57 @@ def check_support() -> Support:
             return Support(False, "none", too_old)
         if interpreter_enabled():
             return Support(True, "interpreter", "TRITON_INTERPRET=1: kernels run on the CPU interpreter")
+        cannot_build = triton_build_reason()
+        if cannot_build:
+            return Support(False, "none", cannot_build)
         major, minor = torch.cuda.get_device_capability()
         return Support(True, "cuda", f"CUDA GPU {torch.cuda.get_device_name()} (sm_{major}{minor})")
     if interpreter_enabled():
         return Support(True, "interpreter", "no CUDA; TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter")
     return Support(False, "none", "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)")
+
+
+def triton_build_reason() -> str | None:
+    """Why Triton could not build its kernels' launchers here (None: it can). On CUDA, Triton
+    compiles a small C module for its driver and one per kernel signature, at the first launch,
+    with the C compiler ($CC, else gcc or clang, as triton/runtime/build.py looks for them), against
+    Python's C headers, linking libcuda.so.1. Without one of them the first kernel launch would
+    fail inside the training step; asked here, the run keeps the stock path and says why. Checks
+    only what is there (no compile: it costs milliseconds); a custom build function
+    (``triton.knobs.build.impl``) is trusted."""
+    import os
+    import shutil
+    import sysconfig
+
+    from solution.settings import c_compiler
+
+    try:
+        from triton import knobs
+
+        if knobs.build.impl is not None:
+            return None
+    except Exception:  # noqa: BLE001 - Triton before 3.4 has no knobs: the compiler is looked for as below
+        pass
+    cc = c_compiler()
+    if cc is not None and shutil.which(cc) is None:
+        return f"$CC={cc!r} is not an executable: Triton compiles its kernels' launchers with it"
+    if cc is None and shutil.which("gcc") is None and shutil.which("clang") is None:
+        return "no C compiler (gcc or clang, or $CC): Triton compiles its kernels' launchers with one"
+    scheme = sysconfig.get_default_scheme()
+    include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        return (f"Python's C headers are missing ({include}/Python.h; e.g. the python3-dev package): Triton "
+                "compiles its kernels' launchers against them")
+    try:
+        from triton.backends.nvidia.driver import libcuda_dirs
+    except Exception:  # noqa: BLE001 - another Triton layout: its first launch will tell
+        return None
+    try:
+        libcuda_dirs()
+    except Exception as exc:  # noqa: BLE001 - AssertionError, ldconfig missing, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return f"Triton cannot find the CUDA driver library libcuda.so.1 ({first})"
+    return None
 
 
 def several_gpus_note() -> str | None:

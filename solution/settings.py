@@ -158,6 +158,12 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def c_compiler() -> str | None:
+    """$CC: the C compiler Triton builds its kernels' launchers with when it is set (Triton reads it
+    at each build: read now, not once); None when unset."""
+    return os.environ.get("CC")
+
+
 def allocator_configured() -> bool:
     """The user configured PyTorch's CUDA allocator ($PYTORCH_CUDA_ALLOC_CONF is set): apply()
     leaves it as it is."""

@@ -182,6 +182,52 @@ def test_triton_older_than_tested_falls_back_with_a_reason():
     assert "not understood" in triton_too_old("nightly")
 
 
+def test_triton_that_cannot_build_its_launchers_falls_back_with_a_reason(monkeypatch, tmp_path):
+    """env.triton_build_reason: no C compiler, a $CC that is not there, no Python.h, no
+    libcuda.so.1 each give a reason (Triton's first launch would fail inside the training step);
+    all present gives None; check_support() on a CUDA machine then falls back with it."""
+    import shutil
+    import sysconfig
+
+    import torch
+    from triton.backends.nvidia import driver as nv
+
+    from solution import env
+
+    headers = tmp_path / "include"
+    headers.mkdir()
+    (headers / "Python.h").write_text("")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda scheme=None: {"include": str(headers)})
+    monkeypatch.setattr(nv, "libcuda_dirs", lambda: ["/usr/lib"])
+    monkeypatch.delenv("CC", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/gcc" if name == "gcc" else None)
+    assert env.triton_build_reason() is None
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert "no C compiler" in env.triton_build_reason()
+    knobs = pytest.importorskip("triton.knobs")  # Triton >= 3.4: a custom build function is trusted
+    monkeypatch.setattr(knobs.build, "impl", lambda *args: "module.so")
+    assert env.triton_build_reason() is None
+    monkeypatch.setattr(knobs.build, "impl", None)
+    monkeypatch.setenv("CC", "/nowhere/cc")
+    assert "$CC='/nowhere/cc'" in env.triton_build_reason()
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}")
+    assert env.triton_build_reason() is None
+    (headers / "Python.h").unlink()
+    assert "Python.h" in env.triton_build_reason()
+    (headers / "Python.h").write_text("")
+
+    def no_libcuda():
+        raise AssertionError("libcuda.so cannot found!\nPlease make sure GPU is set up")
+
+    monkeypatch.setattr(nv, "libcuda_dirs", no_libcuda)
+    assert "libcuda.so.1 (libcuda.so cannot found!)" in env.triton_build_reason()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(env, "capability_reason", lambda: None)
+    monkeypatch.setattr(env, "interpreter_enabled", lambda: False)
+    support = env.check_support()
+    assert not support.ok and "libcuda" in support.reason
+
+
 def test_kernel_device_rule(monkeypatch):
     """solution/kernels/_device.py: CUDA sm_75+ with the interpreter off, the CPU with it on,
     nothing else; answers kept per (device, interpreter on/off), the capability asked once."""
