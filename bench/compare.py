@@ -132,9 +132,17 @@ def _gpu() -> dict:
         return {"name": "cpu", "capability": None}
     info = {"name": torch.cuda.get_device_name(), "capability": ".".join(map(str, torch.cuda.get_device_capability())),
             "memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
-    if "CUDA_VISIBLE_DEVICES" not in os.environ and torch.cuda.device_count() > 1:
+    if pins_first_gpu(os.environ):
         info["runs_on"] = f"the first of {torch.cuda.device_count()} visible GPUs (child_env sets CUDA_VISIBLE_DEVICES=0)"
     return info
+
+
+def pins_first_gpu(environ) -> bool:
+    """Several GPUs visible and no $CUDA_VISIBLE_DEVICES in ``environ``: the children run on the
+    first one only (child_env)."""
+    import torch
+
+    return "CUDA_VISIBLE_DEVICES" not in environ and torch.cuda.is_available() and torch.cuda.device_count() > 1
 
 
 CALLER_CWD_ENV = "BENCH_CALLER_CWD"  # set by scripts/compare.sh, which runs us from the repo root
@@ -313,7 +321,7 @@ def child_env(variant: str, cold: bool = False, environ: dict | None = None) -> 
     env = dict(os.environ if environ is None else environ)
     if variant == "solution" and not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"  # CPU: our kernels run in Triton's interpreter
-    if "CUDA_VISIBLE_DEVICES" not in env and torch.cuda.is_available() and torch.cuda.device_count() > 1:
+    if pins_first_gpu(env):
         env["CUDA_VISIBLE_DEVICES"] = "0"
     if cold:
         for key in CACHE_ENV:

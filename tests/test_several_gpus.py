@@ -19,6 +19,7 @@ import torch
 
 from solution.kernels import _device
 from tests.conftest import HAS_CUDA, rel_err
+from tests.test_unpad import unpad_patched  # noqa: F401 - the fixture: LM-head and unpad patches installed
 
 CUDA0, CUDA1 = torch.device("cuda", 0), torch.device("cuda", 1)
 
@@ -89,45 +90,36 @@ def test_compare_pins_one_gpu_for_both_runs(monkeypatch):
     assert "CUDA_VISIBLE_DEVICES" not in compare.child_env("solution", environ={})
 
 
-def test_accelerate_hooks_keep_the_stock_forward(device, monkeypatch):
+def test_accelerate_hooks_keep_the_stock_forward(device, unpad_patched, monkeypatch):
     """A decoder layer wrapped by accelerate (what device_map="auto" over two GPUs or CPU offload
     does): the packed step is not taken, the loss and gradients are stock's (rel 1e-5: fp32, the
     same stock forward with our LM head); a model with a tensor on another device is refused too."""
     from accelerate.hooks import AlignDevicesHook, add_hook_to_module, remove_hook_from_module
 
-    from solution.patches import qwen2_lm_head_loss, qwen2_unpad
-    from solution.patches._base import Swaps
     from solution.step import decoder
     from tests.test_unpad import _count_packed_calls, _lora_model, _right_padded_batch, _run
 
-    swaps = Swaps()
-    qwen2_lm_head_loss.install(swaps)
-    qwen2_unpad.install(swaps)
-    try:
-        model = _lora_model(device)
-        ids, mask, labels = _right_padded_batch([5, 3], 6, device=device)
-        calls = _count_packed_calls(monkeypatch)
-        _run(model, ids, mask, labels, fused=True)
-        assert len(calls) == 1  # the control: this model takes the packed step
-        hooked = _lora_model(device)
-        layer = hooked.base_model.model.model.layers[1]
-        add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device(device), io_same_device=True))
-        out, grads = _run(hooked, ids, mask, labels, fused=True)
-        assert len(calls) == 1
-        remove_hook_from_module(layer)
-        swaps.restore()
-        ref_out, ref_grads = _run(_lora_model(device), ids, mask, labels, fused=False)
-        assert rel_err(out.loss, ref_out.loss) < 1e-5
-        assert set(grads) == set(ref_grads)
-        for name, g in grads.items():
-            assert rel_err(g, ref_grads[name]) < 1e-5, name
-        spread = _lora_model(device).base_model.model.model
-        assert decoder._on_one_device(spread)
-        spread = _lora_model(device).base_model.model.model  # a fresh model: the answer is cached per model
-        spread.layers[0].register_buffer("elsewhere", torch.zeros(1, device="meta"))  # a second device
-        assert not decoder._on_one_device(spread)
-    finally:
-        swaps.restore()
+    model = _lora_model(device)
+    ids, mask, labels = _right_padded_batch([5, 3], 6, device=device)
+    calls = _count_packed_calls(monkeypatch)
+    _run(model, ids, mask, labels, fused=True)
+    assert len(calls) == 1  # the control: this model takes the packed step
+    hooked = _lora_model(device)
+    layer = hooked.base_model.model.model.layers[1]
+    add_hook_to_module(layer, AlignDevicesHook(execution_device=torch.device(device), io_same_device=True))
+    out, grads = _run(hooked, ids, mask, labels, fused=True)
+    assert len(calls) == 1
+    remove_hook_from_module(layer)
+    unpad_patched.restore()  # the reference: stock transformers / peft / trl code
+    ref_out, ref_grads = _run(_lora_model(device), ids, mask, labels, fused=False)
+    assert rel_err(out.loss, ref_out.loss) < 1e-5
+    assert set(grads) == set(ref_grads)
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < 1e-5, name
+    spread = _lora_model(device).base_model.model.model
+    assert decoder._on_one_device(spread)
+    spread.layers[0].register_buffer("elsewhere", torch.zeros(1, device="meta"))  # a second device
+    assert not decoder._on_one_device(spread)
 
 
 @pytest.mark.gpu

@@ -47,38 +47,27 @@ def capture_packed_hidden():
         _PACKED_SINK.reset(token)
 
 
-
 def _has_neftune_hook(module: torch.nn.Module) -> bool:
     """NEFTune's embedding hook scales its noise by the sequence shape: packed rows would change it."""
     return any("neftune" in getattr(h, "__name__", "") for h in module._forward_hooks.values())
-
-
-_DROPOUTS_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _dropouts_ok(model) -> bool:
     """Every dropout with p > 0 in the decoder is a LoRA dropout of a peft bnb 4-bit layer whose
     forward is ours (solution/patches/peft_lora_bnb.py -> lora_nf4.lora_dropout draws the mask over
     the padded shape). Any other dropout would draw over the packed rows: other random numbers than
-    stock's, so such a model keeps the padded path. (Cached per model.)"""
-    ok = _DROPOUTS_OK.get(model)
-    if ok is None:
-        try:
-            from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
-        except Exception:  # noqa: BLE001 - peft / bnb absent
-            LoraLinear4bit = ()
-        handled = set()
-        ours = getattr(getattr(LoraLinear4bit, "forward", None), "_solution_lora_dropout", False)
-        for mod in model.modules():
-            if ours and isinstance(mod, LoraLinear4bit):
-                handled.update(id(d) for d in mod.lora_dropout.modules())
-        ok = not any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 and id(mod) not in handled
-                     for mod in model.modules())
-        _DROPOUTS_OK[model] = ok
-    return ok
-
-
-_ONE_DEVICE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+    stock's, so such a model keeps the padded path."""
+    try:
+        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+    except Exception:  # noqa: BLE001 - peft / bnb absent
+        LoraLinear4bit = ()
+    handled = set()
+    ours = getattr(getattr(LoraLinear4bit, "forward", None), "_solution_lora_dropout", False)
+    for mod in model.modules():
+        if ours and isinstance(mod, LoraLinear4bit):
+            handled.update(id(d) for d in mod.lora_dropout.modules())
+    return not any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 and id(mod) not in handled
+                   for mod in model.modules())
 
 
 def _on_one_device(model) -> bool:
@@ -88,12 +77,20 @@ def _on_one_device(model) -> bool:
     forward: accelerate then wraps each layer's forward to move its inputs or weights, while the
     packed step's row description, attention and CUDA graphs live on the input's device. Such a
     model keeps the stock forward (the per-layer patches still decide call by call). A one-device
-    map adds no hooks (accelerate's dispatch_model). (Cached per model.)"""
-    ok = _ONE_DEVICE.get(model)
+    map adds no hooks (accelerate's dispatch_model)."""
+    devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
+    return len(devices) <= 1 and not any(hasattr(m, "_hf_hook") for m in model.modules())
+
+
+_MODEL_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _model_ok(model) -> bool:
+    """``_dropouts_ok`` and ``_on_one_device``: what the model's modules allow, asked once per
+    model (each walks every module; plan() runs every step)."""
+    ok = _MODEL_OK.get(model)
     if ok is None:
-        devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
-        ok = len(devices) <= 1 and not any(hasattr(m, "_hf_hook") for m in model.modules())
-        _ONE_DEVICE[model] = ok
+        ok = _MODEL_OK[model] = _dropouts_ok(model) and _on_one_device(model)
     return ok
 
 
@@ -154,7 +151,7 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
         return None
     if (not _checkpointing_ok(model) or model.has_sliding_layers or cfg._attn_implementation != "sdpa"
             or getattr(cfg, "attention_dropout", 0.0) != 0.0 or _has_neftune_hook(model.embed_tokens)
-            or not _dropouts_ok(model) or not _on_one_device(model)):
+            or not _model_ok(model)):
         return None
     lengths = packing.right_padded_lengths(attention_mask)
     if lengths is None or min(lengths) < 1:
