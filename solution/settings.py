@@ -5,8 +5,7 @@
 PyTorch and child processes). apply() reads the settings once, validates every value before it
 installs anything, and makes them the active settings (``current()``) until revert(): patches and
 the step read them at install or call time through ``current()``; the kernels under
-solution/kernels/ never do: their callers pass plain arguments (``lora_nf4.lora_dropout(defer=...)``,
-``nf4_mlp(add_kernel=...)``, ``fused_lm_head_loss(cache_weight=...)``).
+solution/kernels/ never do: their callers pass plain arguments (``nf4_mlp(policy=...)``).
 """
 from __future__ import annotations
 
@@ -24,9 +23,6 @@ FLAGS = {
     "SOLUTION_PRECOMPILE": ("precompile", True),
     "SOLUTION_ATTN_VARLEN": ("attn_varlen", True),
     "SOLUTION_ATTN_LAYOUT_KERNELS": ("attn_layout_kernels", True),
-    "SOLUTION_ADD_KERNEL": ("add_kernel", True),
-    "SOLUTION_DEFER_DROPOUT": ("defer_dropout", True),
-    "SOLUTION_LM_HEAD_WEIGHT_CACHE": ("lm_head_weight_cache", True),
 }
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
 MEMORY_POLICIES = ("speed", "balanced", "memory")
@@ -76,9 +72,6 @@ class Settings:
     precompile: bool = True  # $SOLUTION_PRECOMPILE (solution/precompile.py)
     attn_varlen: bool = True  # $SOLUTION_ATTN_VARLEN (step/attention.py)
     attn_layout_kernels: bool = True  # $SOLUTION_ATTN_LAYOUT_KERNELS (step/attention.py)
-    add_kernel: bool = True  # $SOLUTION_ADD_KERNEL (kernels/fp32_add.py)
-    defer_dropout: bool = True  # $SOLUTION_DEFER_DROPOUT (kernels/lora_nf4.py)
-    lm_head_weight_cache: bool = True  # $SOLUTION_LM_HEAD_WEIGHT_CACHE (kernels/lm_head_loss.py)
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
     skip_patches: frozenset[str] = field(default_factory=frozenset)  # $SOLUTION_SKIP_PATCHES

@@ -27,6 +27,21 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture
+def autocast_ctx(monkeypatch, device):
+    """A factory of torch.autocast(fp16) contexts on the test device, with peft's
+    torch.is_autocast_enabled() (no argument: the CUDA autocast) answering for that device, so that
+    on the CPU peft sees the autocast it would see on the GPU."""
+    if device == "cpu":
+        original = torch.is_autocast_enabled
+
+        def is_autocast_enabled(device_type=None):
+            return original("cpu" if device_type is None else device_type)
+
+        monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
+    return lambda: torch.autocast(device_type=device, dtype=torch.float16)
+
+
+@pytest.fixture
 def device():
     """Where kernel tests run: the GPU when there is one, else the CPU interpreter."""
     return "cuda" if HAS_CUDA else "cpu"

@@ -1,5 +1,5 @@
-"""fp32 sums of fp16 / fp32 tensors (solution/kernels/fp32_add.py) and where they are used
-(on by default; SOLUTION_ADD_KERNEL=0 keeps torch's adds): the fused NF4 MLP's backward and the decoder layer's residual add.
+"""fp32 sums of fp16 / fp32 tensors (solution/kernels/fp32_add.py) and where they are used: the
+fused NF4 MLP's backward and the decoder layer's residual add.
 An fp32 addition of the same two values is exact to compare: bit for bit against torch."""
 import pytest
 import torch
@@ -41,9 +41,9 @@ def test_unsupported_inputs_use_torch(device):
     assert _launches.LAUNCHES["fp32_add_kernel"] == before
 
 
-def test_fused_mlp_backward_and_decoder_layer_use_it(device, monkeypatch):
-    """With the add kernel (add_kernel=True, what SOLUTION_ADD_KERNEL=1 passes) the fused NF4 MLP's input
-    gradient is the same bits."""
+def test_fused_mlp_backward_uses_it(device, monkeypatch):
+    """The fused NF4 MLP's backward sums its two input gradients with the kernel, and the bits are
+    those of torch's cast and add (the same backward with fp32_add.add_as_fp32 replaced by torch)."""
     from solution.kernels import nf4_mlp
     from solution.patches._bnb import linear_plan
     from tests.test_nf4_mlp import inputs, nf4_mlp_module
@@ -52,13 +52,15 @@ def test_fused_mlp_backward_and_decoder_layer_use_it(device, monkeypatch):
     x, dy = inputs(device)
     plans = [linear_plan(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
     grads = {}
-    for flag in ("0", "1"):
+    for ours in (True, False):
+        if not ours:
+            monkeypatch.setattr(fp32_add, "add_as_fp32", lambda a, b: a.to(torch.float32) + b)
         xr = x.detach().clone().requires_grad_()
-        y = nf4_mlp.nf4_mlp(xr, *plans, policy="speed", add_kernel=flag == "1")
+        y = nf4_mlp.nf4_mlp(xr, *plans, policy="speed")
         before = _launches.LAUNCHES["fp32_add_kernel"]
-        (grads[flag],) = torch.autograd.grad(y, xr, dy.half())
-        assert (_launches.LAUNCHES["fp32_add_kernel"] > before) == (flag == "1")
-    assert torch.equal(grads["0"], grads["1"])
+        (grads[ours],) = torch.autograd.grad(y, xr, dy.half())
+        assert (_launches.LAUNCHES["fp32_add_kernel"] > before) == ours
+    assert torch.equal(grads[True], grads[False])
 
 
 def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
@@ -81,8 +83,10 @@ def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
     layer.mlp.down_proj = make_linear4bit(i, h, bias=False, device=device, seed=3)
     runs = {}
     try:
-        for flag in ("0", "1"):
-            monkeypatch.setenv("SOLUTION_ADD_KERNEL", flag)  # read by apply()
+        for flag in ("1", "0"):
+            if flag == "0":  # the reference: torch's promoted adds where the kernel runs
+                monkeypatch.setattr(fp32_add, "add_as_fp32", lambda a, b: a.to(torch.float32) + b)
+                monkeypatch.setattr(fp32_add, "residual_add", lambda r, y: r + y)
             _apply_only(monkeypatch, ["bnb_linear4bit", "qwen2_mlp", "qwen2_decoder_layer"])
             _launches.reset()
             with sdpa_kernel(SDPBackend.MATH):

@@ -678,7 +678,7 @@ def test_frozen_weight_cast_is_reused_only_while_the_weight_is_unchanged(device)
 
 
 def test_frozen_weight_cache_can_be_turned_off(device):
-    """cache=False (what the LM head patch passes for SOLUTION_LM_HEAD_WEIGHT_CACHE=0) casts every call."""
+    """cache=False casts every call (the reference for the cached copy)."""
     w = torch.randn(20, 8, device=device)
     assert lm_mod.cast_frozen_weight(w, torch.float16, cache=False) is not lm_mod.cast_frozen_weight(
         w, torch.float16, cache=False)

@@ -32,20 +32,6 @@ from tests.test_nf4_linear import CountOps, fresh_x, make_linear4bit, tokens
 R, ALPHA = 16, 32  # the workload's LoRA: scaling 2.0
 
 
-@pytest.fixture
-def autocast_ctx(monkeypatch, device):
-    """A factory of torch.autocast(fp16) contexts on the test device, with peft's
-    torch.is_autocast_enabled() answering for that device."""
-    if device == "cpu":
-        original = torch.is_autocast_enabled
-
-        def is_autocast_enabled(device_type=None):
-            return original("cpu" if device_type is None else device_type)
-
-        monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
-    return lambda: torch.autocast(device_type=device, dtype=torch.float16)
-
-
 def make_lora_layer(in_f, out_f, dropout, lora_dtype, device, seed=0):
     base = make_linear4bit(in_f, out_f, bias=True, device=device, seed=seed)
     cfg = LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=dropout, target_modules=["q_proj"], bias="none")
@@ -348,28 +334,24 @@ def test_cast_mode_3_is_dropouts_value(device):
     assert torch.equal(xd16.view(torch.int16), ref.view(torch.int16))  # bits: -0.0 too
 
 
-def test_patched_forward_defers_dropout_only_when_asked(device, monkeypatch, autocast_ctx):
-    """SOLUTION_DEFER_DROPOUT is read when the patch is installed; on by default, 0 turns it off."""
+def test_patched_forward_always_defers_dropout(device, monkeypatch, autocast_ctx):
+    """The patched forward asks lora_dropout to defer dropout's value to the cast launch (fixed
+    behaviour: the same bits as torch's fp32 value, test_deferred_dropout_value_is_the_same_bits)."""
     seen = []
     real = lora_nf4.lora_dropout
     monkeypatch.setattr(lora_nf4, "lora_dropout",
                         lambda d, x, defer=False, **kw: seen.append(defer) or real(d, x, defer, **kw))
-    for flag in ("0", None):
-        if flag is None:
-            monkeypatch.delenv("SOLUTION_DEFER_DROPOUT", raising=False)
-        else:
-            monkeypatch.setenv("SOLUTION_DEFER_DROPOUT", flag)
-        layer = make_lora_layer(128, 48, 0.1, torch.float32, device)
-        x = fresh_x((*tokens((2, 5), device), 128), device)
-        swaps = Swaps()
-        bnb_linear4bit.install(swaps)
-        peft_lora_bnb.install(swaps)
-        try:
-            with autocast_ctx():
-                layer(x)
-        finally:
-            swaps.restore()
-    assert seen == [False, True]
+    layer = make_lora_layer(128, 48, 0.1, torch.float32, device)
+    x = fresh_x((*tokens((2, 5), device), 128), device)
+    swaps = Swaps()
+    bnb_linear4bit.install(swaps)
+    peft_lora_bnb.install(swaps)
+    try:
+        with autocast_ctx():
+            layer(x)
+    finally:
+        swaps.restore()
+    assert seen == [True]
 
 
 @pytest.mark.parametrize("src,dst", [(torch.float32, torch.float16), (torch.float16, torch.float32)])

@@ -281,9 +281,7 @@ def test_worker_count_keeps_to_a_containers_cpu_quota(monkeypatch, tmp_path):
     assert precompile.cpu_quota() is None
 
 
-@pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ADD_KERNEL", "SOLUTION_DEFER_DROPOUT",
-                                  "SOLUTION_LM_HEAD_WEIGHT_CACHE", "SOLUTION_ATTN_LAYOUT_KERNELS",
-                                  "SOLUTION_PRECOMPILE"])
+@pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ATTN_LAYOUT_KERNELS", "SOLUTION_PRECOMPILE"])
 def test_on_off_settings_share_one_parser(monkeypatch, name):
     """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
     apply() refuses anything else before installing (before, "false" read as on)."""

@@ -33,7 +33,7 @@ def test_from_env_reads_every_value():
 
 @pytest.mark.parametrize("name, value, message", [
     ("SOLUTION_MEMORY_POLICY", "fast", r"\$SOLUTION_MEMORY_POLICY='fast' is not a memory policy"),
-    ("SOLUTION_ADD_KERNEL", "maybe", r"\$SOLUTION_ADD_KERNEL='maybe' is not an on/off value"),
+    ("SOLUTION_ATTN_VARLEN", "maybe", r"\$SOLUTION_ATTN_VARLEN='maybe' is not an on/off value"),
     ("SOLUTION_CUDA_GRAPHS", "yes", r"\$SOLUTION_CUDA_GRAPHS must be auto, 0 or 1, got 'yes'"),
     ("SOLUTION_GRAPH_BUCKET", "4097", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
 ])

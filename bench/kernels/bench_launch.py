@@ -5,7 +5,10 @@
 Rows (microseconds of host time per call, median of 7 rounds of 500 calls; the kernels are tiny,
 so the GPU keeps up and the wall time is the host's):
 - a Triton launch: ``lora_combine_kernel[grid](...)`` (Triton's JITFunction.run), directly and
-  through solution.kernels._launches.launch (what every launch of ours goes through);
+  through solution.kernels._launches.launch (what every launch of ours goes through); and the same
+  kernel's compiled launcher called directly (``CompiledKernel.run`` with the bound arguments: no
+  argument binding, specialization key or cache lookup), with the stream read each call; the
+  same three for RoPE's kernel (31 arguments), to see how the binding cost grows with arguments;
 - torch.add of two fp16 tensors, torch.empty: what a PyTorch op costs on this host, for scale;
 - F.linear fp16 [M, 1536] x [1536, 1536]^T with the same M every call, and with a new M every call
   (packed batches give a new M every step; cuBLAS picks an algorithm per shape).
@@ -41,6 +44,38 @@ def host_us(fn, calls: int = 500, rounds: int = 7) -> float:
     return statistics.median(per)
 
 
+def _direct(kernel, grid, args, kwargs):
+    """A function that launches ``kernel`` through its compiled launcher (Triton 3.x
+    ``CompiledKernel.run``), the bound arguments (constexprs included, in signature order) fixed,
+    the current stream read at each call."""
+    compiled = kernel[grid](*args, **kwargs)
+    params = list(kernel.signature.parameters.values())
+    vals = list(args) + [kwargs.get(p.name, p.default) for p in params[len(args):]]
+    g = tuple(grid) + (1,) * (3 - len(grid))
+    run, fn, meta = compiled.run, compiled.function, compiled.packed_metadata
+
+    def call():
+        run(g[0], g[1], g[2], torch.cuda.current_stream().cuda_stream, fn, meta, None, None, None, *vals)
+    return call
+
+
+def _rope_call():
+    """(kernel, grid, args, kwargs) of one RoPE launch at the workload's shapes (1,000 tokens)."""
+    from solution.kernels import rope
+
+    seen = []
+    real = rope.launch
+    rope.launch = lambda kernel, grid, name, *a, **k: seen.append((kernel, grid, a, k))
+    try:
+        q = torch.randn(1, 1000, 12, 128, device="cuda").transpose(1, 2)
+        k = torch.randn(1, 1000, 2, 128, device="cuda").transpose(1, 2)
+        cos = torch.randn(1, 1000, 128, device="cuda")
+        rope._launch(q, k, torch.empty_like(q), torch.empty_like(k), cos, cos, backward=False)
+    finally:
+        rope.launch = real
+    return seen[0]
+
+
 def main() -> None:
     args = bench_args(__doc__)
     if args is None:
@@ -55,6 +90,10 @@ def main() -> None:
     rows["Triton launch, kernel[grid](...)"] = host_us(lambda: lora_combine_kernel[grid](a, b, out, n, 2.0, **kw))
     rows["Triton launch through _launches.launch"] = host_us(
         lambda: _launches.launch(lora_combine_kernel, grid, "bench", a, b, out, n, 2.0, **kw))
+    rows["compiled launcher called directly"] = host_us(_direct(lora_combine_kernel, grid, (a, b, out, n, 2.0), kw))
+    rope_call = _rope_call()
+    rows["RoPE (31 args): kernel[grid](...)"] = host_us(lambda: rope_call[0][rope_call[1]](*rope_call[2], **rope_call[3]))
+    rows["RoPE (31 args): compiled launcher called directly"] = host_us(_direct(*rope_call))
     rows["torch.add fp16"] = host_us(lambda: torch.add(a, b))
     rows["torch.empty"] = host_us(lambda: torch.empty(n, device="cuda"))
     w = torch.randn(1536, 1536, device="cuda").half()

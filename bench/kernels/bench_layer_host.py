@@ -6,11 +6,13 @@ training step spends its Python time, one level below bench/host_split.py.
 The workload's stack at full width (hidden 1536, MLP 8960, 12/2 heads) with LAYERS decoder layers:
 bnb NF4 double-quant weights, prepare_model_for_kbit_training, peft LoRA r=16 on q/v with dropout
 0.05, fp16 autocast, a right-padded batch of 4 rows (lengths 300/120/512/80, ~1,000 real tokens,
-the workload's mean). For stock and for ours (solution.apply() in the same process):
+the workload's mean). Variants, in the same process: stock; ours with the layers as modules
+(``SOLUTION_SKIP_PATCHES=qwen2_layer_node``); ours with each layer as one node (the default),
+all three eager (CUDA graphs off: this measures the eager step):
 - wall ms of forward + loss + backward, median of 15 (the GPU work of 4 layers is ~1 ms, so the
   wall time is the host's), and the same with 2 * LAYERS layers: the difference over LAYERS is the
   host time of one decoder layer, forward + backward, without the embedding and LM head;
-- then (ours only) a cProfile of 10 steps: the functions with the most own time, to show which
+- then (the node only) a cProfile of 10 steps: the functions with the most own time, to show which
   Python code the per-layer time is made of (cProfile inflates Python-heavy code ~3x: read the
   ranking, not the absolute figures).
 """
@@ -106,17 +108,22 @@ def main() -> None:
     emulate_t4_paths()
     ids, mask, labels = batch()
     rows, profile_text = {}, ""
+    from solution.settings import Settings
+
+    variants = {"stock": None,
+                "modules": Settings(cuda_graphs="0", skip_patches=frozenset({"qwen2_layer_node"})),
+                "node": Settings(cuda_graphs="0")}
     with tempfile.TemporaryDirectory() as tmp:
-        for variant in ("stock", "ours"):
+        for variant, settings in variants.items():
             solution.revert()
-            if variant == "ours":
-                solution.apply(verbose=False)
+            if settings is not None:
+                solution.apply(verbose=False, settings=settings)
             per = {}
             for layers in (LAYERS, 2 * LAYERS):
                 model = build(tmp, layers)
                 step = step_fn(model, ids, mask, labels)
                 per[layers] = wall_ms(step)
-                if variant == "ours" and layers == LAYERS:
+                if variant == "node" and layers == LAYERS:
                     prof = cProfile.Profile()
                     prof.enable()
                     for _ in range(10):
@@ -134,7 +141,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for v, r in rows.items():
         print(f"| {v} | {r['step_ms'][LAYERS]:.2f} | {r['step_ms'][2 * LAYERS]:.2f} | {r['per_layer_ms']:.3f} |")
-    print("\ncProfile of ours, 10 steps, by own time:\n" + "\n".join(profile_text.splitlines()[:60]))
+    print("\ncProfile of the node, 10 steps, by own time:\n" + "\n".join(profile_text.splitlines()[:60]))
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "rows": rows, "lengths": LENGTHS,
                    "profile": profile_text}, f, indent=1, default=str)

@@ -57,15 +57,29 @@ def supported(q: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.float32) and d <= 128 and d % 8 == 0
 
 
+def varlen_forward(q, k, v, cu_seqlens, max_len, scale):
+    """(out, lse, seed, offset): PyTorch's memory-efficient attention in its variable-length causal
+    mode (CUDA). q, k, v [1, N, H, D] contiguous, same heads."""
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, CAUSAL_FROM_TOP_LEFT, True, scale=scale)
+    record("efficient_attention_varlen", ours=False)  # PyTorch's kernel, counted for the tests
+    return out, lse, seed, offset
+
+
+def varlen_backward(dout, q, k, v, out, lse, cu_seqlens, seed, offset, max_len, scale):
+    """(dq, dk, dv) of ``varlen_forward``."""
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        dout.contiguous(), q, k, v, None, out, cu_seqlens, cu_seqlens, max_len, max_len, lse, 0.0,
+        seed, offset, CAUSAL_FROM_TOP_LEFT, False, scale=scale)
+    return dq, dk, dv
+
+
 class VarlenCausalAttention(torch.autograd.Function):
     """q, k, v [1, N, H, D] (same heads: KV already repeated), contiguous -> out [1, N, H, D]."""
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens, max_len, scale):
-        out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-            q, k, v, None, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, CAUSAL_FROM_TOP_LEFT, True,
-            scale=scale)
-        record("efficient_attention_varlen", ours=False)  # PyTorch's kernel, counted for the tests
+        out, lse, seed, offset = varlen_forward(q, k, v, cu_seqlens, max_len, scale)
         ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
         ctx.max_len, ctx.scale = max_len, scale
         return out
@@ -74,9 +88,7 @@ class VarlenCausalAttention(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse, cu_seqlens, seed, offset = ctx.saved_tensors
-        dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-            dout.contiguous(), q, k, v, None, out, cu_seqlens, cu_seqlens, ctx.max_len, ctx.max_len, lse, 0.0,
-            seed, offset, CAUSAL_FROM_TOP_LEFT, False, scale=ctx.scale)
+        dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, cu_seqlens, seed, offset, ctx.max_len, ctx.scale)
         return dq, dk, dv, None, None, None
 
 

@@ -22,10 +22,9 @@ residual add of the MLP's fp16 output.
    Inputs must have the same shape and be contiguous (the callers' tensors are). Tested bit for
    bit against torch (tests/test_fp32_add.py), on the CPU interpreter and on the GPU.
 
-5. How it was measured: docs/kernels/fp32_add.md, section 5 (``python -m bench.variants default
-   add=SOLUTION_ADD_KERNEL=1``, profiled, against torch's adds). On by default because it won;
-   ``SOLUTION_ADD_KERNEL=0`` keeps torch's adds (the callers decide: patches/qwen2_decoder_layer.py,
-   and nf4_mlp's ``add_kernel`` argument).
+5. How it was measured: docs/kernels/fp32_add.md, section 5 (profiled end-to-end runs against
+   torch's adds, same bits). It is fixed behaviour: the callers (patches/qwen2_decoder_layer.py,
+   nf4_mlp.mlp_backward, step/layer.py) always use it where it applies.
 """
 from __future__ import annotations
 

@@ -274,7 +274,8 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # never cached; memory: the fp16 copy now stays allocated between steps, but it was alive at the
 # step's memory peak anyway (the peak is the LM head's forward, docs/PERFORMANCE.md), so the peak
 # does not move. clear_weight_cache() drops it (solution.revert() calls it).
-# SOLUTION_LM_HEAD_WEIGHT_CACHE=0 casts every step again (the caller passes it: cache_weight).
+# The training path always caches (patches/qwen2_lm_head_loss.py passes cache_weight=True); the
+# argument stays so that tests can compare the cached copy with a fresh cast.
 # How it was measured (GPU time, peak, losses with and without the cache):
 # docs/kernels/lm_head_loss.md, section 3.
 _WEIGHT_CACHE: dict = {}
@@ -438,8 +439,8 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
     num_items_in_batch: divisor of the summed loss (the Trainer's count), None = mean.
     chunk_rows / block_v / block_rows: tuning overrides (None = plan_chunk_rows /
         default_launch_config()); the results do not depend on them beyond summation order.
-    cache_weight: keep the weight's compute_dtype copy between calls (cast_frozen_weight;
-        $SOLUTION_LM_HEAD_WEIGHT_CACHE, passed by patches/qwen2_lm_head_loss.py); same values.
+    cache_weight: keep the weight's compute_dtype copy between calls (cast_frozen_weight); same
+        values either way.
     labelled_rows: the number of tokens whose shift label is not ignored, when the caller knows it
         (a host int; it must be exact). Then the hidden-state gradient GEMM runs on those rows only
         (their gradient is zero elsewhere: nothing to multiply), moved first. The results are

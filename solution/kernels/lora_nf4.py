@@ -31,10 +31,9 @@ That is 7 kernels forward (2 Triton, dropout, 3 GEMMs, 1 Triton launch casting A
 gradients), in one autograd node.
 On the packed path (no work on padding) the dropout mask is drawn over stock's padded shape and
 its value was computed by torch as ``x * mask * scale`` in fp32 (two elementwise kernels and an
-fp32 tensor), then cast. By default (``SOLUTION_DEFER_DROPOUT=0`` turns it off) the cast launch
-computes fp16((x * mask) * scale) itself from x and the bool mask (``_cast_block`` mode 3): the same
-bits (tests); on by default because it was measured faster end to end (the measurement:
-docs/kernels/lora_nf4.md, section 3).
+fp32 tensor), then cast. Instead the cast launch computes fp16((x * mask) * scale) itself from x
+and the bool mask (``_cast_block`` mode 3): the same bits (tests), measured faster end to end
+(docs/kernels/lora_nf4.md, section 3).
 Gradients of A and B come back in the parameters' own dtype (bf16 / fp32 / fp16), as the
 autocast cast's backward gives them.
 """
@@ -210,16 +209,33 @@ def padded_draw_shape(x: torch.Tensor, packed) -> tuple[int, int] | None:
     return (packed.batch * packed.seqlen, x.shape[-1])
 
 
+def draw_padded_mask(p: float, padded_shape, dtype: torch.dtype, idx: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """LoRA dropout's bool mask on CUDA as stock draws it over the padded batch: ``native_dropout``
+    on a [batch * seqlen, hidden] tensor of ``dtype`` (the shape, dtype and layout stock's dropout
+    sees, so the same kernel consumes the same random numbers), then the rows ``idx`` (the packed
+    real tokens, in order) kept: into ``out`` when given, else a new [len(idx), hidden] tensor.
+    The mask depends only on the random numbers (an element is kept when its uniform draw is below
+    1 - p), never on the input's values, so the input is left uninitialized (no fill);
+    tests/test_unpad.py checks the mask against stock's nn.Dropout on the real padded tensor.
+    The one place the padded draw is written: lora_dropout, the decoder-layer node and the CUDA
+    graphs' mask slots (solution/step/cuda_graphs.py) all call it."""
+    _, mask = torch.native_dropout(torch.empty(padded_shape, dtype=dtype, device=idx.device), p, True)
+    if out is None:
+        return mask.index_select(0, idx)
+    return torch.index_select(mask, 0, idx, out=out)
+
+
 def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False, packed=None, mask_source=None):
     """``dropout(x)`` for a plain ``nn.Dropout`` / ``nn.Identity``, computed with the very ops (and
     random numbers) torch's ``F.dropout`` uses, but keeping the mask for our fused backward.
     Returns (xd, mask, mode, scale): xd None when dropout is the identity (eval mode, p == 0).
     ``defer``: on the packed path (mask drawn over the padded shape) with a CUDA fp32 contiguous x,
     xd is a ``_Deferred`` instead of an fp32 tensor: ``lora_nf4`` then makes fp16(dropout(x)) in its
-    cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer). Its caller
-    (solution/patches/peft_lora_bnb.py) passes $SOLUTION_DEFER_DROPOUT, on by default since it was
-    measured faster end to end (docs/kernels/lora_nf4.md, section 3); $SOLUTION_DEFER_DROPOUT=0
-    lets torch make it.
+    cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer; measured
+    faster end to end: docs/kernels/lora_nf4.md, section 3). Training always defers
+    (solution/patches/peft_lora_bnb.py, step/layer.py); defer=False is the reference the tests
+    compare it with.
 
     ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
     (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite
@@ -247,14 +263,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False,
                 xd, mask = torch.native_dropout(x, p, True)
                 return xd, mask, DROPOUT_MASK, 1.0 / (1.0 - p)
             else:
-                # The mask depends only on the random numbers (the kernel keeps an element when its
-                # uniform draw is below 1 - p), never on the input's values: an uninitialized input
-                # of the same shape, dtype and layout runs the same kernel on the same draws and
-                # saves the fill that torch.ones made (one [batch, seqlen, hidden] fp32 write per
-                # LoRA layer; test_dropout_draws_over_the_padded_shape_cuda checks the mask against a
-                # draw over the real padded tensor, and passes on the H200).
-                _, mask = torch.native_dropout(torch.empty(padded_shape, dtype=x.dtype, device=x.device), p, True)
-                mask = mask.index_select(0, packed.idx).view(x.shape)
+                mask = draw_padded_mask(p, padded_shape, x.dtype, packed.idx).view(x.shape)
             # native_dropout's value: src * keep * scale, scale = 1 / (1 - p) in fp32
             if defer and _fusable(x):
                 xd = _Deferred(_native_dropout_scale(p))
@@ -281,18 +290,24 @@ def _fusable(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS
 
 
-def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None):
+def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None):
     """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32 and
     contiguous ones; others are cast by torch, with its layout rules). xd a ``_Deferred``: the
-    launch computes fp16((x * drop_mask) * scale) itself."""
+    launch computes fp16((x * drop_mask) * scale) itself. ``x16`` given (fp16(x), made by an
+    earlier launch): x is not cast again."""
     w16 = plan.weight16()
     if isinstance(xd, _Deferred):  # lora_dropout checked that x is fusable
-        x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
         xd16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
-        plan.dq.launch(w16, a=x, a16=x16, b=drop_mask, b16=xd16, cast_b=3, scaling=xd.scale)
+        if x16 is None:
+            x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+            plan.dq.launch(w16, a=x, a16=x16, b=drop_mask, b16=xd16, cast_b=3, scaling=xd.scale)
+        else:
+            plan.dq.launch(w16, a=x, b=drop_mask, b16=xd16, cast_b=3, scaling=xd.scale)
         return w16, x16, xd16
     jobs = []
-    if _fusable(x):
+    if x16 is not None:
+        pass
+    elif _fusable(x):
         x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
         jobs.append((x, x16))
     else:
@@ -313,6 +328,57 @@ def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None):
     return w16, x16, xd16
 
 
+def lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling, x16=None):
+    """One LoRA-NF4 projection's forward: (out, x16, saved), saved = (xd16, h16, a16, b16) what its
+    backward needs (``lora_backward_parts``). ``x16``: fp16(x) made by an earlier launch (another
+    projection of the same x): then this launch dequantizes W and makes only dropout's fp16 value
+    (the same bits: a cast is a cast). Shared by LoraNF4Function and the decoder-layer node
+    (solution/step/layer.py)."""
+    w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
+    base16 = F.linear(x16, w16, bias16)
+    a16, b16 = cast_pair(lora_a, lora_b, torch.float16, torch.float16)  # autocast's two casts, one launch
+    h16 = F.linear(xd16, a16)
+    lora16 = F.linear(h16, b16)
+    out = lora_combine(base16, lora16, scaling, x.dtype)
+    # the fp16 casts of A and B are saved (stock autocast saves them too), so backward does not cast again
+    return out, x16, (xd16, h16, a16, b16)
+
+
+def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, a_dtype, b_dtype):
+    """One LoRA-NF4 projection's backward without the input gradient's final sum: (g16,
+    grad_base16, grad_xd16, grad_a, grad_b): g16 = fp16(grad_out), the two fp16 parts of x's
+    gradient (None unless need_x), A's and B's gradients in their dtypes (None unless asked for).
+    Both parts of x's gradient are issued before another weight is dequantized into the shared
+    scratch buffer (stream order keeps the buffer's reuse safe)."""
+    xd16, h16, a16, b16 = saved
+    g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
+    # one launch: W again (bnb's backward rounding chain; only when the input gradient is
+    # needed), g16 = fp16(g) (autograd's cast of the gradient of the fp16 GEMM outputs) and
+    # gs16 = fp16(g16 * scaling) (the gradient of lora_B's output, as peft's fp16 `* scaling`)
+    w16 = plan.weight16()
+    g16 = g if g.dtype == torch.float16 else torch.empty(g.shape, dtype=torch.float16, device=g.device)
+    gs16 = torch.empty(g.shape, dtype=torch.float16, device=g.device)
+    plan.dq.launch(w16, plan.round_bwd, dequant=need_x, a=g, a16=None if g16 is g else g16,
+                   b16=gs16, cast_b=2, scaling=scaling)
+    n_out, r, n_in = gs16.shape[-1], h16.shape[-1], xd16.shape[-1]
+    grad_a = grad_b = grad_base16 = grad_xd16 = None
+    if need_b:  # lora_B: grad_weight = gs^T h (fp16, cast to B's dtype below)
+        grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r))
+    if need_a or need_x:
+        grad_h16 = torch.matmul(gs16, b16)  # [..., r]
+        if need_a:  # lora_A: grad_weight = grad_h^T xd16 (fp16, cast to A's dtype below)
+            grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in))
+    if need_a and need_b:  # autograd's two casts of the fp16 weight gradients, one launch
+        grad_a, grad_b = cast_pair(grad_a, grad_b, a_dtype, b_dtype)
+    elif need_a or need_b:
+        grad_a = None if grad_a is None else grad_a.to(a_dtype)
+        grad_b = None if grad_b is None else grad_b.to(b_dtype)
+    if need_x:
+        grad_xd16 = torch.matmul(grad_h16, a16)
+        grad_base16 = torch.matmul(g16, w16)
+    return g16, grad_base16, grad_xd16, grad_a, grad_b
+
+
 class LoraNF4Function(torch.autograd.Function):
     """out = fp32(F.linear(x16, dequant(W), bias16)) + fp32(fp16(F.linear(F.linear(xd16, A16), B16) * s))
 
@@ -325,15 +391,8 @@ class LoraNF4Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode, drop_scale, scaling):
-        w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd, drop_mask)
-        base16 = F.linear(x16, w16, bias16)
-        a16, b16 = cast_pair(lora_a, lora_b, torch.float16, torch.float16)  # autocast's two casts, one launch
-        h16 = F.linear(xd16, a16)
-        lora16 = F.linear(h16, b16)
-        out = lora_combine(base16, lora16, scaling, x.dtype)
-        # the fp16 casts of A and B are saved (stock autocast saves them too), so backward does
-        # not cast again
-        ctx.save_for_backward(xd16, h16, a16, b16, drop_mask)
+        out, _, saved = lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling)
+        ctx.save_for_backward(*saved, drop_mask)
         ctx.plan, ctx.scaling = plan, scaling
         ctx.drop_mode, ctx.drop_scale = drop_mode, drop_scale
         ctx.dtypes = (x.dtype, lora_a.dtype, lora_b.dtype, None if bias16 is None else bias16.dtype)
@@ -342,39 +401,16 @@ class LoraNF4Function(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        xd16, h16, a16, b16, drop_mask = ctx.saved_tensors
+        *saved, drop_mask = ctx.saved_tensors
         need_x, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
         x_dtype, a_dtype, b_dtype, bias_dtype = ctx.dtypes
-        plan = ctx.plan
-        g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-        # one launch: W again (bnb's backward rounding chain; only when the input gradient is
-        # needed), g16 = fp16(g) (autograd's cast of the gradient of the fp16 GEMM outputs) and
-        # gs16 = fp16(g16 * scaling) (the gradient of lora_B's output, as peft's fp16 `* scaling`)
-        w16 = plan.weight16()
-        g16 = g if g.dtype == torch.float16 else torch.empty(g.shape, dtype=torch.float16, device=g.device)
-        gs16 = torch.empty(g.shape, dtype=torch.float16, device=g.device)
-        plan.dq.launch(w16, plan.round_bwd, dequant=need_x, a=g, a16=None if g16 is g else g16,
-                       b16=gs16, cast_b=2, scaling=ctx.scaling)
-        n_out, r, n_in = gs16.shape[-1], h16.shape[-1], xd16.shape[-1]
-
-        grad_x = grad_a = grad_b = grad_bias = None
-        if need_b:  # lora_B: grad_weight = gs^T h (fp16, cast to B's dtype below)
-            grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r))
-        if need_a or need_x:
-            grad_h16 = torch.matmul(gs16, b16)  # [..., r]
-            if need_a:  # lora_A: grad_weight = grad_h^T xd16 (fp16, cast to A's dtype below)
-                grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in))
-        if need_a and need_b:  # autograd's two casts of the fp16 weight gradients, one launch
-            grad_a, grad_b = cast_pair(grad_a, grad_b, a_dtype, b_dtype)
-        elif need_a or need_b:
-            grad_a = None if grad_a is None else grad_a.to(a_dtype)
-            grad_b = None if grad_b is None else grad_b.to(b_dtype)
+        g16, grad_base16, grad_xd16, grad_a, grad_b = lora_backward_parts(
+            ctx.plan, grad_out, saved, ctx.scaling, need_x, need_a, need_b, a_dtype, b_dtype)
+        grad_x = grad_bias = None
         if need_x:
-            grad_xd16 = torch.matmul(grad_h16, a16)
-            grad_base16 = torch.matmul(g16, w16)
             grad_x = lora_grad_sum(grad_base16, grad_xd16, drop_mask, ctx.drop_mode, ctx.drop_scale, x_dtype)
         if need_bias:
-            grad_bias = g16.reshape(-1, n_out).sum(0, dtype=bias_dtype)
+            grad_bias = g16.reshape(-1, g16.shape[-1]).sum(0, dtype=bias_dtype)
         return grad_x, grad_a, grad_b, grad_bias, None, None, None, None, None, None
 
 

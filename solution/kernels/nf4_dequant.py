@@ -414,6 +414,7 @@ def sm75_specs():
     cast_variants = [("fp32", True, 0, (False, True)),   # NF4 linear: x / grad fp32 -> fp16
                      ("fp32", True, 1, (False,)),        # LoRA forward: x and dropout(x) -> fp16
                      ("fp32", True, 3, (False,)),        # LoRA forward: x, and dropout(x) from the mask
+                     ("fp32", False, 3, (False,)),       # the layer node's v: dropout(x) only (x16 is q's)
                      ("fp32", True, 2, (False, True)),   # LoRA backward: g16 and fp16(g16 * s)
                      ("fp16", False, 2, (False, True))]  # LoRA backward, fp16 gradient
     for src, cast_a, cast_b, roundings in cast_variants:

@@ -85,23 +85,54 @@ def _project16(x16: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
     return F.linear(x16, w16)
 
 
+def mlp_saved(policy: str, x16, g16, u16) -> tuple:
+    """What the backward keeps under ``policy`` (the module doc)."""
+    if policy == "memory":
+        return (x16,)
+    if policy == "balanced":
+        return (x16, g16)
+    return (g16, u16)
+
+
+def mlp_backward(plans, policy: str, saved: tuple, dy2: torch.Tensor) -> torch.Tensor:
+    """The block's input gradient (2-D fp32 [T, H]) from its output gradient ``dy2`` (2-D, fp32 or
+    fp16; an fp32 gradient is cast to fp16 in the down weight's dequantization launch, the bits
+    autograd's cast gives) and the tensors ``mlp_saved`` kept. Overwrites the saved g16 / u16."""
+    gate, up, down = plans
+    if not dy2.is_contiguous():
+        dy2 = dy2.contiguous()
+    wd, dy16 = down.dequant_and_cast(dy2, down.round_bwd)  # fp16 dy: a dequantization only
+    dh16 = torch.matmul(dy16, wd)
+    if policy == "memory":
+        (x16,) = saved
+        g16, u16, _ = _gate_up(x16, gate, up)
+    elif policy == "balanced":
+        x16, g16 = saved
+        u16 = _project16(x16, up)  # the forward's up projection again: the same bits
+    else:
+        g16, u16 = saved
+    swiglu_backward_fp16_of_fp32(dh16, g16, u16, g16, u16)  # dg -> g16, du -> u16, in place
+    del dh16
+    wg, _ = gate.dequant_and_cast(g16, gate.round_bwd)
+    dxg = torch.matmul(g16, wg)
+    wu, _ = up.dequant_and_cast(u16, up.round_bwd)
+    # one Triton pass for fp32(dxg) + fp32(dxu): the fp32 sum autograd makes of the two projections'
+    # input gradients (fp32_add.py)
+    return fp32_add.add_as_fp32(dxg, torch.matmul(u16, wu))
+
+
 class NF4MLPFunction(torch.autograd.Function):
     """x [..., H] fp32 -> y [..., H] fp16 = down(swiglu(gate(x), up(x))), the values stock computes
     (see the module doc); gradient for x only (the three weights are frozen)."""
 
     @staticmethod
-    def forward(ctx, x, gate, up, down, policy, add_kernel):
+    def forward(ctx, x, gate, up, down, policy):
         y, g16, u16, x16 = _block_forward(x, gate, up, down)
         ctx.plans = (gate, up, down)
-        ctx.policy, ctx.add_kernel = policy, add_kernel
+        ctx.policy = policy
         ctx.x_shape = x.shape
         ctx.consumed = False
-        if policy == "memory":
-            ctx.save_for_backward(x16)
-        elif policy == "balanced":
-            ctx.save_for_backward(x16, g16)
-        else:
-            ctx.save_for_backward(g16, u16)
+        ctx.save_for_backward(*mlp_saved(policy, x16, g16, u16))
         return y
 
     @staticmethod
@@ -110,42 +141,18 @@ class NF4MLPFunction(torch.autograd.Function):
         if ctx.consumed:
             raise RuntimeError("NF4 MLP: a second backward through the same graph is not supported "
                                "(the first one reused the saved activations' memory)")
-        gate, up, down = ctx.plans
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if not dy2.is_contiguous():
-            dy2 = dy2.contiguous()
-        wd, dy16 = down.dequant_and_cast(dy2, down.round_bwd)  # fp16 dy: a dequantization only
-        dh16 = torch.matmul(dy16, wd)
-        if ctx.policy == "memory":
-            (x16,) = ctx.saved_tensors
-            g16, u16, _ = _gate_up(x16, gate, up)
-        elif ctx.policy == "balanced":
-            x16, g16 = ctx.saved_tensors
-            u16 = _project16(x16, up)  # the forward's up projection again: the same bits
-        else:
-            g16, u16 = ctx.saved_tensors
+        saved = ctx.saved_tensors
         ctx.consumed = True
-        swiglu_backward_fp16_of_fp32(dh16, g16, u16, g16, u16)  # dg -> g16, du -> u16, in place
-        del dh16
-        wg, _ = gate.dequant_and_cast(g16, gate.round_bwd)
-        dxg = torch.matmul(g16, wg)
-        wu, _ = up.dequant_and_cast(u16, up.round_bwd)
-        if ctx.add_kernel:  # one Triton pass for fp32(dxg) + fp32(dxu) (fp32_add.py)
-            dx = fp32_add.add_as_fp32(dxg, torch.matmul(u16, wu))
-        else:
-            dx = dxg.to(torch.float32)
-            dx += torch.matmul(u16, wu)
-        return dx.view(ctx.x_shape), None, None, None, None, None
+        dx = mlp_backward(ctx.plans, ctx.policy, saved, dy.reshape(-1, dy.shape[-1]))
+        return dx.view(ctx.x_shape), None, None, None, None
 
 
 def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
-            policy: str = "speed", add_kernel: bool = True) -> torch.Tensor:
+            policy: str = "speed") -> torch.Tensor:
     """The MLP block on our path (the caller checked the conditions in the module doc); returns
-    fp16. ``policy``: "speed", "balanced" or "memory" (the module doc). ``add_kernel``: the
-    backward's fp32 sum of the two input gradients in one Triton pass (fp32_add.add_as_fp32)
-    instead of torch's cast and add; the same bits either way."""
+    fp16. ``policy``: "speed", "balanced" or "memory" (the module doc)."""
     if policy not in MEMORY_POLICIES:
         raise ValueError(f"nf4_mlp: unknown memory policy {policy!r}")
     if torch.is_grad_enabled() and x.requires_grad:
-        return NF4MLPFunction.apply(x, gate, up, down, policy, add_kernel)
+        return NF4MLPFunction.apply(x, gate, up, down, policy)
     return _block_forward(x, gate, up, down)[0]

@@ -9,6 +9,7 @@ PATCHES = [
     "solution.patches.qwen2_mlp",
     "solution.patches.bnb_linear4bit",
     "solution.patches.peft_lora_bnb",
+    "solution.patches.qwen2_layer_node",
     "solution.patches.qwen2_lm_head_loss",
     "solution.patches.qwen2_unpad",
     "solution.patches.trainer_lengths",

@@ -21,6 +21,9 @@ transformers >= 5.16.1, < 6 and trl >= 0.29, < 1):
   decoder layer, fields of the outputs; the old name kept as a deprecated alias); sdpa's paged
   cache branch moved out - accepted: the mirrors take the cache argument's name from the installed
   signature (``cache_kwarg``) and the decoder layer passes it through untouched.
+- Qwen2Attention.forward (mirrored by the decoder-layer node, solution/step/layer.py): one source
+  from 5.16.1 to 5.23.0; 5.24.0 renames ``past_key_values`` to ``cache`` (with ``deprecate_kwarg``)
+  and passes ``kwargs`` to ``cache.update`` - accepted: the node runs only without a cache.
 """
 from __future__ import annotations
 
@@ -42,6 +45,10 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "transformers.Qwen2DecoderLayer.forward": {
         "75d1d62e173e8c574b8a61338d1fa5052774d13b848eecd282cde88cd6690b8e": "5.16.1-5.23.0",
         "2b52523b7afe2a371de1384a5c81b6f64e9a32b7490388160afea6edb28ff5c2": "5.24.0",
+    },
+    "transformers.Qwen2Attention.forward": {
+        "3d7ae1485294d0c8d57827617a3abed805bcf0c4107ead3d1a47f67eee7dcb1b": "5.16.1-5.23.0",
+        "958fda1e108c1fe850f10c41d41d1a3b9281261cf76cb71835433fdf87fddb17": "5.24.0",
     },
     "transformers.sdpa_attention_forward": {
         "2519bd4da7bc7181c84f14ed764249b88bef262fd75f2b441d3e5b23a88c4a96": "5.16.1-5.18.0",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from solution import settings
 from solution.hooks import has_hooks
 from solution.step import packing
 
@@ -114,8 +113,6 @@ def make_forward(original_forward):
     from solution.kernels.lora_nf4 import lora_dropout, lora_nf4
     from solution.patches._bnb import linear4bit_bias
 
-    defer_dropout = settings.current().defer_dropout  # read at install (apply())
-
     def forward(self, x, *args, **kwargs):
         reason, spec = resolve(self, x, args, kwargs)
         if reason is not None:
@@ -124,7 +121,7 @@ def make_forward(original_forward):
         # bnb's Linear4bit prologue (its in-place fp16 cast of the bias), then torch's dropout op
         # on x, in peft's order (the base layer consumes no random numbers)
         bias16 = linear4bit_bias(base)
-        xd, mask, mode, drop_scale = lora_dropout(dropout, x, defer=defer_dropout, packed=packing.active(),
+        xd, mask, mode, drop_scale = lora_dropout(dropout, x, defer=True, packed=packing.active(),
                                                   mask_source=packing.dropout_mask_source())
         return lora_nf4(x, wa, wb, bias16, plan, xd, mask, mode, drop_scale, scaling)
 

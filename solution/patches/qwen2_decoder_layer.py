@@ -38,7 +38,6 @@ import functools
 
 import torch
 
-from solution import settings
 from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import checkpointing_body, unexpected_source
@@ -122,7 +121,7 @@ def make_forward(stock_forward, norm_cls, stock_norm_forward):
             residual = hidden_states
             hidden_states = norm(hidden_states)
         hidden_states = self.mlp(hidden_states)
-        if hidden_states.dtype != residual.dtype and settings.current().add_kernel:
+        if hidden_states.dtype != residual.dtype:
             # the fused NF4 MLP's fp16 output: one Triton pass instead of torch's mixed-dtype add
             return fp32_add.residual_add(residual, hidden_states)
         hidden_states = residual + hidden_states

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 
 import torch
 
-from solution import settings
 from solution.kernels._device import runs_here
 from solution.say import say_once
 from solution.patches._sources import cache_given, cache_kwarg, drop_cache_args, unexpected_source
@@ -144,7 +143,7 @@ def _packed_lm_head(packed, weight, shift_labels, dtype, num_items_in_batch, lab
     hidden, info = packed
     labels = unpad_rows(shift_labels.reshape(-1), info).view(1, -1)
     res = fused_lm_head_loss(hidden, weight, labels, compute_dtype=dtype, num_items_in_batch=num_items_in_batch,
-                             cache_weight=settings.current().lm_head_weight_cache, labelled_rows=labelled_rows)
+                             cache_weight=True, labelled_rows=labelled_rows)
     shape = (info.batch, info.seqlen)
     per_token = [pad_rows(t.reshape(-1), info).view(shape) for t in (res.token_entropy, res.token_argmax, res.token_loss)]
     return (*per_token, res.loss)
@@ -197,7 +196,7 @@ def _make_forward(stock_forward):
         else:
             res = fused_lm_head_loss(hidden_states, weight, shift_labels, compute_dtype=dtype,
                                      num_items_in_batch=kwargs.get("num_items_in_batch"),
-                                     cache_weight=settings.current().lm_head_weight_cache, labelled_rows=labelled)
+                                     cache_weight=True, labelled_rows=labelled)
             token_entropy, token_argmax, token_loss, loss = res.token_entropy, res.token_argmax, res.token_loss, res.loss
         return output_class(loss=loss, logits=None, hidden_states=outputs.hidden_states,
                             attentions=outputs.attentions, token_entropy=token_entropy, token_argmax=token_argmax,

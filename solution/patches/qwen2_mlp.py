@@ -80,8 +80,7 @@ def fused_plans(mlp, x: torch.Tensor):
 
 def make_forward(stock_forward, policy: str = "speed"):
     """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback).
-    ``policy``: the fused NF4 MLP's memory policy (solution/kernels/nf4_mlp.py); the add kernel
-    follows settings.current() at each call."""
+    ``policy``: the fused NF4 MLP's memory policy (solution/kernels/nf4_mlp.py)."""
     from solution.kernels.nf4_mlp import nf4_mlp
     from solution.kernels.swiglu import swiglu, unsupported_reason
 
@@ -93,7 +92,7 @@ def make_forward(stock_forward, policy: str = "speed"):
         if _callable_directly(self):
             plans = fused_plans(self, x)
             if plans is not None:
-                return nf4_mlp(x, *plans, policy=policy, add_kernel=settings.current().add_kernel)
+                return nf4_mlp(x, *plans, policy=policy)
         g = self.gate_proj(x)
         u = self.up_proj(x)
         if unsupported_reason(g, u) is not None:

@@ -56,9 +56,11 @@ from torch.autograd.function import once_differentiable
 
 from solution import precompile, settings
 from solution.hooks import global_hooks, own_hooks
+from solution.kernels.lora_nf4 import draw_padded_mask
 from solution.say import say
 from solution.settings import CUDA_GRAPHS_ENV
 from solution.step import attention, lengths, packing
+from solution.step import layer as layer_node
 
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
 
@@ -251,8 +253,7 @@ class _MaskSlots(packing.DropoutMaskSource):
         rows, n = info.batch * info.seqlen, info.n_tokens
         with torch.no_grad():
             for (p, dtype, hidden), buf in zip(self.specs, self.buffers):
-                _, mask = torch.native_dropout(torch.empty((rows, hidden), dtype=dtype, device=buf.device), p, True)
-                torch.index_select(mask, 0, info.idx, out=buf[:n])
+                draw_padded_mask(p, (rows, hidden), dtype, info.idx, out=buf[:n])
 
 
 class _Arena:
@@ -408,11 +409,15 @@ def _release_capture_state(device: torch.device) -> None:
 
 
 def run_layers(layers, h, info, cos, sin, pos):
-    """The decoder loop of step/decoder.py on packed rows (no KV cache, no extra arguments)."""
+    """The decoder loop of step/decoder.py on packed rows (no KV cache, no extra arguments): each
+    layer through the decoder-layer node where it takes the layer (step/layer.py), else as a module."""
     x = h
     with packing.running_unpadded(info):
+        node = layer_node.step_context(cos, sin, info, h, packing.dropout_mask_source())
         for layer in layers:
-            x = layer(x, attention_mask=info, position_embeddings=(cos, sin), position_ids=pos, use_cache=False)
+            out = None if node is None else layer_node.run_layer(layer, x, node)
+            x = out if out is not None else layer(x, attention_mask=info, position_embeddings=(cos, sin),
+                                                  position_ids=pos, use_cache=False)
     return x
 
 

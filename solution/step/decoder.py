@@ -29,6 +29,7 @@ from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import cache_given, checkpointing_body
 from solution.step import cuda_graphs, packing
+from solution.step import layer as layer_node
 
 # Set by the LM-head patch around its call of the decoder: a list that receives
 # (packed final hidden states [1, N, H], Unpadded) when the decoder ran unpadded.
@@ -133,6 +134,23 @@ def _run_checkpointed(layer, info, hidden_states, kwargs):
     return layer._gradient_checkpointing_func(functools.partial(run, **kwargs), hidden_states)
 
 
+def _run_node(layer, hidden_states, node, info):
+    """The layer through the decoder-layer node (step/layer.py), under transformers' checkpoint
+    function when the layer is checkpointed (as the module would run); None when the node does not
+    take this layer (the caller calls the module)."""
+    layer_plan = layer_node.takes(layer, hidden_states, node)
+    if layer_plan is None:
+        return None
+    if not _checkpointed(layer):
+        return layer_node.apply_node(layer_plan, hidden_states, node)
+
+    def run(h):  # the forward, and again in backward (the recompute), under the packed batch
+        with packing.running_unpadded(info):
+            return layer_node.apply_node(layer_plan, h, node)
+
+    return layer._gradient_checkpointing_func(run, hidden_states)
+
+
 def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs):
     """The Unpadded description when this call can run packed, else None (stock forward). The KV
     cache argument, if any, is in kwargs (``past_key_values`` or, from transformers 5.24, ``cache``)."""
@@ -176,10 +194,17 @@ def unpadded_forward(model, input_ids, info, kwargs):
         layers = model.layers[: model.config.num_hidden_layers]
         # the second half of the layers is timed while $SOLUTION_CUDA_GRAPHS=auto measures whether graphs pay
         timer = cuda_graphs.eager_timer(model, input_ids.device)
+        # each layer as one autograd node (step/layer.py) where it mirrors the modules exactly
+        node = None if cuda_graphs.arguments_refusal(kwargs) else layer_node.step_context(
+            *position_embeddings, info, hidden_states)
         with packing.running_unpadded(info):
             for i, decoder_layer in enumerate(layers):
                 if timer is not None and i == len(layers) // 2:
                     timer.start()
+                out = None if node is None else _run_node(decoder_layer, hidden_states, node, info)
+                if out is not None:
+                    hidden_states = out
+                    continue
                 layer_kwargs = dict(attention_mask=info, position_embeddings=position_embeddings,
                                     position_ids=position_ids, use_cache=False, **kwargs)
                 if _checkpointed(decoder_layer):

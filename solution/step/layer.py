@@ -1,0 +1,366 @@
+"""The decoder layer as ONE autograd node (the packed step's eager layer).
+
+1. What it replaces. On the packed path each of Qwen2's 28 decoder layers ran as modules
+   (Qwen2DecoderLayer -> RMSNorm, Qwen2Attention -> peft LoRA q / v over bnb NF4, bnb NF4 k / o,
+   RoPE, attention, residual + norm, the NF4 MLP), every one through our patched forwards: ~13
+   autograd nodes a layer (plus the views' nodes), each module call with its Python checks (peft's
+   adapter state, bnb's plan, hooks, settings), and autograd's engine walking all of them back.
+2. Why that was slow. On a fast GPU the eager step is host-bound: the GPU work of a layer is
+   ~0.8 ms forward and backward on an H200 while its Python and launch work took ~6 ms, about what
+   stock's layer costs (docs/PERFORMANCE.md). The work was the same kernels; the time went into
+   the module and autograd machinery around them.
+3. What it does instead. ``LayerPlan`` answers once per layer what the module path asks at every
+   call (which kernels apply, the NF4 plans, the biases, the LoRA weights, scaling and dropout) and
+   a cheap check per step confirms it still holds (``LayerPlan.valid``). ``_LayerNode`` then runs
+   the layer's forward as one straight sequence of the very kernel calls the module path makes, in
+   the same order (the same dropout draws, the same GEMMs on the same operands), and its backward
+   as the reverse sequence, with autograd's own roundings and orders of summation: the loss and
+   every gradient are the module path's bits (tests/test_layer_node.py). Bit-preserving savings on
+   top: x is cast to fp16 once for q, k and v (three identical casts before), the MLP's output
+   gradient is cast inside the down weight's dequantization launch, and the three projections'
+   input gradients are summed by one kernel (kernels/qkv_grad.py) instead of five passes.
+4. Correctness risks. (a) A layer the node does not mirror exactly: any hook, instance-level
+   forward, adapter state, dropout, dtype, attention setting or patch the node does not reproduce
+   makes ``plan_for`` answer None and the layer runs as modules (the reason is said once).
+   (b) Numerics: the same kernels in the same order; pinned bit for bit against the module path
+   (CPU interpreter and GPU). (c) Memory: it saves the tensors the module path's nodes saved, no
+   more. (d) Gradient checkpointing: the node runs inside transformers' checkpoint function like
+   the layer did; everything it keeps for backward goes through ``save_for_backward``, so the
+   checkpoint's saved-tensor hooks see it.
+5. How it was measured: docs/layer_node.md (host time per layer, whole runs with graphs off).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from solution.hooks import global_hooks
+from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, rmsnorm, rope
+from solution.kernels._launches import record
+from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
+from solution.kernels.lora_nf4 import lora_backward_parts, lora_dropout, lora_forward_parts
+from solution.kernels.qkv_grad import qkv_grad_sum
+from solution.kernels.swiglu import swiglu_fp16_of_fp32
+from solution.say import say_once
+
+_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> LayerPlan | reason str
+
+NODE_COUNT = "decoder_layer_node"  # counted in kernels/_launches.LAUNCHES per node forward
+
+
+# -- the plan -------------------------------------------------------------------------------------
+
+class LoraPlan:
+    """One LoRA-on-NF4 projection (q or v) as the node calls it: the base weight's kernel plan
+    (kernels/nf4_linear.LinearPlan), its fp16 bias, the LoRA weights (the parameters themselves),
+    the dropout module (lora_dropout reads p and training) and the scaling."""
+
+    __slots__ = ("plan", "bias16", "wa", "wb", "dropout", "scaling")
+
+    def __init__(self, plan, bias16, wa, wb, dropout, scaling):
+        self.plan, self.bias16, self.wa, self.wb, self.dropout, self.scaling = plan, bias16, wa, wb, dropout, scaling
+
+
+class LayerPlan:
+    """Everything about one decoder layer that the node needs and that does not change from step
+    to step: the kernel plans of q, k, v, o, gate, up, down (kernels/nf4_linear.LinearPlan), k's
+    fp16 bias, the norms' weights and eps, the attention's shapes and scale, the MLP's memory
+    policy. Made once by the planner (solution/patches/qwen2_layer_node.py, which reads the
+    bitsandbytes / peft modules); ``valid`` is the planner's per-step check that it still holds."""
+
+    __slots__ = ("q", "v", "k", "k_bias16", "o", "mlp", "policy", "norm1_w", "norm2_w", "eps1", "eps2",
+                 "n_heads", "n_kv", "head_dim", "groups", "scale", "valid")
+
+    def __init__(self, *, q: LoraPlan, v: LoraPlan, k, k_bias16, o, mlp, policy, norm1_w, norm2_w, eps1, eps2,
+                 n_heads, n_kv, head_dim, scale, valid):
+        self.q, self.v, self.k, self.k_bias16, self.o, self.mlp = q, v, k, k_bias16, o, tuple(mlp)
+        self.policy, self.norm1_w, self.norm2_w, self.eps1, self.eps2 = policy, norm1_w, norm2_w, eps1, eps2
+        self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
+        self.groups = n_heads // n_kv
+        self.valid = valid
+
+
+# The planner (solution/patches/qwen2_layer_node.py installs it through its swaps, so revert()
+# removes it; None: the node is off). It answers what needs the libraries' modules:
+#   missing() -> str | None         a patch the node mirrors that is not installed
+#   build(layer, x) -> LayerPlan | str
+#   step_ok(x) -> bool             fp16 autocast as peft and SDPA read it, for x's device
+#   small_m(n, device, plan) -> bool   bitsandbytes would run its own small-M GEMM for n rows
+PLANNER = None
+
+
+def _transient(x) -> tuple:
+    """What a refusal may depend on besides the layer itself: x's dtype and the autocast state."""
+    dev = x.device.type
+    return (x.dtype, torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+
+
+def plan_for(layer, x) -> LayerPlan | None:
+    """The layer's plan when the node can run it on input x this step, else None (said once). A
+    refusal is kept with the step state it was made under (``_transient``) and asked again when
+    that changes."""
+    entry = _PLANS.get(layer)
+    if isinstance(entry, LayerPlan):
+        if entry.valid():
+            return entry
+        entry = None
+    elif entry is not None and entry[1] != _transient(x):
+        entry = None
+    if entry is None:
+        built = PLANNER.build(layer, x)
+        entry = _PLANS[layer] = built if isinstance(built, LayerPlan) else (built, _transient(x))
+    if not isinstance(entry, LayerPlan):
+        say_once(f"decoder layers run as modules, not as one node: {entry[0]}")
+        return None
+    return entry
+
+
+def forget(layer=None) -> None:
+    """Drop the cached plan of ``layer`` (all plans when None), e.g. after its modules changed in a
+    way the per-step check does not see."""
+    if layer is None:
+        _PLANS.clear()
+    else:
+        _PLANS.pop(layer, None)
+
+
+# -- one step's context ---------------------------------------------------------------------------
+
+class StepContext:
+    """What every layer of one packed forward shares: RoPE's cos / sin [1, N, D] (fp32), the packed
+    batch (``Unpadded``), its one-row layout for attention's layout kernels, the attention dtype,
+    and where the dropout masks come from (a CUDA graph's slots, or None: draw)."""
+
+    __slots__ = ("cos", "sin", "info", "layout", "mask_source", "attn_dtype", "n", "bnb_fused", "native")
+
+    def __init__(self, cos, sin, info, mask_source=None):
+        from solution.step.packing import packed_layout
+
+        self.cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+        self.sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+        self.info, self.layout, self.mask_source = info, packed_layout(info), mask_source
+        self.attn_dtype = torch.get_autocast_dtype(cos.device.type)
+        self.n = info.n_tokens
+        self.native = cos.device.type == "cuda"
+        self.bnb_fused: dict = {}
+
+    def ok(self, x) -> bool:
+        """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
+        SDPA read), packed rows with row offsets, RoPE tables the kernel takes, no global hooks."""
+        cos = self.cos
+        return (PLANNER.step_ok(x) and self.attn_dtype == torch.float16
+                and self.info.cu_seqlens is not None and not global_hooks() and x.shape[1] == self.n
+                and cos.dtype in (torch.float16, torch.float32) and cos.dim() == 3 and cos.shape[0] == 1
+                and cos.shape[1] == self.n and self.sin.shape == cos.shape and self.sin.dtype == cos.dtype)
+
+
+def takes(layer, h, ctx: StepContext) -> LayerPlan | None:
+    """The layer's plan when the node runs it this step (``ctx.ok(h)`` was checked by the caller
+    for the step), else None: the caller calls the layer as a module."""
+    plan = plan_for(layer, h)
+    if plan is None:
+        return None
+    n = ctx.n
+    if n * plan.mlp[0].n_out >= MAX_CAST_ELEMENTS:  # the widest activation, int32-indexed by the casts
+        return None
+    for p in (plan.q.plan, plan.k, plan.v.plan, plan.o, *plan.mlp):
+        key = (n, p.n_out, p.k)
+        fused = ctx.bnb_fused.get(key)
+        if fused is None:
+            fused = ctx.bnb_fused[key] = PLANNER.small_m(n, h.device.index, p)
+        if fused:  # bnb keeps such calls (its own small-M kernel): the modules do that
+            return None
+    return plan
+
+
+def apply_node(plan: LayerPlan, h, ctx: StepContext):
+    """The layer's output [1, N, H] through the node (``plan`` from ``takes``)."""
+    return _LayerNode.apply(h, plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb, plan, ctx)
+
+
+def run_layer(layer, h, ctx: StepContext):
+    """``apply_node`` when the node ``takes`` the layer, else None."""
+    plan = takes(layer, h, ctx)
+    return None if plan is None else apply_node(plan, h, ctx)
+
+
+def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
+    """The step's context when the node may run this forward (its patch installed, every patch it
+    mirrors installed, the step's conditions met), else None."""
+    if PLANNER is None:
+        return None
+    reason = PLANNER.missing()
+    if reason is not None:
+        say_once(f"decoder layers run as modules, not as one node: {reason}")
+        return None
+    ctx = StepContext(cos, sin, info, mask_source)
+    return ctx if ctx.ok(h) else None
+
+
+# -- the node -------------------------------------------------------------------------------------
+
+def _lora_forward(side: LoraPlan, x3, ctx: StepContext, x16=None):
+    """q_proj / v_proj on x3 ([1, N, H] fp32): (out fp32, x16, saved, mask, mode, drop_scale) with
+    the dropout mask drawn as peft's call draws it (over the padded shape, or from the graph's
+    slots)."""
+    xd, mask, mode, drop_scale = lora_dropout(side.dropout, x3, defer=True, packed=ctx.info,
+                                              mask_source=ctx.mask_source)
+    out, x16, saved = lora_forward_parts(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, side.scaling, x16)
+    return out, x16, saved, mask, mode, drop_scale
+
+
+def _attention_forward(plan: LayerPlan, q, k, v, ctx: StepContext):
+    """stock Qwen2Attention's q / k / v -> attention output [1, N, Hq * D] fp16, through RoPE, our
+    layout kernels (KV heads repeated, fp16) and variable-length attention, as the module path
+    (sdpa_unpadded -> _sdpa_varlen) runs them. Returns (out, saved)."""
+    n, d = ctx.n, plan.head_dim
+    qt = q.view(1, n, plan.n_heads, d).transpose(1, 2)
+    kt = k.view(1, n, plan.n_kv, d).transpose(1, 2)
+    q_e = torch.empty_like(qt)
+    k_e = torch.empty_like(kt)
+    rope._launch(qt, kt, q_e, k_e, ctx.cos, ctx.sin, backward=False)
+    vt = v.view(1, n, plan.n_kv, d).transpose(1, 2)
+    dt = ctx.attn_dtype
+    qp = attn_layout._launch_pad(q_e.squeeze(0).transpose(0, 1), ctx.layout, 1, dt).transpose(1, 2)
+    kp = attn_layout._launch_pad(k_e.squeeze(0).transpose(0, 1), ctx.layout, plan.groups, dt).transpose(1, 2)
+    vp = attn_layout._launch_pad(vt.squeeze(0).transpose(0, 1), ctx.layout, plan.groups, dt).transpose(1, 2)
+    if ctx.native:
+        out, lse, seed, offset = attn_varlen.varlen_forward(qp, kp, vp, ctx.info.cu_seqlens, ctx.info.max_len, plan.scale)
+        saved = (qp, kp, vp, out, lse, seed, offset)
+    else:  # the CPU interpreter: the row-by-row reference (its backward recomputes it with autograd)
+        out = attn_varlen.rows_reference(qp, kp, vp, list(ctx.info.lengths), plan.scale)
+        saved = (qp, kp, vp)
+    return out.reshape(1, n, -1), saved
+
+
+def _attention_backward(plan: LayerPlan, d_out16, saved, ctx: StepContext, need_k: bool):
+    """(dq, dk, dv) fp32 [1, N, heads * D] in the projections' layout, from the attention output's
+    gradient: attention's backward, the layout kernels' backward (KV head sums), RoPE's backward."""
+    n, d = ctx.n, plan.head_dim
+    dout = d_out16.view(1, n, plan.n_heads, d)
+    if ctx.native:
+        qp, kp, vp, out, lse, seed, offset = saved
+        dq, dk, dv = attn_varlen.varlen_backward(dout, qp, kp, vp, out, lse, ctx.info.cu_seqlens, seed, offset,
+                                                 ctx.info.max_len, plan.scale)
+    else:
+        qp, kp, vp = (t.detach().requires_grad_(True) for t in saved)
+        with torch.enable_grad():
+            out = attn_varlen.rows_reference(qp, kp, vp, list(ctx.info.lengths), plan.scale)
+        dq, dk, dv = torch.autograd.grad(out, (qp, kp, vp), dout)
+    # the padded tensors' gradients back to the packed rows (autograd ran v's, then k's, then q's)
+    dv_rows = attn_layout._launch_unpad(dv.transpose(1, 2), ctx.layout, plan.groups, torch.float32)
+    dk_rows = attn_layout._launch_unpad(dk.transpose(1, 2), ctx.layout, plan.groups, torch.float32) if need_k else None
+    dq_rows = attn_layout._launch_unpad(dq.transpose(1, 2), ctx.layout, 1, torch.float32)
+    # RoPE's backward in the projections' own layout ([1, N, heads, D] memory seen as [1, heads, N, D])
+    qshape, kshape = (1, plan.n_heads, n, d), (1, plan.n_kv, n, d)
+    gq = torch.empty_strided(qshape, (n * plan.n_heads * d, d, plan.n_heads * d, 1), dtype=torch.float32,
+                             device=d_out16.device)
+    gk = torch.empty_strided(kshape, (n * plan.n_kv * d, d, plan.n_kv * d, 1), dtype=torch.float32,
+                             device=d_out16.device) if need_k else None
+    rope._launch(dq_rows.transpose(0, 1).unsqueeze(0),
+                 dk_rows.transpose(0, 1).unsqueeze(0) if need_k else None, gq, gk, ctx.cos, ctx.sin, backward=True)
+    dq3 = gq.transpose(1, 2).reshape(1, n, -1)
+    dk3 = gk.transpose(1, 2).reshape(1, n, -1) if need_k else None
+    return dq3, dk3, dv_rows.view(1, n, -1)
+
+
+class _LayerNode(torch.autograd.Function):
+    """out = Qwen2DecoderLayer(h) on packed rows [1, N, H] (fp32), the module path's values;
+    gradients for h and the four LoRA weights (q's A, B, v's A, B)."""
+
+    @staticmethod
+    def forward(ctx, h, qa, qb, va, vb, plan: LayerPlan, sc: StepContext):
+        record(NODE_COUNT, ours=False)  # one per layer forward through the node (tests and reports)
+        n, hid = sc.n, h.shape[-1]
+        h2d = h.view(n, hid) if h.is_contiguous() else h.reshape(n, hid).contiguous()
+        hn, rstd1 = rmsnorm._launch_forward(h2d, plan.norm1_w, plan.eps1)
+        x3 = hn.view(1, n, hid)
+        # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
+        q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc)
+        wk = plan.k.weight16()
+        plan.k.dq.launch(wk)
+        k = F.linear(x16, wk, plan.k_bias16).to(torch.float32)
+        v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, x16)
+        attn16, att_saved = _attention_forward(plan, q, k, v, sc)
+        del q, k, v
+        wo, _ = plan.o.dequant_and_cast(attn16)
+        o16 = F.linear(attn16, wo)
+        h2, y2, rstd2 = add_rmsnorm._launch_forward(h2d, o16.view(n, hid), plan.norm2_w, plan.eps2, (n, hid))
+        gate, up, down = plan.mlp
+        wg, m16 = gate.dequant_and_cast(y2)
+        g16 = F.linear(m16, wg)
+        wu, _ = up.dequant_and_cast(m16)
+        u16 = F.linear(m16, wu)
+        s16 = swiglu_fp16_of_fp32(g16, u16)
+        wd, _ = down.dequant_and_cast(s16)
+        out = fp32_add.add_as_fp32(h2, F.linear(s16, wd))
+        mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16)
+        ctx.counts = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None)
+        masks = (q_mask, v_mask) if q_mask is not None else ()
+        ctx.save_for_backward(h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
+        ctx.plan, ctx.sc, ctx.drop = plan, sc, (mode, drop_scale)
+        ctx.dtypes = (qa.dtype, qb.dtype, va.dtype, vb.dtype)
+        ctx.consumed = False
+        return out.view(h.shape)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        if ctx.consumed:
+            raise RuntimeError("decoder-layer node: a second backward through the same graph is not supported "
+                               "(the first one reused the saved activations' memory)")
+        ctx.consumed = True
+        plan, sc = ctx.plan, ctx.sc
+        n_q, n_att, n_mlp, has_masks = ctx.counts
+        t = list(ctx.saved_tensors)
+        h2d, rstd1 = t[0], t[1]
+        i = 2
+        q_saved, v_saved = tuple(t[i:i + n_q]), tuple(t[i + n_q:i + 2 * n_q])
+        i += 2 * n_q
+        q_mask = v_mask = None
+        if has_masks:
+            q_mask, v_mask = t[i], t[i + 1]
+            i += 2
+        att_saved = tuple(t[i:i + n_att])
+        i += n_att
+        h2, rstd2 = t[i], t[i + 1]
+        mlp_saved = tuple(t[i + 2:i + 2 + n_mlp])
+        del t
+        need_h, need_qa, need_qb, need_va, need_vb = ctx.needs_input_grad[:5]
+        qa_t, qb_t, va_t, vb_t = ctx.dtypes
+        n, hid = h2d.shape
+        g2 = grad_out.reshape(n, hid)
+        if not g2.is_contiguous():
+            g2 = g2.contiguous()
+        # the residual add's backward hands g to h2 as it is and fp16(g) to the MLP: that cast is made
+        # in the down weight's dequantization launch (mlp_backward)
+        dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2)
+        del mlp_saved
+        d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2,
+                                                    [torch.float32, torch.float16])
+        del dy
+        wo, _ = plan.o.dequant_and_cast(d_o16, plan.o.round_bwd)
+        d_attn16 = torch.matmul(d_o16, wo)
+        # k's input gradient matters only when x needs one (layer 0 without checkpointing: no)
+        need_x = need_h
+        dq3, dk3, dv3 = _attention_backward(plan, d_attn16, att_saved, sc, need_x)
+        del att_saved, d_attn16
+        mode, drop_scale = ctx.drop
+        # autograd ran v_proj's backward first, then k_proj's, then q_proj's
+        _, av, bv, grad_va, grad_vb = lora_backward_parts(plan.v.plan, dv3, v_saved, plan.v.scaling, need_x,
+                                                          need_va, need_vb, va_t, vb_t)
+        if need_x:
+            wk, gk16 = plan.k.dequant_and_cast(dk3, plan.k.round_bwd)
+            ak = torch.matmul(gk16, wk)
+        _, aq, bq, grad_qa, grad_qb = lora_backward_parts(plan.q.plan, dq3, q_saved, plan.q.scaling, need_x,
+                                                          need_qa, need_qb, qa_t, qb_t)
+        grad_h = None
+        if need_h:
+            d_hn = qkv_grad_sum(aq, bq, q_mask, ak, av, bv, v_mask, mode, drop_scale)
+            grad_h = rmsnorm._launch_backward_dx(h2d, plan.norm1_w, d_hn.view(n, hid), rstd1)
+            grad_h += d_res  # autograd's sum of h's two gradients (residual and norm; commutative)
+            grad_h = grad_h.view(grad_out.shape)
+        return grad_h, grad_qa, grad_qb, grad_va, grad_vb, None, None

@@ -1,0 +1,129 @@
+"""The decoder-layer node (solution/step/layer.py) against the same layers run as modules.
+
+The workload's stack on the tiny stand-in (bitsandbytes NF4 double-quant weights, peft LoRA r=16
+on q/v, fp16 autocast; on the CPU bitsandbytes quantizes there and our kernels run in Triton's
+interpreter), every patch installed by solution.apply(), once with the node and once without it
+(``SOLUTION_SKIP_PATCHES=qwen2_layer_node``): the node runs the same kernels in the same order
+with autograd's roundings and orders of summation, so the loss and every LoRA gradient must be
+the SAME BITS, with and without LoRA dropout, under gradient checkpointing too, and the random
+generator must end where the module path leaves it (the same dropout draws).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from solution.kernels import _launches
+from solution.step.layer import NODE_COUNT as NODE
+from tests.test_unpad import _right_padded_batch, qlora_tiny_model
+
+
+def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1):
+    """``steps`` training forwards + backwards (no optimizer: the same weights) on the tiny QLoRA
+    model after solution.apply() with or without the node: (losses, LoRA grads of the last step,
+    generator offset or CPU RNG state, our launches by name)."""
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.settings import Settings
+
+    solution.revert()
+    skip = frozenset() if node else frozenset({"qwen2_layer_node"})
+    installed = solution.apply(verbose=False, settings=Settings(skip_patches=skip, cuda_graphs="0", precompile=False))
+    assert ("qwen2_layer_node" in installed) == node
+    try:
+        model = qlora_tiny_model(model_dir, device)
+        for m in model.modules():
+            if isinstance(m, torch.nn.Dropout):
+                m.p = dropout
+        if ckpt is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt})
+            model.enable_input_require_grads()
+            model.train()
+        torch.manual_seed(0)
+        if device == "cuda":
+            torch.cuda.manual_seed(0)
+        _launches.reset()
+        ids, mask, labels = batch
+        losses = []
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            with autocast_ctx(), fused_lm_head_requested():
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+            out.loss.backward()
+            losses.append(out.loss.detach().float())
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        rng = torch.cuda.default_generators[0].get_offset() if device == "cuda" else torch.get_rng_state()
+        return torch.stack(losses), grads, rng, dict(_launches.LAUNCHES)
+    finally:
+        solution.revert()
+
+
+def _assert_same_bits(a, b):
+    loss_n, grads_n, rng_n, launches_n = a
+    loss_m, grads_m, rng_m, launches_m = b
+    assert launches_n.get(NODE, 0) > 0 and launches_n.get("qkv_grad_sum", 0) > 0, launches_n  # the node ran
+    assert launches_m.get(NODE, 0) == 0 and launches_m.get("qkv_grad_sum", 0) == 0, launches_m  # the modules ran
+    assert torch.equal(loss_n, loss_m), (loss_n, loss_m)
+    assert set(grads_n) == set(grads_m) and any("lora_B" in n for n in grads_m)
+    for name, g in grads_m.items():
+        assert torch.equal(grads_n[name], g), (name, (grads_n[name] - g).abs().max())
+    assert (rng_n == rng_m) if isinstance(rng_n, int) else torch.equal(rng_n, rng_m)
+
+
+@pytest.fixture
+def tiny_dir(tmp_path_factory):
+    from workload.model_standin import write_standin
+
+    return write_standin(tmp_path_factory.mktemp("tiny") / "m", size="tiny")
+
+
+@pytest.mark.parametrize("dropout", [0.05, 0.0])
+def test_node_gives_the_module_path_bits(device, tiny_dir, autocast_ctx, dropout):
+    """Two steps (the second reuses the plans: the per-step check and the cached state), right
+    padding with rows of different lengths and one full row. Layer 0's input needs no gradient
+    (the embedding is frozen): its node skips the input-gradient work, as the modules do."""
+    batch = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device=device)
+    node = _step(tiny_dir, device, batch, True, autocast_ctx, dropout=dropout, steps=2)
+    mods = _step(tiny_dir, device, batch, False, autocast_ctx, dropout=dropout, steps=2)
+    _assert_same_bits(node, mods)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reentrant):
+    """training.gradient_checkpointing: the node runs inside transformers' checkpoint function and
+    its recompute draws the same dropout masks: the module path's checkpointed bits."""
+    batch = _right_padded_batch([30, 12, 33], 33, vocab=100, device=device)
+    node = _step(tiny_dir, device, batch, True, autocast_ctx, ckpt=reentrant)
+    mods = _step(tiny_dir, device, batch, False, autocast_ctx, ckpt=reentrant)
+    _assert_same_bits(node, mods)
+    # each layer's node: the forward, then the recompute; the input gradient of both layers (the
+    # embedding's output requires grad under checkpointing)
+    assert node[3][NODE] == 4 and node[3]["qkv_grad_sum"] == 2
+
+
+def test_hooked_layer_runs_as_modules(device, tiny_dir, autocast_ctx, monkeypatch):
+    """A forward hook on one projection: that layer runs as modules (its hook fires), the other
+    layer through the node; the values are the same either way."""
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.settings import Settings
+    from solution.step import layer as layer_node
+
+    batch = _right_padded_batch([20, 7], 20, vocab=100, device=device)
+    solution.revert()
+    solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
+    try:
+        model = qlora_tiny_model(tiny_dir, device)
+        fired = []
+        layers = model.base_model.model.model.layers
+        layers[1].self_attn.k_proj.register_forward_hook(lambda *a: fired.append(1))
+        _launches.reset()
+        with autocast_ctx(), fused_lm_head_requested():
+            out = model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2], use_cache=False)
+        out.loss.backward()
+        assert fired == [1]
+        assert _launches.LAUNCHES[NODE] == 1  # layer 0 only
+        assert isinstance(layer_node._PLANS.get(layers[1]), tuple)  # its refusal, kept
+    finally:
+        solution.revert()
+        layer_node.forget()
