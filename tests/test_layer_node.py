@@ -109,7 +109,7 @@ def test_hooked_layer_runs_as_modules(device, tiny_dir, autocast_ctx, monkeypatc
     from solution.settings import Settings
     from solution.step import layer as layer_node
 
-    batch = _right_padded_batch([20, 7], 20, vocab=100, device=device)
+    batch = _right_padded_batch([30, 17], 30, vocab=100, device=device)  # 47 rows: above bnb's small-M rule
     solution.revert()
     solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
     try:
@@ -127,3 +127,30 @@ def test_hooked_layer_runs_as_modules(device, tiny_dir, autocast_ctx, monkeypatc
     finally:
         solution.revert()
         layer_node.forget()
+
+
+def test_small_m_step_runs_as_modules_then_the_node_again(device, tiny_dir, autocast_ctx, monkeypatch):
+    """A step whose token count falls under bitsandbytes' small-M rule (bnb would run its own fused
+    GEMM there, so the modules leave those calls to bnb) runs as modules; the next step with more
+    tokens runs the node again (the refusal is the step's, not the layer's)."""
+    import solution
+    from solution.patches import qwen2_layer_node
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.settings import Settings
+
+    monkeypatch.setattr(qwen2_layer_node, "small_m", lambda n, dev, plan: n < 40)
+    solution.revert()
+    solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
+    try:
+        model = qlora_tiny_model(tiny_dir, device)
+        counts = []
+        for lengths in ([20, 7], [30, 17]):
+            batch = _right_padded_batch(lengths, max(lengths), vocab=100, device=device)
+            _launches.reset()
+            with autocast_ctx(), fused_lm_head_requested():
+                out = model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2], use_cache=False)
+            out.loss.backward()
+            counts.append(_launches.LAUNCHES[NODE])
+        assert counts == [0, 2]
+    finally:
+        solution.revert()

@@ -24,7 +24,9 @@ from solution.patches._sources import unexpected_source
 
 NAME = "qwen2_layer_node"
 
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# rows of the probe inputs the plan is checked with: above bitsandbytes' largest small-M row count
+# (its _gemm_4bit_custom_max_m, 1536 on CUDA)
+PROBE_ROWS = 4096
 
 
 def check() -> str | None:
@@ -155,11 +157,17 @@ def build(layer, x):
     cur = settings.current()
     if not (cur.attn_varlen and cur.attn_layout_kernels):
         return "attention on the padded layout"
+    # Inputs shaped like the step's but with more rows than bnb's small-M rule covers: the plan
+    # must not depend on this step's token count (``small_m`` asks bnb's rule every step).
+    # Expanded views of one element: nothing is allocated.
+    def probe(k: int, dtype):
+        return torch.empty(1, dtype=dtype, device=x.device).expand(1, PROBE_ROWS, k)
+
     sides, linears = [], []
     for mod in (attn.q_proj, attn.v_proj):
         if type(mod) is not LoraLinear4bit:
             return "q_proj / v_proj are not peft LoRA over bnb 4-bit"
-        why, spec = peft_lora_bnb.resolve(mod, x, (), {})
+        why, spec = peft_lora_bnb.resolve(mod, probe(x.shape[-1], x.dtype), (), {})
         if why is not None:
             return why
         _, base, plan, wa, wb, dropout, scaling = spec
@@ -174,8 +182,7 @@ def build(layer, x):
         if type(mod) is not Linear4bit:
             return f"{name} is not a plain bnb Linear4bit (LoRA on it?)"
         plans[name] = _bnb.linear_plan(mod)
-        probe = x if name == "k_proj" else torch.empty((1, 1, plans[name].k), dtype=torch.float16, device=x.device)
-        why = _bnb.call_reason(plans[name], mod, probe)
+        why = _bnb.call_reason(plans[name], mod, probe(plans[name].k, x.dtype if name == "k_proj" else torch.float16))
         if why is not None:
             return f"{name}: {why}"
         linears.append((mod, plans[name]))
