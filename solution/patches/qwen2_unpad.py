@@ -20,6 +20,9 @@ from solution.step import attention, decoder
 from solution.step.packing import Unpadded
 
 NAME = "qwen2_unpad"
+# What else this patch carries: apply()'s line says it when the patch is skipped.
+ALSO_OFF_WHEN_SKIPPED = ("the packed step (no work on padding), and with it variable-length attention, the attention "
+                         "layout kernels and the decoder CUDA graphs")
 
 
 def check() -> str | None:
