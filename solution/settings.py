@@ -42,7 +42,7 @@ PRECOMPILE_MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest fil
 def parse_bool(name: str, raw: str | None, default: bool) -> bool:
     """The on/off value ``raw`` of the variable ``name``: 1/true/on/yes or 0/false/off/no, any case,
     surrounding blanks ignored; None or empty: ``default``. ValueError naming the variable for
-    anything else (before, a value such as "false" read as "not 0", that is on)."""
+    anything else (so that no spelling of "off" can read as on)."""
     value = (raw or "").strip().lower()
     if not value:
         return default
@@ -173,7 +173,7 @@ def activate(settings: Settings | None) -> None:
 def current() -> Settings:
     """The active settings (those apply() read); with none active (no apply(), or after
     revert()), Settings.from_env() read now, so that the step and patches used without apply()
-    (tests, benchmarks) follow the environment as before."""
+    (tests, benchmarks) follow the environment at each call."""
     return _active if _active is not None else Settings.from_env()
 
 

@@ -286,7 +286,7 @@ def test_worker_count_keeps_to_a_containers_cpu_quota(monkeypatch, tmp_path):
                                   "SOLUTION_PRECOMPILE"])
 def test_on_off_settings_share_one_parser(monkeypatch, name):
     """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
-    apply() refuses anything else before installing (before, "false" read as on)."""
+    apply() refuses anything else before installing (no spelling of "off" reads as on)."""
     import solution
     from solution.settings import FLAGS
 

@@ -1,4 +1,4 @@
-"""No work on padding in Qwen2 (issue 5.1): wires the packed training step (solution/step/) into
+"""No work on padding in Qwen2: wires the packed training step (solution/step/) into
 transformers. Two swaps:
 
 1. ``Qwen2Model.forward``: a training forward that ``step.decoder.plan`` accepts (every
