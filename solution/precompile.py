@@ -39,7 +39,10 @@ Bounded: nothing here can hang training. The whole precompile has LIMIT_S second
 past them its compile processes are ended (SIGTERM, SIGKILL after KILL_GRACE_S), the thread starts
 no further preload, STATE["stopped"] says why, one ``[solution]`` line says so, and the kernels not
 compiled yet compile at their first launch, as without this module (``give_up``). ``wait()``
-without a timeout returns at that limit at the latest.
+without a timeout returns at that limit at the latest. A preload still inside a compile call then
+(a thread cannot be ended) finishes that compile only: Triton's ``preload`` compiles and caches,
+and loads a binary onto the GPU only at its first launch, so it cannot load a module during a
+capture.
 """
 from __future__ import annotations
 
