@@ -1,4 +1,5 @@
-"""Achieved bandwidth of each kernel in a profiled training pass (issue 13.3's table).
+"""Achieved bandwidth of each kernel in a profiled training pass (the table in docs/PERFORMANCE.md,
+"each kernel's achieved bandwidth, from the training profile").
 
 The per-op benchmarks (bench/kernels/) time one call from Python, and at the workload's sizes
 most of them time the host's launches, not the GPU (their "host ms" column says so). This table
@@ -15,8 +16,9 @@ RESULT_JSON: a profiled run's result.json (the solution-profiled folder of a com
 bandwidth is bench_nf4's device copy (512 MiB) on the same GPU: 4178 GB/s on the H200, or
 measured here with --measure-copy (bench_nf4's own copy, on this machine's GPU: on a T4, run it
 there; scripts/t4_run.sh does). Transfers of a few MB per call do
-not reach it (bench_nf4's same-size copies on the H200, 15:1x: 1.0 MB in 4.6 us, 5.9 MB in 8.6 us,
-34.6 MB in 16.3 us): compare a kernel's us per call with a copy of its MB per call.
+not reach it (bench_nf4's same-size copies on the H200: 1.0 MB in ~4.5 us, 5.9 MB in ~8.5 us, 34.6 MB
+in ~16 us; docs/PERFORMANCE.md, NF4 dequantization against a copy of the same bytes): compare a
+kernel's us per call with a copy of its MB per call.
 """
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def _w(params: float) -> float:
 
 Q, KVW, MLP = H * H, KV * H, H * I  # weight sizes (q_proj = o_proj, k_proj = v_proj, gate/up/down)
 
-# kernel -> (calls a step: the model's structure, the 15:3x origins table's counts; None: not
+# kernel -> (calls a step: the model's structure, as bench.op_origins counts them; None: not
 # fixed (the LM head's chunks), bytes moved in one step as a function of (T, R, R_lab), what the
 # model counts)
 BYTE_MODEL = {

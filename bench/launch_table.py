@@ -1,4 +1,5 @@
-"""Launch configurations on both machines, by a stated model (issue 13.6; no T4 at hand).
+"""Launch configurations on both machines, by a stated model (a model, not a measurement: no T4
+has run it).
 
     python -m bench.launch_table        # a Markdown table, one row per launch configuration
 

@@ -1,4 +1,4 @@
-"""Which Python line launches each GPU kernel, and what it costs (issue 13.2's tool).
+"""Which Python line launches each GPU kernel, and what it costs.
 
 Used by bench/run_one.py --op-origins FILE: torch.profiler records CPU ops with their Python
 stacks and the GPU kernels they launch for ORIGIN_STEPS steps from step 3 on, then the ops are
@@ -26,7 +26,7 @@ import re
 ORIGIN_STEPS = 3  # steps 3..5: enough for every op of a step, short enough for the slow host
 NO_FRAME = "(no Python frame)"
 _MODULE_INDEX = re.compile(r"(nn\.Module: \w+?)_\d+$")  # "nn.Module: Qwen2MLP_21": one row for all 28 layers
-# Ops whose kernels are matrix products or attention (issue 13.2 counts the others)
+# Ops whose kernels are matrix products or attention (format_rows lists the others apart)
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
               "aten::_efficient_attention_forward", "aten::_efficient_attention_backward")
 SHOWN_FRAMES = 3
@@ -39,7 +39,7 @@ def start():
 
     ``verbose=True`` is what puts the Python stack on each op's event: without it, recent torch
     (2.11 measured on the H200, 2.13 here) records the Python frames as events of their own and
-    leaves every op's ``stack`` empty (the 15:0x call's table had no frame at all)."""
+    leaves every op's ``stack`` empty (a table with no frame at all)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -139,7 +139,7 @@ def _table(rows: list[dict], total: float, top: int) -> list[str]:
 
 def format_rows(rows: list[dict], steps: int, top: int = 50) -> str:
     """The rows, largest first, then the PyTorch ops that are neither matrix products nor
-    attention (issue 13.2's list); shares are of all rows' GPU time."""
+    attention; shares are of all rows' GPU time."""
     total = sum(r["gpu_ms"] for r in rows)
     lines = [f"GPU time of the kernels each op launched itself, per step (mean of {steps} profiled steps; "
              f"{total:.2f} ms a step in all ops with an origin)", ""] + _table(rows, total, top)

@@ -44,6 +44,8 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
     _settings.activate(settings)  # what the patches read while they install and run
     if verbose:
         say(f"kernels run on: {support.reason}")
+    for line in _settings.cross_effects(settings):  # a setting that turns another feature off says so, always
+        say(line)
     if support.device == "cuda" and (note := several_gpus_note()):
         say(note)
     skip = settings.skip_patches
@@ -51,7 +53,8 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
         module = importlib.import_module(module_name)
         reason = f"listed in {SKIP_ENV}" if module.NAME in skip else module.check()
         if reason is not None:
-            say(f"skip {module.NAME}: {reason} (stock path kept)")
+            also = getattr(module, "ALSO_OFF_WHEN_SKIPPED", None)  # what else needs this patch
+            say(f"skip {module.NAME}: {reason} (stock path kept)" + (f"; this also turns off {also}" if also else ""))
             continue
         before = len(_swaps)
         try:

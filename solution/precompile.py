@@ -34,13 +34,25 @@ never raised. The thread competes with Soup's model loading for the CPU (Python 
 compile hold the GIL). If training reaches a kernel before the thread did, Triton compiles it as
 without this module. A CUDA-graph capture waits for the thread first (``wait``): a module load
 during a capture is not allowed.
+
+Bounded: nothing here can hang training. The whole precompile has LIMIT_S seconds from its start;
+past them its compile processes are ended (SIGTERM, SIGKILL after KILL_GRACE_S), the thread starts
+no further preload, STATE["stopped"] says why, one ``[solution]`` line says so, and the kernels not
+compiled yet compile at their first launch, as without this module (``give_up``). ``wait()``
+without a timeout returns at that limit at the latest. A preload still inside a compile call then
+(a thread cannot be ended) finishes that compile only: Triton's ``preload`` compiles and caches,
+and loads a binary onto the GPU only at its first launch, so it cannot load a module during a
+capture.
 """
 from __future__ import annotations
 
+import atexit
 import importlib
 import json
 import os
 import re
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -52,11 +64,26 @@ ENV = "SOLUTION_PRECOMPILE"
 MANIFEST = Path(__file__).resolve().parent / "kernels" / "compile_manifest.json"
 OWN_PREFIX = "solution.kernels."
 
-# finished_t: time.perf_counter() when the thread ended (None while it runs or never started)
+# The limits that keep a hung compile (a driver or ptxas stall on an unfamiliar machine) from
+# hanging training. LIMIT_S: the most the whole precompile may take from its start, compile
+# processes and in-process preload together, and the most ``wait()`` waits by default. Measured
+# on the H200 host: 6.1 s in 4 compile processes plus 1.2 s of preloads (docs/PERFORMANCE.md,
+# "Cold start"); a 2-core notebook runs one process on a slower core, a few times that. 300 s is
+# ~40x the measured time. KILL_GRACE_S: how long a compile process has to exit after SIGTERM
+# before SIGKILL (bench.compare gives its runs the same).
+LIMIT_S = 300.0
+KILL_GRACE_S = 5.0
+
+# finished_t: time.perf_counter() when the thread ended (None while it runs or never started);
+# stopped: why the precompile was given up (None: it was not), stopped_t: when
 STATE: dict = {"started": False, "entries": 0, "done": 0, "failed": 0, "seconds": None, "errors": [],
                "started_t": None, "finished_t": None, "workers": 0, "worker_compiled": None, "worker_seconds": None,
-               "preload_started_t": None}
+               "preload_started_t": None, "stopped": None, "stopped_t": None}
 _thread: threading.Thread | None = None
+_stop = threading.Event()  # set by give_up: the thread starts no further compile
+_stop_lock = threading.Lock()
+_procs: list = []  # the running compile processes (subprocess.Popen), for give_up
+_say = None  # the printer start() was given (None: solution.say.say)
 
 
 def requested() -> bool:
@@ -293,8 +320,6 @@ def _start_workers(entries: list[dict], target: tuple, workers: int):
     ``_wait_workers`` needs. The children use no GPU and hold no GIL of this process: Soup's
     loading keeps its core. None (and the error noted) when they cannot start: the entries then
     compile in this process, at preload."""
-    import subprocess
-    import sys
     import tempfile
 
     try:
@@ -304,41 +329,104 @@ def _start_workers(entries: list[dict], target: tuple, workers: int):
             part = Path(tmp.name) / f"entries-{w}.json"
             part.write_text(json.dumps(entries[w::workers]), encoding="utf-8")
             out = Path(tmp.name) / f"done-{w}.json"
-            cmd = [sys.executable, "-m", "solution.precompile", "compile", str(part), "--target",
-                   ":".join(map(str, target)), "--done", str(out)]
             # they compile for the GPU target, never in Triton's interpreter
             env = settings.child_environ(drop=("TRITON_INTERPRET",))
-            procs.append((subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                           cwd=str(Path(__file__).resolve().parent.parent)), out))
+            # each leads a process group of its own (start_new_session), so that ending it also
+            # ends a compiler it runs (ptxas)
+            proc = subprocess.Popen(_worker_command(part, target, out), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=env, start_new_session=True,
+                                    cwd=str(Path(__file__).resolve().parent.parent))
+            _procs.append(proc)
+            procs.append((proc, out))
+        atexit.register(_end, procs=_procs, grace=1.0)  # none outlives this process (a hung one would)
     except Exception as exc:  # noqa: BLE001 - no child processes here
         STATE["errors"].append(f"workers: {type(exc).__name__}: {exc}"[:300])
         return None
     return tmp, procs
 
 
-def _wait_workers(tmp, procs) -> int:
-    """Wait for the children of ``_start_workers``; returns how many entries they compiled."""
+def _worker_command(part: Path, target: tuple, out: Path) -> list[str]:
+    """One compile process's command line: compile the entries in ``part`` for ``target``, write
+    how many compiled to ``out``."""
+    import sys
+
+    return [sys.executable, "-m", "solution.precompile", "compile", str(part), "--target",
+            ":".join(map(str, target)), "--done", str(out)]
+
+
+def _wait_workers(tmp, procs, deadline: float | None = None) -> int:
+    """Wait for the children of ``_start_workers`` until ``deadline`` (a time.perf_counter(); None:
+    for as long as they run); returns how many entries they compiled. Children still running at
+    the deadline are ended, and the precompile is given up (``give_up``)."""
     done = 0
     with tmp:
         for proc, out in procs:
-            proc.wait()
+            try:
+                proc.wait(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                give_up(f"its compile processes were still running {LIMIT_S:.0f} s after it started")
             try:
                 done += int(json.loads(out.read_text(encoding="utf-8"))["done"])
             except (OSError, ValueError, KeyError, TypeError):
                 pass
+            if proc in _procs:
+                _procs.remove(proc)
     return done
+
+
+def _end(procs, grace: float) -> None:
+    """End compile processes, each with its process group, by their own ids: SIGTERM, then
+    SIGKILL to those still running ``grace`` seconds later; each is reaped if it exits within
+    ``grace`` more (a process stuck in the kernel may not, and is left)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        alive = [p for p in procs if p.poll() is None]
+        for proc in alive:
+            try:
+                os.killpg(proc.pid, sig)  # the group it leads (start_new_session) has the child's id
+            except (ProcessLookupError, PermissionError, AttributeError):  # gone, or no process groups here
+                try:
+                    proc.send_signal(sig)
+                except OSError:
+                    pass
+        end = time.perf_counter() + grace
+        for proc in alive:
+            try:
+                proc.wait(max(0.0, end - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def give_up(reason: str) -> bool:
+    """Stop the background precompile: its compile processes are ended (``_end``), the thread
+    starts no further preload, STATE["stopped"] holds ``reason``, and one line says so; kernels
+    not compiled yet compile at their first launch (Triton's ordinary compile). Only the first
+    call acts; returns whether this one did."""
+    with _stop_lock:
+        if _stop.is_set():
+            return False
+        _stop.set()
+        STATE["stopped"], STATE["stopped_t"] = reason, time.perf_counter()
+    _end(list(_procs), KILL_GRACE_S)
+    say = _say
+    if say is None:
+        from solution.say import say
+    say(f"precompile stopped: {reason}; kernels it had not compiled compile at their first launch "
+        "(Triton's ordinary compile)")
+    return True
 
 
 def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> None:
     """The background thread's body: with ``workers`` > 0, child processes compile the entries
     for ``target`` into Triton's disk cache first (true parallelism, no GPU); then every entry is
     preloaded here into the JIT's in-memory cache (a disk hit for what the children compiled, a
-    compile for the rest). Failures are counted, never raised.
+    compile for the rest). Failures are counted, never raised. Bounded by LIMIT_S from its start:
+    past it, or once the precompile is given up, no further compile starts (``give_up``).
     First, while the children start, Triton's own version key is computed here (it hashes
     Triton's sources and its ~100 MB-scale native library, once per process, at the first
     compile or cache lookup): otherwise the first kernel launch of the training step pays it."""
     t0 = time.perf_counter()
     STATE["started_t"] = t0
+    deadline = t0 + LIMIT_S
     if workers > 0 and target is not None:
         pending = _start_workers(entries, target, workers)
     else:
@@ -351,13 +439,17 @@ def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> N
         pass
     if pending is not None:
         try:
-            STATE["worker_compiled"] = _wait_workers(*pending)
+            STATE["worker_compiled"] = _wait_workers(*pending, deadline=deadline)
         except Exception as exc:  # noqa: BLE001 - no child processes here: compile in this process
             STATE["errors"].append(f"workers: {type(exc).__name__}: {exc}"[:300])
         STATE["worker_seconds"] = time.perf_counter() - t0
     running_target = _running_target()
     STATE["preload_started_t"] = time.perf_counter()
     for e in entries:
+        if not _stop.is_set() and time.perf_counter() > deadline:
+            give_up(f"its in-process preload was not done {LIMIT_S:.0f} s after it started")
+        if _stop.is_set():
+            break
         fn = resolve_kernel(e["kernel"])
         try:
             if fn is None:
@@ -376,7 +468,7 @@ def start(device: str, say=print) -> threading.Thread | None:
     """Start the background preload on CUDA (unless $SOLUTION_PRECOMPILE=0) when the manifest has
     entries for this Triton version; returns the thread (None when nothing starts; the reason is
     said, except when it was turned off or there is no GPU: then nothing was asked for)."""
-    global _thread
+    global _thread, _say
     if not requested() or device != "cuda":
         return None
     if _thread is not None:
@@ -397,8 +489,10 @@ def start(device: str, say=print) -> threading.Thread | None:
         return None
     workers = worker_count(len(entries))
     STATE.update(started=True, entries=len(entries), done=0, failed=0, seconds=None, errors=[], started_t=None,
-                 finished_t=None, preload_started_t=None,
+                 finished_t=None, preload_started_t=None, stopped=None, stopped_t=None,
                  workers=workers, worker_compiled=None, worker_seconds=None)
+    _stop.clear()
+    _say = say
     target = ("cuda", major * 10 + minor, 32)
     _thread = threading.Thread(target=run, args=(entries, target, workers), name="solution-precompile", daemon=True)
     _thread.start()
@@ -413,8 +507,9 @@ def start(device: str, say=print) -> threading.Thread | None:
 
 
 def running() -> bool:
-    """The background preload is still compiling."""
-    return _thread is not None and _thread.is_alive()
+    """The background preload is still compiling (and was not given up: a thread that is, starts
+    no further compile)."""
+    return _thread is not None and _thread.is_alive() and not _stop.is_set()
 
 
 def contended(since: float) -> bool:
@@ -425,15 +520,27 @@ def contended(since: float) -> bool:
     runs in the preload, and so counts."""
     if _thread is None or STATE.get("preload_started_t") is None:
         return False  # nothing started, or only the compile processes are running
-    ended = STATE.get("finished_t")
+    ended = STATE.get("finished_t") or STATE.get("stopped_t")  # given up: it starts no compile any more
     return ended is None or ended >= since
 
 
 def wait(timeout: float | None = None) -> dict:
-    """Wait for the background preload (at most ``timeout`` seconds; before a capture, before the
-    first probe sample, in tests); returns STATE."""
-    if _thread is not None:
-        _thread.join(timeout)
+    """Wait for the background preload (before a capture, before the first probe sample, in
+    tests); returns STATE. With ``timeout``: at most that many seconds, and the preload goes on
+    if it has not finished. Without: until LIMIT_S after the precompile started at the latest;
+    if it is still running then, it is given up (``give_up``: its compile processes ended, the
+    line said, STATE["stopped"] set) and this returns."""
+    thread = _thread
+    if thread is None:
+        return dict(STATE)
+    if timeout is not None:
+        thread.join(timeout)
+        return dict(STATE)
+    started = STATE.get("started_t") or time.perf_counter()
+    thread.join(max(0.0, started + LIMIT_S - time.perf_counter()))
+    if thread.is_alive():
+        give_up(f"it had not finished {LIMIT_S:.0f} s after it started")
+        thread.join(KILL_GRACE_S)  # the thread stops at its next step; a compile stuck in a call is left behind
     return dict(STATE)
 
 

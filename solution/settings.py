@@ -38,7 +38,7 @@ PRECOMPILE_MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest fil
 def parse_bool(name: str, raw: str | None, default: bool) -> bool:
     """The on/off value ``raw`` of the variable ``name``: 1/true/on/yes or 0/false/off/no, any case,
     surrounding blanks ignored; None or empty: ``default``. ValueError naming the variable for
-    anything else (before, a value such as "false" read as "not 0", that is on)."""
+    anything else (so that no spelling of "off" can read as on)."""
     value = (raw or "").strip().lower()
     if not value:
         return default
@@ -128,6 +128,31 @@ def _bucket(raw: str) -> int:
     return value
 
 
+# What the decoder CUDA graphs need from attention (solution/step/cuda_graphs.py, ``refusal``):
+# a graph replays one capture for every batch of a token bucket, so attention must run on the
+# packed rows (variable-length attention, row offsets on the GPU); the padded layout's shape and
+# indices change with each batch.
+GRAPHS_NEED = ("the decoder CUDA graphs (a graph replays one capture for every batch of its bucket, and only "
+               "attention on the packed rows can be replayed so: the padded layout changes with each batch)")
+
+
+def cross_effects(s: Settings) -> list[str]:
+    """One line for each setting in ``s`` that turns another feature off, naming the setting, what
+    it does, and what else it turns off. apply() says each line, so that no setting turns a
+    feature off unsaid (README "Settings" lists the same)."""
+    graphs_on = s.cuda_graphs != "0"
+    anyway = f" (the decoder CUDA graphs are off anyway: ${CUDA_GRAPHS_ENV}=0)"
+    lines = []
+    if not s.attn_layout_kernels:
+        lines.append("$SOLUTION_ATTN_LAYOUT_KERNELS=0: torch's index ops around attention instead of our layout "
+                     "kernels; this also turns off variable-length attention (it repeats the K/V heads with those "
+                     "kernels: attention runs on the padded layout)" + (f" and {GRAPHS_NEED}" if graphs_on else anyway))
+    if not s.attn_varlen:
+        lines.append("$SOLUTION_ATTN_VARLEN=0: attention on the padded layout instead of variable-length attention "
+                     "on the packed rows" + (f"; this also turns off {GRAPHS_NEED}" if graphs_on else anyway))
+    return lines
+
+
 _active: Settings | None = None
 
 
@@ -141,7 +166,7 @@ def activate(settings: Settings | None) -> None:
 def current() -> Settings:
     """The active settings (those apply() read); with none active (no apply(), or after
     revert()), Settings.from_env() read now, so that the step and patches used without apply()
-    (tests, benchmarks) follow the environment as before."""
+    (tests, benchmarks) follow the environment at each call."""
     return _active if _active is not None else Settings.from_env()
 
 

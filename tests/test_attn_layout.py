@@ -85,7 +85,8 @@ def _graph_nodes(t: torch.Tensor) -> set[str]:
 def test_layout_qkv_takes_views_of_the_packed_projections(device):
     """step/attention.py's _layout_qkv reads q / k / v [1, H, N, D] as [N, H, D] with views only:
     ``t[0]`` (a select) made its backward write each gradient into a zero-filled full-size tensor,
-    a fill and a copy per input (83 + 83 launches, 0.36 ms a step in the 15:1x origins table). The
+    a fill and a copy per input (83 + 83 launches, 0.36 ms a step: docs/PERFORMANCE.md, the PyTorch
+    ops found with bench/op_origins.py). The
     gradients are the same values either way."""
     from types import SimpleNamespace
 

@@ -99,8 +99,8 @@ def test_gpu_sdpa_unpadded_varlen_matches_padded_path(monkeypatch):
     assert out_v.shape == out_p.shape == (1, n, 12, 128) and out_v.dtype == out_p.dtype == torch.float16
     assert all(a.dtype == torch.float32 for a in grads_v)
     # Both paths are fp16 kernels with fp32 accumulation that sum in different orders, so single
-    # elements may differ by a few fp16 ulps of intermediate values (the 2026-11-30 GPU run: one
-    # of 51,712 dq elements 0.0027 apart). The criterion is accuracy against an fp64 reference of
+    # elements may differ by a few fp16 ulps of intermediate values (measured on the H200: one of
+    # 51,712 dq elements 0.0027 apart). The criterion is accuracy against an fp64 reference of
     # the same fp16-rounded inputs: varlen must be no less accurate than the padded path, whose
     # agreement with stock tests/test_unpad.py checks.
     ref, ref_grads = _gqa_reference(q0, k0, v0, dout, LENGTHS, 128 ** -0.5)

@@ -18,7 +18,7 @@ BLOCK = 64
 SIZES = [64 * 3, 64 * 3 + 17, 5]  # whole blocks only; whole blocks and a tail; a tail only
 # every training launch of the kernels that multiply passes enable_fp_fusion=False (the roundings are stock's:
 # no fused multiply-add); launched without it, the GPU compile fuses `a + keep * g * scale` into an
-# FMA and the results move in the last bit (the first GPU run of this file, 2026-12-01 17:1x)
+# FMA and the results move in the last bit (seen on the H200: this file's tests fail without it)
 NO_FMA = {"enable_fp_fusion": False}
 
 
@@ -116,14 +116,14 @@ def _vector_ptx_kernels() -> set[str]:
 
 
 # kernel -> the fewest 128-bit stores its PTX must hold: the dequantization's own 4 in the
-# dequant + cast launch, and at least 2 more for one fp16 cast output (on the commit before, 4)
+# dequant + cast launch, and at least 2 more for one fp16 cast output (with every access masked: those 4 only)
 VECTOR_KERNELS = {"fp32_add_kernel": 1, "lora_combine_kernel": 1, "lora_grad_sum_kernel": 1, "nf4_dequant_cast_kernel": 6}
 
 
 def test_unmasked_blocks_compile_to_vector_accesses():
     """Every recorded specialization of the four kernels, compiled for sm_90 like the precompile
     compiles it, holds 128-bit global loads and stores (with every access masked, the casts had
-    none: Triton 3.6, 2026-12-01). Runs in a child process without the interpreter."""
+    none, with Triton 3.6). Runs in a child process without the interpreter."""
     import os
     import subprocess
     import sys

@@ -158,10 +158,9 @@ def test_mask_slots_pack_into_one_block_and_keep_handing_out_views():
     info = packing.make_unpadded([4, 2], 4, torch.device("cpu"))
     torch.manual_seed(3)
     slots.draw(info)
-    torch.manual_seed(3)
-    for p, hidden, buf in ((0.1, 4, b0), (0.2, 8, b1)):
-        _, ref = torch.native_dropout(torch.empty(8, hidden), p, True)
-        assert torch.equal(buf[: info.n_tokens], ref.index_select(0, info.idx))
+    stock = _stock_lora_dropout_masks([4, 2], 4, slots.specs, seed=3)
+    for (padded, real), buf in zip(stock, (b0, b1)):
+        assert torch.equal(buf[: info.n_tokens], real)
     cuda_graphs._MaskSlots(capacity=3).pack()  # nothing recorded: nothing to do
 
 
@@ -197,20 +196,44 @@ def test_grad_buffers_hand_out_one_clone_as_parameter_views():
     assert mixed.flat is None and [c.dtype for c in mixed.copies([True, True])] == [torch.float32, torch.float16]
 
 
-def test_mask_slots_draw_as_the_eager_dropout():
-    """draw() makes the eager path's calls: the same masks for the same seed, filler rows copied."""
-    info = packing.make_unpadded([3, 5, 2], 5, torch.device("cpu"), extra=6)
+def _stock_lora_dropout_masks(lengths, seqlen, specs, seed):
+    """What stock draws: peft's LoRA layer calls its ``nn.Dropout`` on the padded input [batch,
+    seqlen, hidden], one call per LoRA layer in call order, from the default generator seeded with
+    ``seed``. For each spec (p, dtype, hidden) of ``_MaskSlots``: (the kept elements over the
+    padded shape [batch, seqlen, hidden], those of the real tokens in packed order [n, hidden]).
+    A kept element of ``dropout(ones)`` is nonzero (1 / (1 - p)), a dropped one zero."""
+    torch.manual_seed(seed)
+    real = torch.arange(seqlen) < torch.tensor(lengths)[:, None]  # the attention mask of right padding
+    out = []
+    for p, dtype, hidden in specs:
+        kept = torch.nn.Dropout(p).train()(torch.ones(len(lengths), seqlen, hidden, dtype=dtype)) != 0
+        out.append((kept, kept[real]))
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_mask_slots_draw_as_the_stock_dropout(dtype):
+    """draw() fills each slot with the mask stock's own LoRA dropout (nn.Dropout over the padded
+    batch) draws for the same seed, in the same call order, real tokens' rows in packed order;
+    the filler row's masks are those of the longest row's first tokens (what its tokens copy), and
+    the generator ends where stock's does."""
+    lengths, seqlen, extra = [3, 5, 2], 5, 6
+    info = packing.make_unpadded(lengths, seqlen, torch.device("cpu"), extra=extra)
     slots = cuda_graphs._MaskSlots(capacity=20)
     slots.begin(info.n_tokens)
-    x = torch.zeros(1, info.n_tokens, 8)
+    x = torch.zeros(1, info.n_tokens, 8, dtype=dtype)
     slots.take(0.3, x)
     slots.take(0.5, x)
     torch.manual_seed(7)
     slots.draw(info)
-    torch.manual_seed(7)
-    for p, buf in zip((0.3, 0.5), slots.buffers):
-        _, ref = torch.native_dropout(torch.empty(15, 8), p, True)
-        assert torch.equal(buf[: info.n_tokens], ref.index_select(0, info.idx))
+    after_ours = torch.rand(1)
+    stock = _stock_lora_dropout_masks(lengths, seqlen, slots.specs, seed=7)
+    after_stock = torch.rand(1)
+    n_real, longest = sum(lengths), max(range(len(lengths)), key=lambda b: lengths[b])
+    for (padded, real), buf in zip(stock, slots.buffers):
+        assert torch.equal(buf[:n_real], real)
+        assert torch.equal(buf[n_real:info.n_tokens], padded[longest, torch.arange(extra) % lengths[longest]])
+    assert torch.equal(after_ours, after_stock)
 
 
 def test_refused_without_cuda_or_setting(monkeypatch):

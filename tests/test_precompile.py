@@ -284,7 +284,7 @@ def test_worker_count_keeps_to_a_containers_cpu_quota(monkeypatch, tmp_path):
 @pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ATTN_LAYOUT_KERNELS", "SOLUTION_PRECOMPILE"])
 def test_on_off_settings_share_one_parser(monkeypatch, name):
     """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
-    apply() refuses anything else before installing (before, "false" read as on)."""
+    apply() refuses anything else before installing (no spelling of "off" reads as on)."""
     import solution
     from solution.settings import FLAGS
 
@@ -323,3 +323,149 @@ def test_contended_counts_only_the_in_process_preload(monkeypatch):
     precompile.STATE["finished_t"] = 12.0
     assert precompile.contended(11.0) is True  # it ended during the sample
     assert precompile.contended(12.5) is False  # it ended before the sample began
+
+
+# ---- bounded waits: a hung compile must not hang training ----
+
+@pytest.fixture
+def fresh_precompile(monkeypatch):
+    """The precompile's module state as start() leaves it, with short limits, the lines it says
+    collected in the returned list, and no thread yet."""
+    import threading
+
+    said: list[str] = []
+    monkeypatch.setattr(precompile, "STATE", {"started": True, "entries": 2, "done": 0, "failed": 0, "seconds": None,
+                                              "errors": [], "started_t": None, "finished_t": None, "workers": 0,
+                                              "worker_compiled": None, "worker_seconds": None,
+                                              "preload_started_t": None, "stopped": None, "stopped_t": None})
+    monkeypatch.setattr(precompile, "_stop", threading.Event())
+    monkeypatch.setattr(precompile, "_procs", [])
+    monkeypatch.setattr(precompile, "_say", said.append)
+    monkeypatch.setattr(precompile, "_thread", None)
+    monkeypatch.setattr(precompile, "_running_target", lambda: None)
+    monkeypatch.setattr(precompile, "LIMIT_S", 1.5)
+    monkeypatch.setattr(precompile, "KILL_GRACE_S", 0.5)
+    return said
+
+
+class _PreloadLog:
+    """A stand-in JIT kernel: records each preload; ``block`` (a threading.Event) makes every
+    preload wait until it is set, like a compile that never returns."""
+
+    def __init__(self, block=None):
+        self.calls, self.block = [], block
+
+    def preload(self, data):
+        self.calls.append(data)
+        if self.block is not None:
+            self.block.wait()
+
+
+_ENTRIES = [{"kernel": f"solution.kernels.fake.k{i}", "specialization_data": f"spec-{i}"} for i in range(2)]
+
+
+def test_a_compile_process_that_never_returns_is_ended(fresh_precompile, monkeypatch):
+    """Compile processes that never exit (one of them ignoring SIGTERM) are ended at LIMIT_S, the
+    second after KILL_GRACE_S by SIGKILL; the thread then preloads nothing (the kernels compile at
+    first launch), finishes, and one line says why."""
+    import signal
+    import sys
+    import time
+
+    sleepers = [[sys.executable, "-c", "import time; time.sleep(3600)"],
+                [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                       "time.sleep(3600)"]]
+    monkeypatch.setattr(precompile, "_worker_command", lambda part, target, out: sleepers.pop(0))
+    started = []
+    real_start = precompile._start_workers
+    monkeypatch.setattr(precompile, "_start_workers", lambda *a: started.append(real_start(*a)) or started[-1])
+    kernel = _PreloadLog()
+    monkeypatch.setattr(precompile, "resolve_kernel", lambda path: kernel)
+    t0 = time.perf_counter()
+    precompile.run(_ENTRIES, target=("cuda", 75, 32), workers=2)
+    elapsed = time.perf_counter() - t0
+    assert precompile.LIMIT_S <= elapsed < precompile.LIMIT_S + 3 * precompile.KILL_GRACE_S + 5
+    (_, procs), = started
+    codes = [proc.returncode for proc, _ in procs]
+    assert codes == [-signal.SIGTERM, -signal.SIGKILL]
+    assert kernel.calls == [] and precompile.STATE["finished_t"] is not None
+    assert "compile processes were still running" in precompile.STATE["stopped"]
+    assert len(fresh_precompile) == 1 and fresh_precompile[0].startswith("precompile stopped: ")
+    assert "compile at their first launch" in fresh_precompile[0]
+    assert precompile._procs == []
+
+
+def test_a_precompile_that_never_finishes_is_not_waited_out(fresh_precompile, monkeypatch):
+    """A preload stuck in a compile: wait() without a timeout returns at LIMIT_S (plus the kill
+    grace), gives the precompile up (said once), after which it is no longer ``running`` nor
+    ``contended``, and the thread, once its compile returns, starts no other. A wait with a
+    timeout only waits."""
+    import threading
+    import time
+
+    block = threading.Event()
+    kernel = _PreloadLog(block)
+    monkeypatch.setattr(precompile, "resolve_kernel", lambda path: kernel)
+    thread = threading.Thread(target=precompile.run, args=(_ENTRIES,), daemon=True)
+    monkeypatch.setattr(precompile, "_thread", thread)
+    thread.start()
+    try:
+        t0 = time.perf_counter()
+        st = precompile.wait(timeout=0.1)
+        assert st["stopped"] is None and precompile.running() and time.perf_counter() - t0 < 1.0
+        st = precompile.wait()
+        elapsed = time.perf_counter() - t0
+        assert precompile.LIMIT_S - 0.2 <= elapsed < precompile.LIMIT_S + precompile.KILL_GRACE_S + 2
+        assert "had not finished" in st["stopped"] and thread.is_alive() and not precompile.running()
+        assert not precompile.contended(time.perf_counter())
+        assert fresh_precompile == [fresh_precompile[0]] and fresh_precompile[0].startswith("precompile stopped: ")
+        precompile.wait()  # given up already: no second line
+        assert len(fresh_precompile) == 1
+    finally:
+        block.set()
+    thread.join(5)
+    assert not thread.is_alive() and kernel.calls == ["spec-0"]  # the second entry never started
+
+
+def test_the_first_capture_goes_on_when_the_precompile_hangs(fresh_precompile, monkeypatch):
+    """The step's one unbounded-looking wait (the first capture calls ``precompile.wait()``) is
+    bounded: with a precompile that never finishes, the graphs' forward still returns, and the
+    line says why. The GPU parts (the graph runner) are stand-ins: this is about the wait."""
+    import threading
+    import time
+
+    import torch
+
+    from solution.step import cuda_graphs
+
+    stuck = threading.Event()
+    thread = threading.Thread(target=stuck.wait, daemon=True)  # a preload that never returns
+    monkeypatch.setattr(precompile, "_thread", thread)
+    precompile.STATE["started_t"] = time.perf_counter()
+    thread.start()
+
+    class Runner:
+        def __init__(self, device):
+            pass
+
+        def forward(self, model, layers, input_ids, info, dropouts):
+            return "replayed"
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+            self.config = type("Config", (), {"num_hidden_layers": 1})()
+
+    monkeypatch.setattr(cuda_graphs, "refusal", lambda *a, **k: None)
+    monkeypatch.setattr(cuda_graphs, "mode", lambda: "1")
+    monkeypatch.setattr(cuda_graphs, "DecoderGraphs", Runner)
+    try:
+        t0 = time.perf_counter()
+        out = cuda_graphs.decoder_forward(Model(), torch.zeros(1, 4, dtype=torch.long), None, {})
+        assert out == "replayed" and time.perf_counter() - t0 < precompile.LIMIT_S + precompile.KILL_GRACE_S + 2
+        assert len(fresh_precompile) == 1 and "had not finished" in fresh_precompile[0]
+        assert cuda_graphs.settle_precompile(timeout=60.0) == 0.0  # given up: a probe sample does not wait for it
+    finally:
+        stuck.set()
+        thread.join(5)

@@ -94,3 +94,60 @@ def test_only_settings_reads_the_environment_and_no_kernel_reads_the_settings():
             assert not readers.search(text), path
         if path.parent.name == "kernels":  # constants such as MEMORY_POLICIES may come from there
             assert not re.search(r"from solution import settings|settings\.current|\bcurrent\(", text), path
+
+
+@pytest.mark.parametrize("graphs", ["auto", "0"])
+@pytest.mark.parametrize("layout, varlen", [(True, True), (True, False), (False, True), (False, False)])
+def test_apply_says_what_a_setting_turns_off(monkeypatch, capsys, layout, varlen, graphs):
+    """A setting that turns another feature off says so in apply()'s line for it, always (not only
+    when verbose), and says exactly what the code then does: the attention layout kernels off also
+    turn variable-length attention off, and attention on the padded layout is a reason for the
+    decoder CUDA graphs' refusal (cuda_graphs.refusal, asked here as for a CUDA forward)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from solution.step import attention, cuda_graphs
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no CUDA here: not capturing
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+    cuda_ids = SimpleNamespace(device=torch.device("cuda"))
+    solution.revert()
+    try:
+        solution.apply(verbose=False, settings=Settings(attn_layout_kernels=layout, attn_varlen=varlen,
+                                                        cuda_graphs=graphs))
+        out = capsys.readouterr().out
+        varlen_runs = attention.layout_kernels_enabled() and attention.varlen_enabled()
+        refused = cuda_graphs.refusal(model, cuda_ids, {})
+    finally:
+        solution.revert()
+    lines = [line for line in out.splitlines() if "$SOLUTION_ATTN_" in line]
+    assert [line.split(":")[0] for line in lines] == (
+        ["[solution] $SOLUTION_ATTN_LAYOUT_KERNELS=0"] * (not layout) + ["[solution] $SOLUTION_ATTN_VARLEN=0"] * (not varlen))
+    assert varlen_runs == (layout and varlen)
+    assert ("also turns off variable-length attention" in out) == (not layout)
+    graphs_said_off = "the decoder CUDA graphs (a graph replays" in out
+    if graphs == "0":
+        assert refused == "$SOLUTION_CUDA_GRAPHS is 0" and not graphs_said_off
+        assert ("off anyway" in out) == (not varlen_runs)
+    else:
+        assert (refused is not None) == graphs_said_off == (not varlen_runs)
+        assert "off anyway" not in out
+
+
+def test_apply_says_what_a_skipped_patch_turns_off(monkeypatch, capsys):
+    """A patch others depend on, skipped, says what else goes with it; the others' lines do not."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    solution.revert()
+    try:
+        solution.apply(verbose=False, settings=Settings(skip_patches={"qwen2_unpad", "peft_lora_bnb4bit", "qwen2_rope"}))
+        out = capsys.readouterr().out
+    finally:
+        solution.revert()
+    said = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("[solution] skip ")}
+    assert "this also turns off the packed step" in said["[solution] skip qwen2_unpad"]
+    assert "decoder CUDA graphs" in said["[solution] skip qwen2_unpad"]
+    assert "graphs when LoRA dropout is > 0" in said["[solution] skip peft_lora_bnb4bit"]
+    assert said["[solution] skip qwen2_rope"].endswith("(stock path kept)")

@@ -49,49 +49,47 @@ def test_right_padded_lengths():
     assert rows.grad.view(-1).tolist() == [1.0] * 4
 
 
-def test_dropout_draws_over_the_padded_shape():
-    """lora_dropout on packed rows keeps exactly the rows of the draw stock makes over the padded
-    tensor (CPU: Bernoulli noise; the CUDA native_dropout case is in the GPU test below)."""
+def _packed_dropout_against_stock(lengths, seqlen, hidden, p, seed, device):
+    """Our lora_dropout on the packed real tokens against stock's own draw: peft's LoRA layer
+    calls ``nn.Dropout`` on the padded input [batch, seqlen, hidden]. Stock runs twice from the
+    same seed, on the input (its value) and on ones (its scaled keep mask, 0 where dropped: the
+    CPU's Bernoulli noise / (1 - p) itself, CUDA's mask * 1 / (1 - p)); ours must give the real
+    rows of both and leave the generator where stock's leaves it."""
     from solution.kernels.lora_nf4 import lora_dropout
 
-    lengths, seqlen, hidden = [5, 2, 7], 7, 6
-    info = packing.make_unpadded(lengths, seqlen, torch.device("cpu"))
-    x_pad = torch.randn(len(lengths) * seqlen, hidden)
-    x_packed = packing.unpad_rows(x_pad, info).view(1, -1, hidden)
-    drop = torch.nn.Dropout(0.3).train()
-    torch.manual_seed(5)
-    xd_stock, noise_stock, _, _ = lora_dropout(drop, x_pad)
-    after_stock = torch.rand(1)
-    torch.manual_seed(5)
+    info = packing.make_unpadded(lengths, seqlen, torch.device(device))
+    x_pad = torch.randn(len(lengths), seqlen, hidden, device=device)
+    x_packed = packing.unpad_rows(x_pad.view(-1, hidden), info).view(1, -1, hidden)
+    drop = torch.nn.Dropout(p).train()
+    torch.manual_seed(seed)
+    value_stock = drop(x_pad)
+    after_stock = torch.rand(1, device=device)
+    torch.manual_seed(seed)
+    keep_stock = drop(torch.ones_like(x_pad))
+    torch.manual_seed(seed)
     with packing.running_unpadded(info):
-        xd, noise, _, _ = lora_dropout(drop, x_packed, packed=packing.active())
-    after_ours = torch.rand(1)
-    assert torch.equal(xd.view(-1, hidden), packing.unpad_rows(xd_stock, info))
-    assert torch.equal(noise.view(-1, hidden), packing.unpad_rows(noise_stock, info))
+        xd, keep, _, scale = lora_dropout(drop, x_packed, packed=packing.active())
+    after_ours = torch.rand(1, device=device)
+    real = lambda t: packing.unpad_rows(t.reshape(-1, hidden), info)  # noqa: E731 - the real tokens' rows
+    assert torch.equal(xd.view(-1, hidden), real(value_stock))
+    if keep.dtype == torch.bool:  # CUDA: native_dropout's mask
+        assert torch.equal(keep.view(-1, hidden), real(keep_stock) != 0) and scale == 1.0 / (1.0 - p)
+    else:  # CPU: the noise, already scaled
+        assert torch.equal(keep.view(-1, hidden), real(keep_stock))
     assert torch.equal(after_stock, after_ours)  # the generator advanced by the same amount
+
+
+def test_dropout_draws_over_the_padded_shape():
+    """lora_dropout on packed rows keeps exactly the rows of the draw stock's nn.Dropout makes over
+    the padded tensor (CPU: Bernoulli noise; the CUDA native_dropout case is in the GPU test below)."""
+    _packed_dropout_against_stock([5, 2, 7], 7, 6, 0.3, seed=5, device="cpu")
 
 
 @pytest.mark.gpu
 def test_dropout_draws_over_the_padded_shape_cuda(device):
     if device != "cuda":
         pytest.skip("native_dropout is the CUDA path")
-    from solution.kernels.lora_nf4 import lora_dropout
-
-    lengths, seqlen, hidden = [300, 17, 512, 64], 512, 1536
-    info = packing.make_unpadded(lengths, seqlen, torch.device("cuda"))
-    x_pad = torch.randn(len(lengths) * seqlen, hidden, device="cuda")
-    x_packed = packing.unpad_rows(x_pad, info).view(1, -1, hidden)
-    drop = torch.nn.Dropout(0.05).train()
-    torch.manual_seed(7)
-    xd_stock, mask_stock, _, _ = lora_dropout(drop, x_pad)
-    after_stock = torch.rand(1, device="cuda")
-    torch.manual_seed(7)
-    with packing.running_unpadded(info):
-        xd, mask, _, _ = lora_dropout(drop, x_packed, packed=packing.active())
-    after_ours = torch.rand(1, device="cuda")
-    assert torch.equal(mask.view(-1, hidden), packing.unpad_rows(mask_stock, info))
-    assert torch.equal(xd.view(-1, hidden), packing.unpad_rows(xd_stock, info))
-    assert torch.equal(after_stock, after_ours)
+    _packed_dropout_against_stock([300, 17, 512, 64], 512, 1536, 0.05, seed=7, device="cuda")
 
 
 @pytest.fixture

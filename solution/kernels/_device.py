@@ -77,9 +77,8 @@ def on_current_device(device: torch.device) -> bool:
 
 
 def cuda_or_runs_here(device: torch.device) -> bool:
-    """The rule of the norm, RoPE and decoder-layer sites: any CUDA device (also under
-    TRITON_INTERPRET=1, their rule from before this module, kept) or ``runs_here``; never a CUDA
-    device other than the current one."""
+    """The rule of the norm, RoPE and decoder-layer sites: the current CUDA device (also under
+    TRITON_INTERPRET=1) or ``runs_here``; never a CUDA device other than the current one."""
     return (device.type == "cuda" and on_current_device(device)) or runs_here(device)
 
 

@@ -97,7 +97,7 @@ def rows_reference(q, k, v, lengths, scale):
     q, k, v [1, N, H, D] -> [1, N, H, D].
     With the boolean causal mask, as stock passes for a right-padded batch, not ``is_causal``: on
     the CPU, SDPA's is_causal kernel returns 0 for a query whose scores are all NaN where the masked
-    call (stock's) returns NaN (issue 16; finite results are the same bits, tests/test_overflow.py)."""
+    call (stock's) returns NaN (finite results are the same bits; tests/test_overflow.py)."""
     outs = []
     for qi, ki, vi in zip(q.split(lengths, 1), k.split(lengths, 1), v.split(lengths, 1)):
         n = qi.shape[1]

@@ -261,7 +261,7 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # --------------------------------------------------------------------------------------------------
 # The head's weight in the compute dtype, kept from one step to the next
 # --------------------------------------------------------------------------------------------------
-# What it replaces: autocast (and our code before 2026-11-30) casts the fp32 [V, H] head weight to
+# What it replaces: autocast casts the fp32 [V, H] head weight to
 # fp16 on every forward: 0.93 GB read + 0.47 GB written a step, for the same bits every time (the
 # head is frozen: LoRA trains q/v only). The computed gain: docs/kernels/lm_head_loss.md, section 3.
 # What it does instead: keeps the last cast (one entry) and reuses it while the weight is the same
@@ -271,7 +271,7 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
 # Risks: a write through ``weight.data`` bypasses the version counter and would not be seen
 # (nothing in this workload writes the frozen head; Trainer, peft and Soup do not; load_state_dict
 # copies into the parameter itself, which counts); a weight that requires grad (trained head) is
-# never cached; memory: the fp16 copy now stays allocated between steps, but it was alive at the
+# never cached; memory: the fp16 copy stays allocated between steps, but it is alive at the
 # step's memory peak anyway (the peak is the LM head's forward, docs/PERFORMANCE.md), so the peak
 # does not move. clear_weight_cache() drops it (solution.revert() calls it).
 # The training path always caches (patches/qwen2_lm_head_loss.py passes cache_weight=True); the

@@ -14,6 +14,11 @@ from solution.hooks import has_hooks
 from solution.step import packing
 
 NAME = "peft_lora_bnb4bit"
+# What else needs this patch: apply()'s line says it when the patch is skipped. Stock peft's
+# dropout would draw over the packed rows (other random numbers than stock's padded draw), so a
+# model with LoRA dropout > 0 then keeps the stock forward (solution/step/decoder.py, _dropouts_ok).
+ALSO_OFF_WHEN_SKIPPED = ("the packed step (no work on padding) and the decoder CUDA graphs when LoRA dropout is > 0 "
+                         "(the workload's 0.05)")
 
 
 def check() -> str | None:

@@ -1,4 +1,4 @@
-"""No work on padding in Qwen2 (issue 5.1): wires the packed training step (solution/step/) into
+"""No work on padding in Qwen2: wires the packed training step (solution/step/) into
 transformers. Two swaps:
 
 1. ``Qwen2Model.forward``: a training forward that ``step.decoder.plan`` accepts (every
@@ -20,6 +20,9 @@ from solution.step import attention, decoder
 from solution.step.packing import Unpadded
 
 NAME = "qwen2_unpad"
+# What else this patch carries: apply()'s line says it when the patch is skipped.
+ALSO_OFF_WHEN_SKIPPED = ("the packed step (no work on padding), and with it variable-length attention, the attention "
+                         "layout kernels and the decoder CUDA graphs")
 
 
 def check() -> str | None:

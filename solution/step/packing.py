@@ -46,7 +46,7 @@ class Unpadded:
     cu_seqlens: int32 [batch + 1] on the device, where each row starts among the packed tokens and
     N at the end (the row offsets of variable-length attention).
     max_len_bound: when set, the longest row attention must allow for (``max_len``) instead of
-    max(lengths): a batch replayed from a CUDA graph (solution/decoder_graphs.py) keeps the
+    max(lengths): a batch replayed from a CUDA graph (solution/step/cuda_graphs.py) keeps the
     capture's host values, so it gives a bound that holds for every batch of its bucket."""
     idx: torch.Tensor
     positions: torch.Tensor
@@ -111,7 +111,7 @@ def make_unpadded(lengths: list[int], seqlen: int, device: torch.device, extra: 
     """Index tensors for a right-padded batch with these row lengths (built on the host, one copy).
 
     ``extra`` > 0 adds one more packed row of that many tokens after the real ones (a CUDA-graph
-    bucket's filler, solution/decoder_graphs.py): copies of the first ``extra`` tokens of the
+    bucket's filler, solution/step/cuda_graphs.py): copies of the first ``extra`` tokens of the
     longest real row (cyclically when it is shorter), at positions 0..extra-1 and with its own
     ``cu_seqlens`` entry, so that it attends only to itself. Its tokens are taken from real
     positions, so ``idx`` (and every gather through it: token ids, dropout masks) gives them real
@@ -159,7 +159,7 @@ def dropout_masks_from(source: DropoutMaskSource):
     """Within this block, LoRA dropout on CUDA (solution/kernels/lora_nf4.lora_dropout) takes its
     masks from ``source``, in call order, and draws nothing: a CUDA graph cannot redraw stock's
     masks (their shape changes every step), so the graph runner draws them before each replay
-    exactly as stock would and the captured layers read them (solution/decoder_graphs.py)."""
+    exactly as stock would and the captured layers read them (solution/step/cuda_graphs.py)."""
     token = _MASKS.set(source)
     try:
         yield source
