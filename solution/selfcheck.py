@@ -94,14 +94,18 @@ def _numbers(version: str) -> tuple[int, ...]:
 # --------------------------------------------------------------------------------------------------
 # 1. versions
 # --------------------------------------------------------------------------------------------------
+def _accepted(subject: str, limit: str, reason: str | None) -> Line:
+    """OK when ``reason`` is None, else FAIL saying what is needed and why."""
+    if reason is None:
+        return Line("OK", subject, "принят", f"accepted ({limit})")
+    return Line("FAIL", subject, f"нужен {limit}", reason)
+
+
 def check_python() -> Line:
-    v = sys.version_info[:2]
-    version = ".".join(map(str, sys.version_info[:3]))
-    (lo, hi) = PYTHON_RANGE
-    limits = f"{lo[0]}.{lo[1]} <= Python < {hi[0]}.{hi[1]}"
-    if lo <= v < hi:
-        return Line("OK", f"Python {version}", "принят", f"accepted ({limits})")
-    return Line("FAIL", f"Python {version}", f"нужен {limits}", f"needs {limits} (Soup 0.77.0's range)")
+    (lo, hi), version = PYTHON_RANGE, ".".join(map(str, sys.version_info[:3]))
+    limit = f"{lo[0]}.{lo[1]} <= Python < {hi[0]}.{hi[1]}"
+    return _accepted(f"Python {version}", limit,
+                     None if lo <= sys.version_info[:2] < hi else f"needs {limit} (Soup 0.77.0's range)")
 
 
 def check_torch() -> Line:
@@ -109,9 +113,7 @@ def check_torch() -> Line:
     if version is None:
         return Line("FAIL", "torch", "не установлен", "not installed")
     limit = f">= {OLDEST_TORCH[0]}.{OLDEST_TORCH[1]}"
-    if _numbers(version) >= OLDEST_TORCH:
-        return Line("OK", f"torch {version}", "принят", f"accepted ({limit})")
-    return Line("FAIL", f"torch {version}", f"нужен {limit}", f"needs {limit}")
+    return _accepted(f"torch {version}", limit, None if _numbers(version) >= OLDEST_TORCH else f"needs {limit}")
 
 
 def check_triton() -> Line:
@@ -120,11 +122,7 @@ def check_triton() -> Line:
     version = _version("triton")
     if version is None:
         return Line("FAIL", "Triton", "не установлен: ядра не запустятся", "not installed: no kernel can run")
-    reason = triton_too_old(version)
-    limit = f">= {OLDEST_TRITON[0]}.{OLDEST_TRITON[1]}"
-    if reason is None:
-        return Line("OK", f"Triton {version}", "принят", f"accepted ({limit})")
-    return Line("FAIL", f"Triton {version}", f"нужен {limit}", reason)
+    return _accepted(f"Triton {version}", f">= {OLDEST_TRITON[0]}.{OLDEST_TRITON[1]}", triton_too_old(version))
 
 
 def check_library(dist: str, module: str, patches: tuple[str, ...]) -> Line:
