@@ -7,14 +7,15 @@ command line can be changed but whose Soup runs in a process of its own.
 
 The command is checked first (bad: one ``error:`` line, exit status 2, nothing applied or run);
 then ``solution.apply()`` runs in this process (its ``[solution]`` lines say what was installed),
-then the command runs here, with ``sys.argv`` as it would have had on its own, and its exit
-status becomes this one's. At exit one ``[solution]`` line counts the launches of our kernels in
+then the command runs here, with ``sys.argv`` and ``sys.path[0]`` as it would have had on its own,
+and its exit status becomes this one's. At exit one ``[solution]`` line counts the launches of our kernels in
 the process (solution/autoapply.py's ``launch_summary``). The wrapper only calls apply(): it
 measures nothing and passes every argument through untouched.
 """
 from __future__ import annotations
 
 import runpy
+import shutil
 import sys
 from importlib import metadata
 from pathlib import Path
@@ -58,12 +59,15 @@ def main(argv: list[str] | None = None) -> int:
 
     apply_here(f"python -m solution.run {' '.join(command_argv)[:80]}")
     sys.argv = command_argv
-    if kind == "module":
+    if kind == "module":  # sys.path[0] stays the working directory, as with python -m
         runpy.run_module(target, run_name="__main__", alter_sys=True)
         return 0
-    if kind == "file":
+    if kind == "file":  # sys.path[0]: the file's folder, as with python FILE.py
+        sys.path[0] = str(Path(target).resolve().parent)
         runpy.run_path(target, run_name="__main__")
         return 0
+    script = shutil.which(command_argv[0])  # sys.path[0]: the console script's folder, as when it runs itself
+    sys.path[0] = str(Path(script).resolve().parent) if script else str(Path(sys.executable).parent)
     result = target.load()()
     return result if isinstance(result, int) else (0 if result is None else 1)
 
