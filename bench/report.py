@@ -346,7 +346,8 @@ def _compile_line(rep: dict) -> str:
 def markdown(rep: dict) -> str:
     v = rep["versions"]
     why = no_4bit(rep)
-    out = [f"# Baseline vs solution: {rep['model']}", "",
+    out = [f"# Baseline vs solution: {rep['model']}" + (": seeded random weights, NOT the real Qwen2.5-1.5B-Instruct"
+                                                        if str(rep["model"]).startswith("stand-in") else ""), "",
            *([f"- **no 4-bit quantization: these runs trained without NF4** ({why}): the NF4 and LoRA-on-NF4 "
               "kernels did not take part, and the figures are not the QLoRA workload's"] if why else []),
            f"- date: {rep['date']}", f"- GPU: {rep['gpu']['name']}"

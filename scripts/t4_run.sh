@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the same baseline-vs-solution comparison on a real NVIDIA T4 (Kaggle or Colab notebook,
 # "GPU T4" accelerator, internet on), in the notebook's own Python (its PyTorch and the Triton
-# bundled with it are kept). In a notebook cell:
+# bundled with it are kept: a pip constraints file, checked after the install). In a notebook cell:
 #   !git clone <this repo> soup-kernels && cd soup-kernels && bash scripts/t4_run.sh
 # Prints the same report as scripts/compare.sh and writes runs/<timestamp>/report.{md,json,png}.
 # With T4_VARIANTS=1 it then also profiles the solution's settings side by side, timed runs included
@@ -17,7 +17,34 @@ cd "$(dirname "$0")/.."
 pinned=${CUDA_VISIBLE_DEVICES:-}
 export CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-0}
 python3 -c "import torch; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.cuda.get_device_name())"
+# Keep this machine's PyTorch and Triton: a torch from PyPI may be built for a newer CUDA than the
+# machine's driver runs (then no GPU at all). pip reads the versions to keep from the constraints
+# file $PIP_CONSTRAINT: the notebook writes one; without it, this script writes one here, from what
+# is installed. After the install the same versions must be there and CUDA must still work.
+pins() {
+  python3 -c 'import importlib.metadata as m
+for d in ("torch", "triton", "torchvision", "torchaudio"):
+    try: print(f"{d}=={m.version(d)}")
+    except m.PackageNotFoundError: pass'
+}
+before=$(pins)
+if [ -z "${PIP_CONSTRAINT:-}" ]; then
+  PIP_CONSTRAINT=$(mktemp --suffix=-constraints.txt)
+  echo "$before" > "$PIP_CONSTRAINT"
+  export PIP_CONSTRAINT
+fi
+echo "pip constraints ($PIP_CONSTRAINT): $(tr '\n' ' ' < "$PIP_CONSTRAINT")"
 python3 -m pip install -q --no-build-isolation -e ".[workload,test]"
+after=$(pins)
+if [ "$before" != "$after" ]; then
+  echo "error: the install changed this machine's torch / Triton: $(echo $before) -> $(echo $after)" >&2
+  exit 2
+fi
+if ! python3 -c "import torch; assert torch.cuda.is_available()"; then
+  echo "error: after the install torch.cuda.is_available() is False" >&2
+  exit 2
+fi
+echo "kept after the install: $(echo $after); CUDA available"
 if [ -z "$pinned" ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
   env -u CUDA_VISIBLE_DEVICES python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_several_gpus.py \
     || echo "two-GPU test failed (see above); comparison continues"

@@ -33,6 +33,7 @@ DEFAULT_BUCKET = 256  # the trade-off (captures against filler tokens) measured 
 MAX_BUCKET = 4096
 SKIP_ENV = "SOLUTION_SKIP_PATCHES"
 PRECOMPILE_MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurements: a scratch one)
+AUTO_APPLY_ENV = "SOLUTION_AUTO_APPLY"  # solution/autoapply.py: apply() in Soup's process, started by someone else
 
 
 def parse_bool(name: str, raw: str | None, default: bool) -> bool:
@@ -168,6 +169,21 @@ def current() -> Settings:
     revert()), Settings.from_env() read now, so that the step and patches used without apply()
     (tests, benchmarks) follow the environment at each call."""
     return _active if _active is not None else Settings.from_env()
+
+
+def auto_apply_enabled() -> bool:
+    """$SOLUTION_AUTO_APPLY (on/off, parse_bool's spellings; default off), read now: whether the
+    auto-apply hook of solution/autoapply.py applies the patches in this process. ValueError for
+    a value that is neither."""
+    return parse_bool(AUTO_APPLY_ENV, os.environ.get(AUTO_APPLY_ENV), False)
+
+
+def auto_apply_startup_test() -> str:
+    """The Python expression the start-up line of solution/autoapply.py's .pth file evaluates (with
+    ``os`` imported) before it loads anything: true when $SOLUTION_AUTO_APPLY is set at all (its
+    value is checked by auto_apply_enabled() when Soup is imported). Kept here, with the other
+    readers of the environment."""
+    return f"os.environ.get({AUTO_APPLY_ENV!r}, '').strip()"
 
 
 def interpreter_enabled() -> bool:

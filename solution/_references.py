@@ -1,0 +1,147 @@
+"""Plain PyTorch references of what the kernels in solution/kernels compute, for the self-check
+(solution/selfcheck.py).
+
+Each function is the formula from its kernel's module docstring written with ordinary torch ops,
+in float64 (inputs of any float dtype are widened first), so that a kernel's error against it is
+the kernel's own rounding and nothing else. They are differentiable: the self-check takes the
+reference gradients from autograd on these functions. Contract: same shapes as the kernels'
+outputs, float64 (``nf4_dequant``: float32, the exact product bitsandbytes rounds once to fp16).
+No Triton, no patches, nothing from outside solution/.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64)
+
+
+def as_fp16(x: torch.Tensor) -> torch.Tensor:
+    """float64 holding the value of fp16(x), with the gradient passing straight through to x (what
+    autograd does for a cast to fp16: the cast's backward only casts the gradient back)."""
+    x = _f64(x)
+    return x + (_f64(x.detach().to(torch.float16)) - x.detach())
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen2RMSNorm: weight * x / sqrt(mean(x^2 over the last dim) + eps)."""
+    x = _f64(x)
+    return _f64(weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(h, y): h = residual + x, y = rmsnorm(h)."""
+    h = _f64(residual) + _f64(x)
+    return h, rmsnorm(h, weight, eps)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1): x * cos + rotate_half(x) * sin, with
+    q [B, Hq, L, D], k [B, Hk, L, D], cos / sin [B or 1, L, D] broadcast over the heads."""
+    c, s = _f64(cos)[:, None], _f64(sin)[:, None]
+
+    def rotate(x):
+        x = _f64(x)
+        half = x.shape[-1] // 2
+        return x * c + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * s
+
+    return rotate(q), rotate(k)
+
+
+def swiglu(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """silu(g) * u = g * sigmoid(g) * u."""
+    g = _f64(g)
+    return g * torch.sigmoid(g) * _f64(u)
+
+
+def residual_add(residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """residual + y."""
+    return _f64(residual) + _f64(y)
+
+
+def nf4_dequant(packed: torch.Tensor, quant_state) -> torch.Tensor:
+    """bitsandbytes' NF4 storage decoded with torch ops: element 2i is the high nibble of byte i,
+    2i+1 the low one, each code an index into the state's 16 NF4 levels; each block of
+    ``blocksize`` elements has one scale, which with double quantization is
+    fp32(code2[q] * absmax2[block // blocksize2]) + offset (two fp32 roundings, as bnb computes it);
+    value = fp32(NF4[code] * scale). Returns that fp32 tensor of quant_state.shape: the fp16
+    weight is its one rounding to fp16."""
+    qs = quant_state
+    n = math.prod(qs.shape)
+    flat = packed.reshape(-1).view(torch.uint8).to(torch.int64)
+    codes = torch.stack([flat >> 4, flat & 15], 1).reshape(-1)[:n]
+    if qs.nested:
+        q = qs.absmax.to(torch.int64)
+        absmax2 = qs.state2.absmax.float().repeat_interleave(qs.state2.blocksize)[: q.numel()]
+        scale = (qs.state2.code.float()[q] * absmax2) + qs.offset.float()
+    else:
+        scale = qs.absmax.float()
+    levels = qs.code.float()  # the 16 NF4 levels, bitsandbytes' own table in the quant state
+    return (levels[codes] * scale.repeat_interleave(qs.blocksize)[:n]).reshape(qs.shape)
+
+
+def nf4_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bnb Linear4bit under fp16 compute: fp16(x) @ W^T + fp16(bias), W the dequantized fp16
+    weight (the rounding of x to fp16 is part of the layer; its gradient passes straight)."""
+    out = as_fp16(x) @ _f64(weight16).t()
+    return out if bias is None else out + _f64(bias.detach().to(torch.float16))
+
+
+def lora_nf4(x, dropout_factor, lora_a, lora_b, weight16, bias, scaling: float) -> torch.Tensor:
+    """peft's LoRA over a bnb NF4 layer: nf4_linear(x) + ((x * dropout_factor) @ A^T @ B^T) * scaling,
+    ``dropout_factor`` the dropout's multiplier per element (mask / (1 - p), or 1)."""
+    xd = _f64(x) * _f64(dropout_factor)
+    return nf4_linear(x, weight16, bias) + (xd @ _f64(lora_a).t() @ _f64(lora_b).t()) * scaling
+
+
+def nf4_mlp(x, gate16, up16, down16) -> torch.Tensor:
+    """Qwen2MLP over three NF4 layers: down(silu(gate(x)) * up(x)), fp16 weights, no biases."""
+    return swiglu(nf4_linear(x, gate16, None), nf4_linear(x, up16, None)) @ _f64(down16).t()
+
+
+def pad_heads(rows: torch.Tensor, lengths: list[int], seqlen: int, rep: int) -> torch.Tensor:
+    """Packed rows [N, H, D] (the real tokens of a right-padded batch, row after row) -> the padded
+    [B, H * rep, S, D], output head h taken from input head h // rep (repeat_kv), zeros at pads."""
+    n, heads, d = rows.shape
+    out = rows.new_zeros((len(lengths), heads * rep, seqlen, d), dtype=torch.float64)
+    start = 0
+    for b, length in enumerate(lengths):
+        out[b, :, :length] = _f64(rows[start:start + length]).repeat_interleave(rep, dim=1).transpose(0, 1)
+        start += length
+    return out
+
+
+def unpad_heads(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """Padded [B, H, S, D] -> the real tokens' rows [N, H, D], row after row."""
+    return torch.cat([_f64(padded[b, :, :length]).transpose(0, 1) for b, length in enumerate(lengths)])
+
+
+def causal_attention_rows(q, k, v, lengths: list[int], scale: float) -> torch.Tensor:
+    """Causal softmax attention of each packed row on its own. q, k, v [1, N, H, D] (same heads)
+    -> [1, N, H, D]: for a query at position i of its row, softmax over that row's keys 0..i."""
+    outs = []
+    for qi, ki, vi in zip(_f64(q).split(lengths, 1), _f64(k).split(lengths, 1), _f64(v).split(lengths, 1)):
+        qi, ki, vi = (t[0].transpose(0, 1) for t in (qi, ki, vi))  # [H, L, D]
+        scores = qi @ ki.transpose(-1, -2) * scale
+        length = scores.shape[-1]
+        mask = torch.ones(length, length, dtype=torch.bool, device=scores.device).tril()
+        outs.append((scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vi).transpose(0, 1)[None])
+    return torch.cat(outs, dim=1)
+
+
+def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor,
+                 ignore_index: int = -100):
+    """(loss, token_entropy, logits): logits = hidden @ W^T; loss = mean cross-entropy over the
+    tokens whose shift label is not ignore_index; entropy -sum p log p of softmax(logits) at every
+    token. hidden [..., H], weight [V, H], shift_labels [...]."""
+    logits = _f64(hidden).reshape(-1, hidden.shape[-1]) @ _f64(weight).t()
+    labels = shift_labels.reshape(-1)
+    logp = logits.log_softmax(-1)
+    valid = labels != ignore_index
+    picked = logp[valid].gather(1, labels[valid][:, None])[:, 0]
+    loss = -picked.sum() / valid.sum()
+    entropy = -(logp.exp() * logp).sum(-1)
+    return loss, entropy.view(shift_labels.shape), logits
