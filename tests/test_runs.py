@@ -324,3 +324,41 @@ def test_a_cpu_comparison_says_first_that_its_times_are_no_gpu_times(monkeypatch
     assert first == report.CPU_FIRST_LINE
     assert "say nothing about the GPU" in first and "NF4" in first and "off" in first
     assert report.summary_table(_report(monkeypatch)).splitlines()[0] != report.CPU_FIRST_LINE
+
+
+# --- scripts/gpu_run.sh runs ------------------------------------------------------------------------
+
+def test_gpu_run_runs_step_calls_compare_with_the_named_runs(tmp_path):
+    """The step's command line and what it brings back, with python3 and nvidia-smi stubbed (the
+    stub bench.compare writes a summary and a report where it was told)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        "#!/bin/sh\n"
+        f"echo \"$@\" >> {log}\n"
+        "if [ \"$1 $2\" = \"-m bench.compare\" ]; then\n"
+        "  while [ $# -gt 0 ]; do [ \"$1\" = --out ] && out=$2; shift; done\n"
+        "  mkdir -p \"$out\" && echo '{}' > \"$out/summary.json\" && echo report > \"$out/report.md\"\n"
+        "fi\nexit 0\n", encoding="utf-8")
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n", encoding="utf-8")
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    final, work = tmp_path / "final", tmp_path / "work"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "OUT": str(final), "WORK": str(work),
+           "RUNS": "shipped,ckpt", "COMPARE_ARGS": "--no-host-split"}
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), "runs"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = log.read_text(encoding="utf-8").splitlines()
+    assert f"-m bench.compare --runs shipped,ckpt --out {work}/runs-shipped+ckpt --no-host-split" in calls
+    assert (final / "runs-shipped+ckpt-summary.json").is_file() and (final / "runs-shipped+ckpt-report.md").is_file()
+    assert (final / "results.tgz").is_file()
+    env.pop("RUNS")
+    proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), "runs"], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=str(tmp_path))
+    assert proc.returncode == 2 and "error: set RUNS=" in proc.stdout
