@@ -362,3 +362,11 @@ def test_gpu_run_runs_step_calls_compare_with_the_named_runs(tmp_path):
     proc = subprocess.run(["bash", str(root / "scripts" / "gpu_run.sh"), "runs"], env=env, capture_output=True,
                           text=True, timeout=120, cwd=str(tmp_path))
     assert proc.returncode == 2 and "error: set RUNS=" in proc.stdout
+
+
+def test_the_readme_lists_every_named_run():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    missing = [name for name in runs.RUNS if f"`{name}`" not in readme]
+    assert not missing, f"README.md's run list lacks {missing}"
