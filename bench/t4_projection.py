@@ -428,7 +428,8 @@ def predict_partition(whole: dict, rates: dict, measured: dict, steps: int = 64,
     need = ("baseline", "solution", "baseline-profiled", "solution-profiled")
     missing = [k for k in need if not whole.get(k)]
     if missing:
-        return {"skipped": f"no whole-GPU shipped {missing[0]} pass in this report (the prediction's input)"}
+        return {"skipped": f"no whole-GPU shipped {missing[0]} pass in this report (the prediction's input: run "
+                           "shipped in the same call, or assemble the calls with bench.rebuild_report)"}
     if not rates or not rates.get("whole") or not rates.get("partition"):
         return {"skipped": "the partition's rates were not measured"}
     why = skipped(whole["baseline"], whole["baseline-profiled"], whole["solution"], whole["solution-profiled"])
