@@ -3,21 +3,31 @@
     python -m bench.compare                       # embedded default: full size on CUDA, tiny on CPU
     python -m bench.compare --model PATH --data FILE   # the real Qwen2.5-1.5B-Instruct and dataset
 
-Runs, each in a fresh process (bench/run_one.py): baseline (timed), solution (timed), then, on a
-GPU, baseline and solution again under torch.profiler (kernel time split, own-kernel share), and
-once more each with the host split (bench/host_split.py: where the step's wall time goes, by
-Trainer phase and decoder module). Only the timed runs give the time, memory and loss figures.
+Every pass runs in a fresh process (bench/run_one.py): baseline (timed), solution (timed), then,
+on a GPU, baseline and solution again under torch.profiler (kernel time split, own-kernel share),
+and once more each with the host split (bench/host_split.py: where the step's wall time goes, by
+Trainer phase and decoder module).
 
+    python -m bench.compare --runs shipped,shipped-graphs-off,gpu-bound-sm16,ckpt
     python -m bench.compare --shapes shipped,long,short [--cold | --no-cold]
+    python -m bench.compare --sms 16 --runs shipped     # every run in a 16-SM partition
 
---shapes: the same comparison on other dataset shapes (workload/data/kazakh.py, written into the
-output dir): long (every row over max_length, no padding) and short (every row under 112 tokens),
-timed and (GPU) profiled passes each; shipped is the --data file. Default: all three on a GPU,
-shipped only on a CPU. The cold pass (default on a GPU, off on a CPU): baseline and solution
-once more on the shipped shape, timed, each in a fresh empty TRITON_CACHE_DIR and
-TORCHINDUCTOR_CACHE_DIR (no compile of an earlier run is found: a fresh machine's start).
-Writes runs/<timestamp>/report.{json,md,png} and summary.json (every run's figures, for
-bench.summary_merge) and prints a summary and the rule check.
+--runs: named runs from one registry (bench/runs.py: RUNS), each a comparison under stated
+conditions: dataset shape, per-variant environment, workload overrides, stand-in profile, SM
+partition, cold caches, which passes. shipped (the defaults), shipped-graphs-off (the solution
+with SOLUTION_CUDA_GRAPHS=0), gpu-bound-sm16 (both variants in a 16-SM partition of the GPU,
+bench/partition.py), ckpt (gradient checkpointing on for both), long and short (dataset shapes
+from workload/data/kazakh.py, written into the output dir), shipped-cold (empty Triton and
+Inductor caches), shipped-same-allocator (the baseline with expandable segments, the allocator
+setting apply() gives the solution), outliers (the stand-in with the real model's fp16 extremes).
+--shapes and --cold name the same runs the old way (default: shipped, long, short and
+shipped-cold on a GPU, shipped only on a CPU). --sms N: every run in an N-SM partition, renamed
+<run>-sm<N>. Each run is timed (both variants); on a GPU, where the run has them, a profiled pass
+(GPU kernel time, own-kernel share), the solution's profiled pass with graphs off and the
+host-split pass. Only the timed runs give the time, memory and loss figures.
+Writes runs/<timestamp>/report.{json,md,png} and summary.json (every run's figures under its
+name, with the call it came from: for bench.summary_merge and bench.rebuild_report, which
+assemble the runs of several calls) and prints a summary and the rule check.
 
 Every input is checked before the first run (paths, which are relative to the caller's working
 directory; the workload file; the dataset and its row count against the workload; the model's
@@ -44,18 +54,17 @@ import time
 from pathlib import Path
 
 from bench import report as report_mod
+from bench import runs as runs_mod
 from bench import t4_projection
 from bench.own_kernels import categorize, is_own_kernel
 from bench.rules import check_run, check_static, print_rows
+from bench.runs import COLD, EAGER_PROFILED, MODE_ENV, RUNS, SHAPES, VARIANTS, RunsError, RunSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "workload" / "data" / "kazakh_instructions.jsonl"
 
 
-SHAPES = ("shipped", "long", "short")  # dataset shapes; long and short from workload/data/kazakh.py
-VARIANTS = ("baseline", "solution")
-COLD = "shipped-cold"  # the cold pass's run key
-MACHINE_FILE = "machine.json"  # the comparison's GPU, versions and command, written before its runs
+MACHINE_FILE = "machine.json"  # the comparison's GPU, versions, command and runs, written before its runs
 CACHE_ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # emptied for a cold run
 
 
@@ -68,36 +77,82 @@ def parse_shapes(text: str | None, cuda: bool) -> list[str]:
     them on a GPU, shipped only on a CPU (the tiny stand-in stays quick). Raises InputError."""
     if text is None:
         return list(SHAPES) if cuda else ["shipped"]
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    bad = [n for n in names if n not in SHAPES]
-    if bad or not names:
-        raise InputError(f"--shapes {text!r}: {'unknown shape ' + repr(bad[0]) if bad else 'no shape'} "
-                         f"(choose from {', '.join(SHAPES)}, comma-separated)")
-    return list(dict.fromkeys(names))
-
-
-# The solution's profiled pass with the decoder's CUDA graphs off: on a GPU-bound machine (a T4)
-# the measured decision keeps them off, so its GPU work is this pass's, without the buckets' filler.
-EAGER_PROFILED = "profiled-eager"
-MODE_ENV = {EAGER_PROFILED: {"SOLUTION_CUDA_GRAPHS": "0"}}
+    try:
+        return runs_mod.parse_names(text, SHAPES, "shape")
+    except RunsError as exc:
+        raise InputError(f"--shapes {text!r}: {exc}") from exc
 
 
 def plan_runs(shapes: list[str], cuda: bool, profile: bool = True, host_split: bool = True,
               cold: bool = False, profile_shapes: list[str] | None = None) -> list[tuple[str, str, str]]:
-    """The runs, in order, as (run key, variant, mode): each shape timed, then (GPU) profiled;
-    for the shipped shape also the solution profiled with graphs off ("profiled-eager": the GPU
-    work of the step a GPU-bound T4 runs, bench/t4_projection.py) and the host-split pass; the
-    cold pass last (timed, shipped data)."""
-    plan = []
-    for shape in shapes:
-        profiled = cuda and profile and (profile_shapes is None or shape in profile_shapes)
-        modes = ["timed"] + (["profiled"] if profiled else [])
-        plan += [(shape, v, m) for m in modes for v in VARIANTS]
-        if profiled and shape == "shipped":
-            plan.append((shape, "solution", EAGER_PROFILED))
-        if cuda and host_split and shape == "shipped":
-            plan += [(shape, v, "hostsplit") for v in VARIANTS]
-    return plan + ([(COLD, v, "timed") for v in VARIANTS] if cold else [])
+    """The passes of --shapes / --cold, in order, as (run name, variant, mode): the runs of the
+    same names (bench/runs.py: runs.plan over runs.from_shapes), the cold run last."""
+    return runs_mod.plan([RUNS[n] for n in runs_mod.from_shapes(shapes, cold)], cuda, profile=profile,
+                         host_split=host_split, profile_only=profile_shapes)
+
+
+def select_runs(args, cuda: bool) -> list[RunSpec]:
+    """The comparison's runs: --runs, or --shapes and --cold as runs (runs.from_shapes; default
+    runs.DEFAULT_GPU on a GPU, DEFAULT_CPU on a CPU); each in --sms's partition (runs.with_sms).
+    A run in a partition needs a GPU and a torch that has them (bench/partition.py). Raises
+    InputError."""
+    sms = getattr(args, "sms", None)
+    try:
+        if getattr(args, "runs", None) is not None:
+            if args.shapes is not None or args.cold is not None:
+                raise InputError("--runs names every run of the comparison (shipped-cold included): give it "
+                                 "without --shapes / --cold")
+            try:
+                names = runs_mod.parse_names(args.runs, RUNS, "run")
+            except RunsError as exc:
+                raise InputError(f"--runs {args.runs!r}: {exc}") from exc
+        else:
+            names = runs_mod.from_shapes(parse_shapes(args.shapes, cuda), cuda if args.cold is None else args.cold)
+        specs = [runs_mod.with_sms(RUNS[n], sms) for n in names]
+    except RunsError as exc:
+        raise InputError(str(exc)) from exc
+    from bench.partition import unsupported
+
+    for spec in specs:
+        why = spec.sms and unsupported(spec.sms)
+        if why:  # a registry run's own partition, or one that --sms asked for
+            where = f"run {spec.name!r} ({spec.sms}-SM partition)" if spec.name in RUNS else f"--sms {spec.sms}"
+            raise InputError(f"{where}: {why}")
+    if getattr(args, "model", None):
+        for spec in specs:
+            if spec.standin_profile:
+                raise InputError(f"run {spec.name!r} trains the stand-in's {spec.standin_profile!r} weights: give "
+                                 "it without --model")
+    return specs
+
+
+def run_workloads(specs: list[RunSpec], base: str | Path) -> dict[str, str]:
+    """The workload file of each run with overrides (RunSpec.workload), as YAML text: the base
+    workload's keys with the overrides set, checked by workload/config.py as any workload file is
+    (in a temporary file; bench.compare writes it into the run's folder). Raises InputError."""
+    import yaml
+
+    from workload.config import WorkloadConfigError, load_workload
+
+    texts = {}
+    for spec in specs:
+        if not spec.workload:
+            continue
+        raw = yaml.safe_load(Path(base).read_text(encoding="utf-8"))
+        for key, value in spec.workload.items():
+            section, _, sub = key.partition(".")
+            raw.setdefault(section, {})[sub] = value
+        text = yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "workload.yaml"
+            path.write_text(text, encoding="utf-8")
+            try:
+                load_workload(path)
+            except WorkloadConfigError as exc:
+                raise InputError(f"run {spec.name!r}: its workload override {spec.workload} is refused: "
+                                 f"{str(exc).partition(': ')[2] or exc}") from exc
+        texts[spec.name] = text
+    return texts
 
 
 def git_commit() -> str:
@@ -233,8 +288,9 @@ def check_data(data: Path, workload) -> int:
 
 def resolve_inputs(args, workload=None) -> tuple[str, str, str]:
     """Model dir, data file, size label, every one checked (check_model, check_data, the
-    tokenizer); the stand-in is written (or reused) last, when every check has passed. ``args``'
-    paths are absolute (caller_path). Raises InputError with a clear message."""
+    tokenizer); the stand-in is written (or reused) last, when every check has passed (its weights
+    profile: --standin-profile where the parser has one, else the default). ``args``' paths are
+    absolute (caller_path). Raises InputError with a clear message."""
     import torch
 
     from workload.config import load_workload
@@ -247,16 +303,12 @@ def resolve_inputs(args, workload=None) -> tuple[str, str, str]:
     if args.model and args.tokenizer:
         raise InputError("--tokenizer is for the stand-in model only; a --model dir brings its own tokenizer "
                          "(pass one of them)")
-    size = args.size
-    if size == "auto":
-        size = "full" if torch.cuda.is_available() else "tiny"
     data = Path(args.data) if args.data else DEFAULT_DATA
     check_data(data, workload)
     if args.model:
         model = Path(args.model)
         check_model(model)
         return str(model), str(data), "user model"
-    from workload.model_standin import write_standin
     from workload.tokenizer import check_source
 
     if args.tokenizer:
@@ -264,13 +316,36 @@ def resolve_inputs(args, workload=None) -> tuple[str, str, str]:
             check_source(Path(args.tokenizer))
         except FileNotFoundError as exc:
             raise InputError(f"--tokenizer: {exc}") from exc
-    cache = ROOT / ".cache" / "models" / f"qwen2.5-1.5b-instruct-standin-{size}"
-    print(f"[compare] model stand-in ({size}): {cache}", flush=True)
+    size = standin_size(args)
+    return standin_model(args, workload, getattr(args, "standin_profile", None)), str(data), f"stand-in ({size})"
+
+
+def standin_size(args) -> str:
+    """--size, with auto resolved: full on CUDA, tiny on a CPU."""
+    import torch
+
+    return args.size if args.size != "auto" else ("full" if torch.cuda.is_available() else "tiny")
+
+
+def standin_model(args, workload, profile: str | None = None) -> str:
+    """The stand-in model dir of --size and weights ``profile`` (None: the default weights;
+    workload/model_standin.py's write_standin(profile=...)), written or reused. Raises InputError."""
+    import inspect
+
+    from workload.model_standin import write_standin
+
+    size = standin_size(args)
+    if profile and "profile" not in inspect.signature(write_standin).parameters:
+        raise InputError(f"the stand-in profile {profile!r} needs workload/model_standin.py's "
+                         "write_standin(profile=...), which this tree does not have")
+    cache = ROOT / ".cache" / "models" / f"qwen2.5-1.5b-instruct-standin-{size}{'-' + profile if profile else ''}"
+    print(f"[compare] model stand-in ({size}{', ' + profile if profile else ''}): {cache}", flush=True)
     try:
-        write_standin(cache, size=size, seed=workload.standin_seed, tokenizer_source=args.tokenizer)
-    except (RuntimeError, FileNotFoundError) as exc:  # no tokenizer files to build the stand-in's from
+        write_standin(cache, size=size, seed=workload.standin_seed, tokenizer_source=args.tokenizer,
+                      **({"profile": profile} if profile else {}))
+    except (RuntimeError, FileNotFoundError, ValueError) as exc:  # no tokenizer files; an unknown profile
         raise InputError(" ".join(str(exc).split())) from exc
-    return str(cache), str(data), f"stand-in ({size})"
+    return str(cache)
 
 
 def _progress(log_path: Path, proc: subprocess.Popen, label: str) -> None:
@@ -330,24 +405,27 @@ def child_env(variant: str, cold: bool = False, environ: dict | None = None) -> 
 
 
 def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workload: str | None,
-                label: str | None = None, cold: bool = False) -> dict:
+                label: str | None = None, cold: bool = False, env: dict | None = None,
+                sms: int | None = None) -> dict:
     """One bench.run_one child: ``mode`` "timed" (no instrument), "profiled" (torch.profiler) or
     "hostsplit" (bench/host_split.py's timers); in ``out``/<variant>[-<mode>]. ``label`` prefixes
-    the progress line; ``cold``: in empty Triton and Inductor caches (child_env)."""
+    the progress line; ``cold``: in empty Triton and Inductor caches (child_env); ``env``: the
+    run's extra environment for this variant (RunSpec.variant_env); ``sms``: in an SM partition
+    (bench.run_one --sms)."""
     name = variant if mode == "timed" else f"{variant}-{mode}"
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
-    env = child_env(variant, cold)
-    env.update(MODE_ENV.get(mode, {}))
+    child = child_env(variant, cold, environ={**os.environ, **(env or {})})  # a cold run's caches win
+    child.update(MODE_ENV.get(mode, {}))
     cmd = [sys.executable, "-m", "bench.run_one", "--variant", variant, "--model", model, "--data", data,
            "--workdir", str(work)] + (["--workload", workload] if workload else [])
-    cmd += _pass_args(mode, work)
+    cmd += _pass_args(mode, work) + (["--sms", str(sms)] if sms else [])
     if cold:  # what the first step still compiles, and what compiled before training (diagnosis; cheap hooks)
         cmd += ["--compile-log", str(work / "compiles.md")]
     log_path = work / "log.txt"
     try:
         with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env)
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=child)
             try:
                 _progress(log_path, proc, f"{label}/{name}" if label else name)
             except BaseException:  # SIGINT / SIGTERM (Interrupted, KeyboardInterrupt) or any error here
@@ -356,7 +434,7 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
     finally:
         if cold:
             for key in CACHE_ENV:
-                shutil.rmtree(env[key], ignore_errors=True)
+                shutil.rmtree(child[key], ignore_errors=True)
     result = read_result(work, cold)
     if proc.returncode != 0 or result is None:
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
@@ -378,12 +456,18 @@ def read_result(work: Path, cold: bool) -> dict | None:
     return result
 
 
-def machine_record(args, model_label: str, data: str) -> dict:
-    """The comparison's machine, versions, commit and command, taken once when it starts: in its
-    report, and in MACHINE_FILE beside the runs for bench.rebuild_report."""
+def machine_record(args, model_label: str, data: str, specs: list[RunSpec] | None = None) -> dict:
+    """The comparison's machine, versions, commit, command and runs (name -> RunSpec.to_dict()),
+    taken once when it starts: in its report, and in MACHINE_FILE beside the runs for
+    bench.rebuild_report."""
     return {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": _gpu(),
             "versions": _versions(), "argv": args.argv, "model_label": model_label, "commit": git_commit(),
-            "workload": args.workload, "data": data}
+            "workload": args.workload, "data": data, "runs": {spec.name: spec.to_dict() for spec in specs or []}}
+
+
+def run_dir(out: Path, name: str) -> Path:
+    """Where a comparison in ``out`` keeps a run's passes: ``out`` itself for shipped, else out/<name>."""
+    return out if name == "shipped" else out / name
 
 
 def shape_data_path(out: Path, shape: str) -> Path:
@@ -480,18 +564,49 @@ def shape_entry(data: str | None, base: dict, sol: dict, base_prof: dict | None 
     return {"data": data, "baseline": b, "solution": s, "ratios": r}
 
 
+def call_of(machine: dict, argv: list[str] | None = None) -> dict:
+    """The call a run came from: its commit, start date and command (bench.compare's arguments:
+    ``argv``, default the machine record's)."""
+    argv = machine.get("argv") if argv is None else argv
+    return {"commit": machine.get("commit") or "unknown", "date": machine.get("date"),
+            "command": " ".join(["python", "-m", "bench.compare", *(argv or [])])}
+
+
+def run_entry(key: str, runs: dict, spec: RunSpec | None, call: dict) -> dict:
+    """A run's entry of the report's "shapes": shape_entry of its passes (``runs``: {"data",
+    "baseline", "solution", and where run "baseline-profiled", "solution-profiled",
+    "solution-profiled-eager"}), what the run is (``spec``, default the registry's of ``key``),
+    the call it came from (runs["call"], default ``call``) and its children's SM partitions."""
+    e = shape_entry(runs.get("data"), runs["baseline"], runs["solution"], runs.get("baseline-profiled"),
+                    runs.get("solution-profiled"), runs.get(f"solution-{EAGER_PROFILED}"))
+    spec = spec or RUNS.get(key)
+    if spec is not None:
+        e["run"] = {"about": spec.about, "about_ru": spec.about_ru, "conditions": runs_mod.describe(spec)}
+    e["call"] = runs.get("call") or call
+    parts = {v: runs[v]["partition"] for v in VARIANTS if runs[v].get("partition")}
+    if parts:
+        e["partition"] = parts
+    return e
+
+
 def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split=None, sol_split=None,
                  shape: str = "shipped", data: str | None = None, others: dict | None = None,
-                 machine: dict | None = None, sol_prof_eager: dict | None = None) -> dict:
-    """The report of the ``shape`` runs (time, memory, kernels, host split, rules), plus "shapes":
-    the figures of every run key (``shape`` first, then ``others``: key -> {"data", "baseline",
-    "solution", "baseline-profiled", "solution-profiled"}), whose timed results are kept in
-    "shape_runs" for the rule check. ``machine``: the comparison's date, GPU, versions and commit
-    (machine_record); None: this machine's, now. ``sol_prof_eager``: the solution's profiled pass
-    with graphs off (plan_runs' "profiled-eager"), or None."""
+                 machine: dict | None = None, sol_prof_eager: dict | None = None,
+                 specs: dict | None = None) -> dict:
+    """The report of the ``shape`` run (time, memory, kernels, host split, rules), plus "shapes":
+    the figures of every run (``shape`` first, then ``others``: name -> {"data", "baseline",
+    "solution", and where run "baseline-profiled", "solution-profiled", "solution-profiled-eager",
+    "call"}), whose timed results are kept in "shape_runs" for the rule check; each with what it
+    is (``specs``: name -> RunSpec, default the registry's) and the call it came from (default
+    this one). ``machine``: the comparison's date, GPU, versions and commit (machine_record);
+    None: this machine's, now. ``sol_prof_eager``: the solution's profiled pass with graphs off
+    (plan's "profiled-eager"), or None. The T4 projection takes the solution's eager host time
+    from run shipped-graphs-off where the report has it; a run in an SM partition gets the model's
+    prediction from the shipped run beside its measurement."""
     if machine is None:
         machine = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": _gpu(),
                    "versions": _versions(), "commit": git_commit()}
+    specs = specs or {}
     rep = {
         "date": machine["date"],
         "gpu": machine["gpu"],
@@ -514,7 +629,7 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
     rep["own_kernels_ran"] = sorted(ran)
     split = rep["kernel_split"]["solution"]
     if split and sol.get("train_excl_first2_s"):
-        own = split["by_category_s"].get("ours (solution/ Triton)", 0.0)
+        own = split["by_category_s"].get(report_mod.OWN_CATEGORY, 0.0)
         # Own-kernel GPU time from the profiled pass over the timed pass's wall time (steps 3..N):
         # the profiler slows the host, not the kernels, so this is the honest ratio.
         rep["own_kernel_share"] = own / sol["train_excl_first2_s"]
@@ -528,16 +643,23 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
             "no GPU time)")
     rep["commit"] = machine.get("commit") or git_commit()
     rep["shape"] = shape
-    rep["shapes"] = {shape: shape_entry(data, base, sol, base_prof, sol_prof, sol_prof_eager)}
-    rep["shape_runs"] = {}
-    for key, runs in (others or {}).items():
-        rep["shapes"][key] = shape_entry(runs["data"], runs["baseline"], runs["solution"],
-                                         runs.get("baseline-profiled"), runs.get("solution-profiled"))
-        rep["shape_runs"][key] = {v: runs[v] for v in VARIANTS}
-    # T4 projection (issue 13.5, bench/t4_projection.py): a model from this shape's profiled and timed passes
+    call = call_of({**machine, "commit": rep["commit"]}, args.argv)
+    primary = {"data": data, "baseline": base, "solution": sol, "baseline-profiled": base_prof,
+               "solution-profiled": sol_prof, f"solution-{EAGER_PROFILED}": sol_prof_eager}
+    every = {shape: primary, **(others or {})}
+    rep["shapes"] = {key: run_entry(key, runs, specs.get(key), call) for key, runs in every.items()}
+    rep["shape_runs"] = {key: {v: runs[v] for v in VARIANTS} for key, runs in (others or {}).items()}
+    # T4 projection (bench/t4_projection.py): a model from the shipped run's profiled and timed passes,
+    # the solution's eager host time from run shipped-graphs-off where this report has it
+    eager_timed = (every.get(t4_projection.EAGER_RUN) or {}).get("solution")
     rep["t4_projection"] = t4_projection.project(base, base_prof, sol, sol_prof, steps=workload.steps,
                                                  device=rep["gpu"]["name"], shape=shape,
-                                                 sol_prof_eager=sol_prof_eager)
+                                                 sol_prof_eager=sol_prof_eager, sol_eager_timed=eager_timed)
+    for key, e in rep["shapes"].items():
+        if "partition" in e:
+            rates = next(p.get("rates") for p in e["partition"].values())
+            whole = {**(every.get("shipped") or {}), "solution-graphs-off": eager_timed}
+            e["prediction"] = t4_projection.predict_partition(whole, rates, every[key], steps=workload.steps)
     rep["rules"] = check_static() + check_run(rep)
     return rep
 
@@ -552,14 +674,18 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", help="workload YAML (default workload/workload.yaml)")
     ap.add_argument("--out", type=Path, help="output dir (default runs/<timestamp>)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled passes")
-    ap.add_argument("--profile-shapes", help="profile only these shapes (comma-separated; default: every "
-                    "shape); the others get their timed pass only (GPU kernel time not measured for them)")
+    ap.add_argument("--profile-shapes", help="profile only these runs (comma-separated run names; default: every "
+                    "run that has a profiled pass); the others get their timed pass only")
     ap.add_argument("--no-host-split", action="store_true", help="skip the host-split passes")
+    ap.add_argument("--runs", help="comma-separated named runs (bench/runs.py): " + ", ".join(RUNS)
+                    + " (instead of --shapes / --cold)")
     ap.add_argument("--shapes", help="comma-separated dataset shapes from shipped,long,short (default: all "
                     "three on a GPU, shipped on a CPU)")
     ap.add_argument("--cold", action=argparse.BooleanOptionalAction, default=None,
                     help="the cold pass: baseline and solution once more (shipped shape, timed) in empty "
                     "Triton/Inductor caches (default: on a GPU only)")
+    ap.add_argument("--sms", type=int, metavar="N", help="every run with every CUDA stream in a green context of "
+                    "N SMs (a GPU-bound machine; bench/partition.py; torch >= 2.11), named <run>-sm<N>")
     args = ap.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     old_handlers = _set_handlers(_raise_interrupted)  # SIGINT / SIGTERM: stop the child, exit 130 / 143
@@ -588,12 +714,22 @@ def _main(args) -> int:
             setattr(args, name, str(caller_path(getattr(args, name))))
     out = Path(args.out) if args.out else ROOT / "runs" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     try:
-        shapes = parse_shapes(args.shapes, cuda)
-        profile_shapes = None if args.profile_shapes is None else parse_shapes(args.profile_shapes, cuda)
+        specs = select_runs(args, cuda)
+        names = [spec.name for spec in specs]
+        profile_only = None
+        if args.profile_shapes is not None:
+            try:
+                profile_only = runs_mod.parse_names(args.profile_shapes, names, "run of this comparison")
+            except RunsError as exc:
+                raise InputError(f"--profile-shapes {args.profile_shapes!r}: {exc}") from exc
         check_out(out)
         check_solution_settings()
         workload = load_workload(args.workload or WORKLOAD_FILE)
+        overrides = run_workloads(specs, args.workload or WORKLOAD_FILE)
         model, data, model_label = resolve_inputs(args, workload)
+        models = {None: model}
+        for profile in dict.fromkeys(spec.standin_profile for spec in specs if spec.standin_profile):
+            models[profile] = standin_model(args, workload, profile)
         out.mkdir(parents=True, exist_ok=True)
     except (InputError, WorkloadConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -602,37 +738,43 @@ def _main(args) -> int:
         print(f"error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
         return 2
     args.out_dir = out
-    cold = cuda if args.cold is None else args.cold
     print(f"[compare] {model_label}, data {data}, output {out}", flush=True)
     # in the report, and what bench.rebuild_report needs if this comparison is cut before it writes one
-    machine = machine_record(args, model_label, data)
+    machine = machine_record(args, model_label, data, specs)
     if machine["gpu"].get("runs_on"):
         print(f"[compare] runs on {machine['gpu']['runs_on']}", flush=True)
     (out / MACHINE_FILE).write_text(json.dumps(machine, indent=1), encoding="utf-8")
-    datas = {"shipped": data, COLD: data}
-    if set(shapes) - {"shipped"}:
+    workloads = {}
+    for name, text in overrides.items():
+        path = run_dir(out, name) / "workload.yaml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        workloads[name] = str(path)
+    datas = {"shipped": data}
+    if {spec.shape for spec in specs} - {"shipped"}:
         from transformers import AutoTokenizer
 
         from workload.data.kazakh import make_shape_dataset
 
         tokenizer = AutoTokenizer.from_pretrained(model)  # the run's own tokenizer measures the rows
-        for shape in shapes:
-            if shape != "shipped":
-                datas[shape] = str(make_shape_dataset(shape, shape_data_path(out, shape),
-                                                      n=workload.examples, tokenizer=tokenizer))
-                print(f"[compare] dataset shape {shape}: {datas[shape]}", flush=True)
-    plan = plan_runs(shapes, cuda, profile=not args.no_profile, host_split=not args.no_host_split, cold=cold,
-                     profile_shapes=profile_shapes)
-    keys = list(dict.fromkeys(key for key, _, _ in plan))
+        for shape in dict.fromkeys(spec.shape for spec in specs if spec.shape != "shipped"):
+            datas[shape] = str(make_shape_dataset(shape, shape_data_path(out, shape), n=workload.examples,
+                                                  tokenizer=tokenizer))
+            print(f"[compare] dataset shape {shape}: {datas[shape]}", flush=True)
+    plan = runs_mod.plan(specs, cuda, profile=not args.no_profile, host_split=not args.no_host_split,
+                         profile_only=profile_only)
+    by_name = {spec.name: spec for spec in specs}
     print(f"[compare] {len(plan)} runs: " + "; ".join(
-        f"{key} " + ", ".join(dict.fromkeys(m for k, _, m in plan if k == key)) for key in keys), flush=True)
+        f"{key} " + ", ".join(dict.fromkeys(m for k, _, m in plan if k == key)) for key in names), flush=True)
     results: dict = {}
     t0 = time.time()
     for i, (key, variant, mode) in enumerate(plan, 1):
-        sub, label = (out, None) if key == "shipped" else (out / key, key)
+        spec = by_name[key]
         try:
-            results[key, variant, mode] = run_variant(variant, model, datas[key], sub, mode, args.workload,
-                                                      label=label, cold=key == COLD)
+            results[key, variant, mode] = run_variant(
+                variant, models[spec.standin_profile], datas[spec.shape], run_dir(out, key), mode,
+                workloads.get(key, args.workload), label=None if key == "shipped" else key, cold=spec.cold,
+                env=spec.variant_env(variant), sms=spec.sms)
         except RuntimeError as exc:  # the child failed: its log's tail, then one line
             head, _, tail = str(exc).partition("\n")
             print(tail, file=sys.stderr)
@@ -641,19 +783,20 @@ def _main(args) -> int:
         if i < len(plan):
             left = (time.time() - t0) / i * (len(plan) - i)
             print(f"[compare] {i}/{len(plan)} runs done, about {left / 60:.0f} min left", flush=True)
-    primary = "shipped" if "shipped" in shapes else shapes[0]
+    primary = "shipped" if "shipped" in names else names[0]
 
     def get(key, variant, mode="timed"):
         return results.get((key, variant, mode))
 
-    others = {key: {"data": datas[key], **{v: get(key, v) for v in VARIANTS},
-                    **{f"{v}-profiled": get(key, v, "profiled") for v in VARIANTS}}
-              for key in keys if key != primary}
+    others = {key: {"data": datas[by_name[key].shape], **{v: get(key, v) for v in VARIANTS},
+                    **{f"{v}-profiled": get(key, v, "profiled") for v in VARIANTS},
+                    f"solution-{EAGER_PROFILED}": get(key, "solution", EAGER_PROFILED)}
+              for key in names if key != primary}
     rep = build_report(args, model_label, get(primary, "baseline"), get(primary, "solution"),
                        get(primary, "baseline", "profiled"), get(primary, "solution", "profiled"), workload,
                        get(primary, "baseline", "hostsplit"), get(primary, "solution", "hostsplit"),
-                       shape=primary, data=datas[primary], others=others, machine=machine,
-                       sol_prof_eager=get(primary, "solution", EAGER_PROFILED))
+                       shape=primary, data=datas[by_name[primary].shape], others=others, machine=machine,
+                       sol_prof_eager=get(primary, "solution", EAGER_PROFILED), specs=by_name)
     write_outputs(rep, out)
     print()
     print(report_mod.summary_table(rep))

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from bench import t4_projection
 from bench.memory_peak import private_reserved_bytes
+from bench.own_kernels import CATEGORIES
 
 GIB = 2**30
+OWN_CATEGORY = CATEGORIES[0][0]  # our kernels' category in a kernel split (bench/own_kernels.py)
 
 
 def _fmt(v, unit=""):
@@ -88,6 +90,7 @@ def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
 # ("steps 3-N": the run's timed steps, timed_steps).
 TARGETS = [
     ("training time excl. first 2 steps (s)", 1 / 3, "1/3"),
+    ("training time, Soup's duration (s)", None, None),  # no target of its own: shown beside steps 3-N
     ("peak GPU memory allocated (GiB)", 1 / 2, "1/2"),
     ("peak GPU memory reserved (GiB)", 1 / 2, "1/2"),
     ("GPU kernel time, steps 3-N (s)", 1 / 3, "1/3"),
@@ -104,9 +107,12 @@ def _targets_section(rep: dict) -> list[str]:
         name = template.replace("steps 3-N", timed_steps(rep))
         b, s = rows.get(name, (None, None))
         if not b or not s:
-            out.append(f"| {name} | n/a | <= {label} | not measured |")
+            out.append(f"| {name} | n/a | {'none' if frac is None else '<= ' + label} | not measured |")
             continue
         ratio = s / b
+        if frac is None:
+            out.append(f"| {name} | {ratio:.3f} | none | shown beside {timed_steps(rep)} |")
+            continue
         status = "met" if ratio <= frac else f"missed by {_fmt(s - b * frac)} ({_fmt(b * frac)} needed)"
         out.append(f"| {name} | {ratio:.3f} | <= {label} | {status} |")
     return out + [""]
@@ -122,26 +128,48 @@ def _ratio(b, s, better):
     return f"{(s - b) / abs(b):+.2e} rel"
 
 
+CPU_FIRST_LINE = ("CPU run: times on a CPU say nothing about the GPU, and Soup switches NF4 (4-bit) off on a CPU: "
+                  "the NF4 kernels did not take part (our kernels ran in Triton's interpreter).")
+
+
 def summary_table(rep: dict) -> str:
-    lines = [f"{'':40} {'baseline':>12} {'solution':>12} {'gain':>12}"]
+    """bench.compare's printed summary: (on a CPU, first, CPU_FIRST_LINE), the headline rows, the
+    share, the graphs, the T4 projection, then every run's solution / baseline ratios."""
+    lines = [CPU_FIRST_LINE] if (rep.get("gpu") or {}).get("name") == "cpu" else []
+    lines.append(f"{'':40} {'baseline':>12} {'solution':>12} {'gain':>12}")
     for name, b, s, better in _rows(rep):
         lines.append(f"{name:40} {_fmt(b):>12} {_fmt(s):>12} {_ratio(b, s, better):>12}")
     share = rep.get("own_kernel_share")
     lines.append(f"own-kernel share of training time (excl. first 2): "
                  f"{'n/a' if share is None else f'{share:.1%}'}")
     lines += [ln for ln in _cuda_graph_lines(rep) if ln]
-    lines.append(t4_projection.console_line(rep.get("t4_projection")))  # issue 13.5
+    lines.append(t4_projection.console_line(rep.get("t4_projection")))
     shapes = _shapes(rep)
     if len(shapes) > 1:
-        lines.append(f"solution / baseline by run ({timed_steps(rep)}, first step, GPU kernel time, "
-                     "peak reserved; loss max rel diff):")
+        lines.append(f"solution / baseline by run (Soup's duration, {timed_steps(rep)}, first step, GPU kernel "
+                     "time, peak allocated, peak reserved; loss max rel diff):")
         for key, e in shapes.items():
             r = e.get("ratios") or ratios(e["baseline"], e["solution"])
-            figs = ", ".join("n/a" if r.get(k) is None else f"{r[k]:.3f}"
-                             for k in ("train_excl_first2_s", "first_step_s", "gpu_kernel_s", "peak_reserved_gib"))
+            figs = ", ".join("n/a" if r.get(k) is None else f"{r[k]:.3f}" for k in RATIO_FIGURES)
             loss = e["solution"].get("loss_max_rel_diff")
-            lines.append(f"  {key:<13} {figs}; {'n/a' if loss is None else f'{loss:.2e}'}")
+            lines.append(f"  {key:<22} {figs}; {'n/a' if loss is None else f'{loss:.2e}'}")
+    for key, e in shapes.items():
+        if e.get("partition"):
+            lines.append(_partition_line(key, e))
     return "\n".join(lines)
+
+
+def _partition_line(key: str, e: dict) -> str:
+    """One line per run in an SM partition: N, whether it held in each variant's child, and the
+    model's predicted steps 3-N ratio beside the measured one."""
+    parts = e["partition"]
+    held = ", ".join(f"{v} {'held' if (p.get('held_check') or {}).get('held') else 'NOT held'}"
+                     for v, p in parts.items())
+    pred = e.get("prediction") or {}
+    ratio = pred.get("ratio") or {}
+    model = ("; model predicted solution / baseline " + ", ".join(
+        f"{k} {ratio[k]:.3f}" for k in ("predicted", "measured") if ratio.get(k) is not None)) if ratio else ""
+    return f"{key}: {next(iter(parts.values())).get('sms')}-SM partition, {held}{model}"
 
 
 def _share_context(rep: dict) -> list[str]:
@@ -188,27 +216,31 @@ def _cuda_graph_lines(rep: dict) -> list[str]:
     if g.get("failed"):
         lines.append(f"Graph failures (eager from then on): {'; '.join(g['failed'])}.")
     lines.append("With graphs the layers' activations live in the graph's memory pool, which peak *allocated* "
-                 "memory does not count during replays: compare peak *reserved* memory.")
+                 "memory does not count during replays: read it beside peak *reserved* memory and the pool.")
     return lines_head + lines + [""]
 
 
 # Per-run figures of the shapes table and of summary.json, in this order (key, column title).
+# Memory leads with peak allocated (what the tensors hold; reserved adds the allocator's own choices).
 FIGURES = [("soup_duration_s", "Soup's duration (s)"), ("train_excl_first2_s", "steps 3-N (s)"),
            ("first_step_s", "first step (s)"), ("gpu_kernel_s", "GPU kernel time, steps 3-N (s)"),
-           ("peak_reserved_gib", "peak reserved (GiB)"), ("peak_allocated_gib", "peak allocated (GiB)"),
+           ("peak_allocated_gib", "peak allocated (GiB)"), ("peak_reserved_gib", "peak reserved (GiB)"),
            ("graph_pool_gib", "CUDA-graph pool, reserved at the end (GiB)"),
            ("loss_max_rel_diff", "loss max rel diff"),
+           ("own_kernel_share", "own-kernel share"),
            ("capture_s_in_timed_steps", "graph captures in steps 3-N (s)"),
            ("first_step_compiles", "Triton compiles in step 1")]
 # The ones whose solution / baseline ratio the report gives.
 RATIO_FIGURES = ("soup_duration_s", "train_excl_first2_s", "first_step_s", "gpu_kernel_s",
-                 "peak_reserved_gib", "peak_allocated_gib")
+                 "peak_allocated_gib", "peak_reserved_gib")
 
 
 def run_figures(result: dict, split: dict | None = None, base: dict | None = None) -> dict:
     """One run's figures (a timed bench.run_one result; ``split``: compare.kernel_split of its
     profiled pass, None if none; ``base``: the baseline's timed result to take the loss difference
-    against, None for the baseline itself). None where not measured."""
+    against, None for the baseline itself). None where not measured. The own-kernel share is our
+    kernels' GPU time in the profiled pass over the timed pass's steps 3-N (as the report's
+    headline share)."""
     import math
 
     from bench.rules import loss_diffs
@@ -219,14 +251,17 @@ def run_figures(result: dict, split: dict | None = None, base: dict | None = Non
     if base is not None:
         loss = loss_diffs(base, result)["max_rel"]
         loss = loss if math.isfinite(loss) else None  # no common step, or a NaN loss
+    wall = result.get("train_excl_first2_s")
     return {"soup_duration_s": soup_duration(result),
-            "train_excl_first2_s": result.get("train_excl_first2_s"),
+            "train_excl_first2_s": wall,
             "first_step_s": steps[0] if steps else None,
             "gpu_kernel_s": split["total_gpu_s"] if split else None,
-            "peak_reserved_gib": _mem(result, "peak_mem_reserved_bytes"),
             "peak_allocated_gib": _mem(result, "peak_mem_allocated_bytes"),
+            "peak_reserved_gib": _mem(result, "peak_mem_reserved_bytes"),
             "graph_pool_gib": graph_pool_gib(result),
             "loss_max_rel_diff": loss,
+            # our kernels' GPU time (profiled pass) over the timed pass's wall time, steps 3..N
+            "own_kernel_share": split["by_category_s"].get(OWN_CATEGORY, 0.0) / wall if split and wall else None,
             "capture_s_in_timed_steps": graphs.get("capture_s_excl_first2") if graphs.get("captures") else None,
             "first_step_compiles": _first_step_compiles(result)}
 
@@ -264,21 +299,22 @@ def _shapes(rep: dict) -> dict:
 
 
 def _shapes_section(rep: dict) -> list[str]:
-    """Every run of the report side by side: dataset shapes and the cold pass."""
+    """Every run of the report side by side: named runs (bench/runs.py), dataset shapes, the cold pass."""
     from workload.data.kazakh import SHORT_LIMIT
 
     cols = [title.replace("steps 3-N", timed_steps(rep)) for _, title in FIGURES]
-    out = ["## Shapes and the cold start", "",
-           "One row per run and variant (timed passes; GPU kernel time from the profiled pass of the "
-           "same shape). shipped: the --data file (default the embedded dataset); long: every row "
-           "over max_length tokens (every batch full, no padding); short: every row under "
+    out = ["## Every run side by side", "",
+           "One row per run and variant (timed passes; GPU kernel time and the own-kernel share from the "
+           "profiled pass of the same run). shipped: the --data file (default the embedded dataset); long: every "
+           "row over max_length tokens (every batch full, no padding); short: every row under "
            f"{SHORT_LIMIT} tokens (workload/data/kazakh.py); shipped-cold: the shipped shape again, each "
-           "variant in empty Triton and Inductor caches (no compile of an earlier run is found).", "",
+           "variant in empty Triton and Inductor caches (no compile of an earlier run is found); the other "
+           "runs: the table \"Runs and the calls they came from\".", "",
            "| run | variant | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
     for key, entry in _shapes(rep).items():
         for variant in ("baseline", "solution"):
             f = entry[variant]
-            cells = [(f"{f[k]:.2e}" if k == "loss_max_rel_diff" and f[k] else _fmt(f[k])) for k, _ in FIGURES]
+            cells = [_cell(k, f.get(k)) for k, _ in FIGURES]
             out.append(f"| {key} | {variant} | " + " | ".join(cells) + " |")
         r = entry.get("ratios") or ratios(entry["baseline"], entry["solution"])
         cells = [("" if k not in RATIO_FIGURES else "n/a" if r.get(k) is None else f"{r[k]:.3f}") for k, _ in FIGURES]
@@ -286,11 +322,124 @@ def _shapes_section(rep: dict) -> list[str]:
     return out + [""]
 
 
+def _cell(key: str, value) -> str:
+    if key == "loss_max_rel_diff" and value:
+        return f"{value:.2e}"
+    if key == "own_kernel_share" and value is not None:
+        return f"{value:.1%}"
+    return _fmt(value)
+
+
+def _runs_section(rep: dict) -> list[str]:
+    """What each run is and the call it came from (bench.rebuild_report assembles runs of several
+    calls into one report)."""
+    rows = [(key, e) for key, e in _shapes(rep).items() if e.get("run") or e.get("call")]
+    if not rows:
+        return []
+    out = ["## Runs and the calls they came from", "",
+           "| run | what | conditions | commit | date | command |", "| --- | --- | --- | --- | --- | --- |"]
+    for key, e in rows:
+        run, call = e.get("run") or {}, e.get("call") or {}
+        out.append(f"| {key} | {run.get('about', '')} | {run.get('conditions', '')} | {call.get('commit', '')} | "
+                   f"{call.get('date', '')} | `{call.get('command', '')}` |")
+    return out + [""]
+
+
+SAME_ALLOCATOR = "shipped-same-allocator"  # bench/runs.py: the baseline with expandable segments
+
+
+def memory_rows(rep: dict) -> list[tuple[str, str, str, float | None, float | None]]:
+    """(run, variant, allocator, peak allocated GiB, peak reserved GiB) of the shipped run and of
+    run shipped-same-allocator where the report has it."""
+    shapes = _shapes(rep)
+    solution_alloc = ("expandable segments (apply())" if "cuda_allocator" in ((rep.get("solution") or {})
+                                                                              .get("installed") or {}) else "as set")
+    rows = []
+    for key, base_alloc in (("shipped", "PyTorch's default"), (SAME_ALLOCATOR, "expandable segments "
+                                                               "(PYTORCH_CUDA_ALLOC_CONF)")):
+        e = shapes.get(key)
+        if not e:
+            continue
+        for variant, alloc in (("baseline", base_alloc), ("solution", solution_alloc)):
+            f = e[variant]
+            rows.append((key, variant, alloc, f.get("peak_allocated_gib"), f.get("peak_reserved_gib")))
+    return rows
+
+
+def _memory_section(rep: dict) -> list[str]:
+    """Memory on equal terms: peak allocated first (what the tensors hold), peak reserved beside
+    it (what the caching allocator keeps mapped, which its settings change), the baseline also
+    with the allocator setting apply() gives the solution (run shipped-same-allocator)."""
+    rows = memory_rows(rep)
+    if not rows or all(a is None for *_, a, _ in rows):
+        return []
+    out = ["## Memory on equal terms", "",
+           "Peak allocated memory is what the tensors hold; peak reserved adds what PyTorch's caching allocator "
+           "keeps mapped, which depends on its settings. apply() turns on expandable segments for the solution "
+           "(unless $PYTORCH_CUDA_ALLOC_CONF is set); run shipped-same-allocator gives the baseline the same "
+           "setting, so that a reserved-memory ratio compares the code, not the allocator.", "",
+           "| run | variant | allocator | peak allocated (GiB) | peak reserved (GiB) | reserved / allocated |",
+           "| --- | --- | --- | ---: | ---: | ---: |"]
+    for key, variant, alloc, allocated, reserved in rows:
+        ratio = f"{reserved / allocated:.2f}" if allocated and reserved else "n/a"
+        gib = ["n/a" if v is None else f"{v:.2f}" for v in (allocated, reserved)]
+        out.append(f"| {key} | {variant} | {alloc} | {gib[0]} | {gib[1]} | {ratio} |")
+    out.append("")
+    shapes = _shapes(rep)
+    for key in ("shipped", SAME_ALLOCATOR):
+        e = shapes.get(key)
+        if e:
+            r = e.get("ratios") or ratios(e["baseline"], e["solution"])
+            out.append(f"- {key}: solution / baseline, peak allocated "
+                       f"{'n/a' if r.get('peak_allocated_gib') is None else format(r['peak_allocated_gib'], '.3f')}, "
+                       f"peak reserved {'n/a' if r.get('peak_reserved_gib') is None else format(r['peak_reserved_gib'], '.3f')}")
+    if SAME_ALLOCATOR not in shapes:
+        out.append(f"- run {SAME_ALLOCATOR} is not in this report (bench.compare --runs {SAME_ALLOCATOR})")
+    pool = (shapes.get("shipped") or {}).get("solution", {}).get("graph_pool_gib")
+    if pool:
+        out.append(f"- with CUDA graphs the layers' activations live in the graphs' pool ({pool:.2f} GiB reserved at "
+                   "the end), which peak allocated does not count during replays: read allocated beside reserved")
+    return out + [""]
+
+
+def _partition_sections(rep: dict) -> list[str]:
+    """Each run in an SM partition: the partition's rates beside the whole GPU's, the held-check
+    of each variant's child, and the model's prediction beside the measurement."""
+    from bench import partition
+
+    out = []
+    for key, e in _shapes(rep).items():
+        parts = e.get("partition")
+        if not parts:
+            continue
+        out += [f"## GPU-bound machine: run {key} in an SM partition", ""]
+        first = next(iter(parts))
+        out += [f"Measured in the {first}'s child:", ""] + partition.markdown(parts[first])
+        for variant, p in parts.items():
+            if variant != first and p.get("held_check"):
+                hc = p["held_check"]
+                out += [f"The {variant}'s child: held on every path: **{'yes' if hc['held'] else 'NO'}** (" + ", ".join(
+                    f"{path} {r['fraction_of_whole']:.3f}" for path, r in hc["paths"].items())
+                    + f" of the whole GPU; {p.get('streams_made', 0)} side streams handed out).", ""]
+        out += t4_projection.partition_section(e.get("prediction"))
+    return out
+
+
 def summary(rep: dict) -> dict:
-    """summary.json: the report's runs, figures only, for comparing sessions by machine."""
+    """summary.json: the report's runs, figures only, for comparing sessions by machine. Each run
+    under its name: its two variants' figures, and where known what the run is ("run"), the call
+    it came from ("call": commit, date, command), its SM partition's measurement ("partition") and
+    the model's prediction for it ("prediction")."""
     return {"gpu": rep["gpu"]["name"], "date": rep["date"], "commit": rep.get("commit") or "unknown",
-            "runs": {key: {"baseline": e["baseline"], "solution": e["solution"]} for key, e in _shapes(rep).items()},
-            "t4_projection": t4_projection.summary(rep.get("t4_projection"))}  # issue 13.5
+            "command": rep.get("command"),
+            "runs": {key: _summary_run(e) for key, e in _shapes(rep).items()},
+            "t4_projection": t4_projection.summary(rep.get("t4_projection"))}
+
+
+def _summary_run(e: dict) -> dict:
+    out = {"baseline": e["baseline"], "solution": e["solution"]}
+    out.update({k: e[k] for k in ("run", "call", "partition", "prediction") if e.get(k)})
+    return out
 
 
 def write_summary(rep: dict, path) -> None:
@@ -387,7 +536,10 @@ def markdown(rep: dict) -> str:
         out += [f"- {t:.3f} s  `{name[:110]}`" for name, t in ks["top_kernels_s"][:10]]
         out.append("")
     out += _host_split_section(rep)
+    out += _memory_section(rep)
+    out += _runs_section(rep)
     out += _shapes_section(rep)
+    out += _partition_sections(rep)
     out += ["## Rule check", ""]
     for r in rep["rules"]:
         status = "PASS" if r["ok"] else ("n/a" if r["ok"] is None else "FAIL")

@@ -16,6 +16,9 @@ With --memory-peak FILE, the allocator history is recorded and what is alive at 
 written to FILE (bench/memory_peak.py).
 With --profile, torch.profiler records GPU kernels from step 3 to the end (a separate pass:
 the timed runs are never profiled).
+With --sms N, every CUDA stream of this process comes from one green context of N SMs (a GPU-bound
+machine on a big GPU; bench/partition.py), measured before training: the partition's and the whole
+GPU's matmul and copy rates, and a GEMM on every path a step uses (result.json: "partition").
 """
 from __future__ import annotations
 
@@ -250,6 +253,31 @@ def precompile_summary(clock) -> dict:
     return st
 
 
+def partition_unsupported(num_sms: int | None) -> str | None:
+    """--sms: why this machine cannot run in an N-SM partition (bench/partition.py), None if it can
+    or no partition was asked for."""
+    if num_sms is None:
+        return None
+    from bench.partition import unsupported
+
+    return unsupported(num_sms)
+
+
+def enter_partition(num_sms: int | None):
+    """--sms N: every CUDA stream of this process from one green context of N SMs, entered and
+    measured (rates and held-check, bench/partition.py) before training. None without --sms."""
+    if num_sms is None:
+        return None
+    from bench.partition import Partition
+
+    partition = Partition(num_sms).enter()
+    figures = partition.measure()
+    hc = figures["held_check"]
+    print(f"[run_one] {num_sms}-SM partition: matmul {figures['rates']['partition']['matmul_tflops']:.1f} of "
+          f"{figures['rates']['whole']['matmul_tflops']:.0f} TFLOP/s; held on every path: {hc['held']}", flush=True)
+    return partition
+
+
 def read_tracker(db_path: Path) -> dict:
     if not db_path.exists():
         return {"error": f"tracker database missing: {db_path}"}
@@ -313,9 +341,15 @@ def main(argv=None) -> int:
                     "host; run it with SOLUTION_CUDA_GRAPHS=0)")
     ap.add_argument("--native-precision", action="store_true",
                     help="on an sm_80+ GPU keep Soup's bf16 and PyTorch's flash/cuDNN attention instead of the T4's paths")
+    ap.add_argument("--sms", type=int, metavar="N", help="run with every CUDA stream in a green context of N SMs "
+                    "(bench/partition.py; torch >= 2.11 on a CUDA GPU)")
     args = ap.parse_args(argv)
     if args.op_origins and args.profile:
         ap.error("--op-origins and --profile are separate passes: give one of them")
+    why = partition_unsupported(args.sms)
+    if why:
+        print(f"error: --sms {args.sms}: {why}", file=sys.stderr)
+        return 2
 
     work = Path(args.workdir).resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -341,6 +375,7 @@ def main(argv=None) -> int:
         # noise from real differences. warn_only: ops without a deterministic version still run.
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    partition = enter_partition(args.sms)  # before apply(): every stream the run makes comes from it
     installed = {}
     t_start = time.perf_counter()
     if args.variant == "solution":
@@ -389,6 +424,8 @@ def main(argv=None) -> int:
         if compile_log is not None:
             compile_log.uninstall()
             compile_log.write(args.compile_log)
+    if partition is not None:
+        partition.exit()
     if cprof is not None:
         import io
         import pstats
@@ -452,6 +489,7 @@ def main(argv=None) -> int:
         "compile_log": compile_log.summary() if compile_log is not None else None,
         "cuda_graphs": cuda_graph_summary(clock.step_ends) if "qwen2_unpad" in installed else None,
         "precompile": precompile_summary(clock) if installed else None,
+        "partition": partition.record() if partition is not None else None,
     }
     if args.profile and clock.kernel_times:
         result["profile"] = {

@@ -6,7 +6,11 @@ compare-shapes and compare-cold steps of scripts/gpu_run.sh, each its own 10-min
 Every file must come from the same commit and the same GPU (else a one-line error, exit 2,
 nothing written). A run key found in more than one file keeps its first file's figures (said on
 stderr). The merged file has the summaries' schema, its date the first file's, and
-"merged_from": the files, in order.
+"merged_from": the files, in order; every run keeps the call it came from ("call": commit, date,
+command; taken from its summary where the run does not carry it). The T4 projection is the first
+one with figures; a projection or partition prediction that needs runs of several calls (the
+solution's eager host time from run shipped-graphs-off, the partition's prediction from the
+shipped run) is made by bench.rebuild_report, which reads the runs' results.
 """
 from __future__ import annotations
 
@@ -37,7 +41,8 @@ def merge(summaries: list[dict], names: list[str] | None = None) -> tuple[dict, 
             if key in runs:
                 notes.append(f"{key}: kept from {origin[key]}, also in {name}")
                 continue
-            runs[key], origin[key] = figures, name
+            call = figures.get("call") or {"commit": s["commit"], "date": s["date"], "command": s.get("command")}
+            runs[key], origin[key] = {**figures, "call": call}, name
     # the T4 projection (bench/t4_projection.py) comes from the shipped shape's report: the first
     # summary that has one with figures (not skipped) gives it
     projections = [s.get("t4_projection") for s in summaries if isinstance(s.get("t4_projection"), dict)]

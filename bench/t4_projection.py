@@ -34,9 +34,12 @@ Every step of it, in plain words:
    taken out first. The Kaggle T4 machine's CPU is assumed KAGGLE_CPU_FACTOR times slower.
    With and without CUDA graphs: the solution's timed run uses graphs where its first step measured
    host-bound (solution/step/cuda_graphs.py: decide()); its wall time is then the host time *with*
-   graphs. Its host time *without* graphs (eager) is not measured in that run: the baseline's host
-   time per step is used instead, an upper bound (the solution's eager step does the stock step's
-   host work or less: fewer, fused launches). On the T4 decide() would say "off" (GPU-bound) when
+   graphs. Its host time *without* graphs (eager) is measured by its own run with graphs off
+   (bench.compare's run "shipped-graphs-off": the solution with SOLUTION_CUDA_GRAPHS=0, timed): on
+   the H200 that eager step is host-bound, so its wall time per step is its host time. The result
+   names the run it came from. Without that run the baseline's host time per step stands in (an
+   upper bound: the solution's eager step does the stock step's host work or less), said in the
+   result. On the T4 decide() would say "off" (GPU-bound) when
    the projected GPU time exceeds GPU_BOUND_RATIO times the eager host time: then the eager host
    time is the one that counts, and so is the GPU time *without* graphs: a graphs run replays
    every batch in a bucket of tokens, whose filler tokens are GPU work the eager step does not do.
@@ -53,8 +56,18 @@ Every step of it, in plain words:
    assumes that the model errs by the same factor for both runs, which is itself an assumption
    (the two runs have different kernel mixes).
 
+The same model, pointed at a measured machine (predict_partition): bench.compare's run
+"gpu-bound-sm16" confines both variants to 16 of the H200's SMs (bench/partition.py), a GPU-bound
+machine that can be measured. The model's constants are then that partition's measured rates:
+FLOP-bound kernels scaled by (whole GPU's measured matmul TFLOP/s) / (the partition's),
+memory-bound ones by the ratio of the measured copy rates, host and PCIe unchanged (the same CPU
+and link), no calibration. Its prediction from the whole-GPU runs, beside the partition's
+measured steps, checks the model's structure (step = max(host, GPU), the graphs decision, the
+split by bound) against a machine that exists.
+
 Usage: project(base_timed, base_profiled, sol_timed, sol_profiled) -> dict (bench/compare.py puts
-it in report.json under "t4_projection"; bench/report.py renders it and copies it to summary.json).
+it in report.json under "t4_projection"; bench/report.py renders it and copies it to summary.json);
+predict_partition(...) -> dict (the partition run's "prediction").
 Pure: it reads the result dicts of bench/run_one.py and computes; no GPU, no files.
 """
 from __future__ import annotations
@@ -135,8 +148,10 @@ def _timed_steps(result: dict) -> int:
     return max(len(result.get("step_times_s") or []) - SKIP_STEPS, 0)
 
 
-def gpu_split(profiled: dict) -> dict:
-    """The profiled pass's kernel seconds per step by class, on the H200 and projected on the T4."""
+def gpu_split(profiled: dict, scale: dict | None = None) -> dict:
+    """The profiled pass's kernel seconds per step by class, on the H200 and projected on the T4
+    (``scale``: seconds multiplied per class; default SCALE, the T4's)."""
+    scale = SCALE if scale is None else scale
     times = profiled["profile"]["kernel_times_s"]
     steps = _timed_steps(profiled)
     if not steps:
@@ -145,7 +160,7 @@ def gpu_split(profiled: dict) -> dict:
     for name, t in times.items():
         h200[kernel_class(name)] += t
     h200 = {k: v / steps for k, v in h200.items()}
-    t4 = {k: v * SCALE[k] for k, v in h200.items()}
+    t4 = {k: v * scale[k] for k, v in h200.items()}
     return {"profiled_steps": steps, "window_s": profiled["profile"].get("window_s"),
             "h200_s_per_step": h200, "h200_gpu_s_per_step": sum(h200.values()),
             "t4_s_per_step": t4, "t4_gpu_s_per_step": sum(t4.values())}
@@ -167,21 +182,30 @@ def used_graphs(timed: dict) -> bool:
     return bool((timed.get("cuda_graphs") or {}).get("captures"))
 
 
+T4 = {"name": "T4", "scale": SCALE, "host_factor": KAGGLE_CPU_FACTOR}  # the machine project() targets
+BASELINE_HOST = ("the baseline's host time per step (upper bound: this run's eager host time is not measured; "
+                 "bench.compare's run shipped-graphs-off measures it)")
+
+
 def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = None, steps: int = 64,
-                eager_profiled: dict | None = None) -> dict:
-    """One run on a T4, uncalibrated. ``eager_host_h200``: the H200 host time per step without
-    graphs, for a run whose timed pass used graphs (None: its own wall time is the eager one).
-    ``eager_profiled``: for such a run, its profiled pass with graphs off (the GPU work of the
-    eager step, which the T4 runs where decide() says off); None: the graphs profile stands in."""
-    gpu = gpu_split(profiled)
+                eager_profiled: dict | None = None, eager_host_source: str | None = None,
+                machine: dict | None = None) -> dict:
+    """One run on a T4 (or ``machine``: {"scale": per-class factors, "host_factor"}), uncalibrated.
+    ``eager_host_h200``: the H200 host time per step without graphs, for a run whose timed pass
+    used graphs (None: its own wall time is the eager one), and ``eager_host_source`` where it came
+    from (default: the baseline's, BASELINE_HOST). ``eager_profiled``: for such a run, its profiled
+    pass with graphs off (the GPU work of the eager step, which the T4 runs where decide() says
+    off); None: the graphs profile stands in."""
+    machine = T4 if machine is None else machine
+    gpu = gpu_split(profiled, machine["scale"])
     host = host_per_step(timed)
     graphs = used_graphs(timed)
     eager_gpu = gpu
     if graphs:
         host_graphs, host_eager = host, eager_host_h200
-        eager_source = "the baseline's host time per step (upper bound: this run's eager host time is not measured)"
+        eager_source = eager_host_source or BASELINE_HOST
         if eager_profiled is not None:
-            eager_gpu = gpu_split(eager_profiled)
+            eager_gpu = gpu_split(eager_profiled, machine["scale"])
             eager_gpu_source = "this run's profiled pass with graphs off (SOLUTION_CUDA_GRAPHS=0)"
         else:
             eager_gpu_source = ("the graphs pass's profile (upper bound: it includes the buckets' filler "
@@ -194,8 +218,8 @@ def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = Non
         raise ValueError("a run with CUDA graphs needs the eager host time (eager_host_h200)")
     t4_gpu_graphs = gpu["t4_gpu_s_per_step"] if graphs else None
     t4_gpu_eager = eager_gpu["t4_gpu_s_per_step"]
-    t4_eager = host_eager * KAGGLE_CPU_FACTOR
-    t4_graphs = None if host_graphs is None else host_graphs * KAGGLE_CPU_FACTOR
+    t4_eager = host_eager * machine["host_factor"]
+    t4_graphs = None if host_graphs is None else host_graphs * machine["host_factor"]
     # decide() on the T4 times the eager step: graphs stay off where it is GPU-bound
     graphs_on_t4 = t4_graphs is not None and not (t4_gpu_eager > GPU_BOUND_RATIO * t4_eager)
     t4_host, t4_gpu, used = ((t4_graphs, t4_gpu_graphs, gpu) if graphs_on_t4 else (t4_eager, t4_gpu_eager, eager_gpu))
@@ -216,11 +240,29 @@ def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = Non
     }
 
 
+EAGER_RUN = "shipped-graphs-off"  # bench/runs.py: the solution timed with SOLUTION_CUDA_GRAPHS=0
+
+
+def solution_eager_host(base_timed: dict, sol_eager_timed: dict | None,
+                        eager_run: str = EAGER_RUN) -> tuple[float, str]:
+    """The solution's H200 host time per step without graphs and where it came from: its own
+    timed run with graphs off (``sol_eager_timed``, run ``eager_run``: on the H200 that eager step
+    is host-bound, its wall time per step is its host time), else the baseline's (BASELINE_HOST).
+    A graphs-off run that captured graphs anyway (the setting did not take) is not used."""
+    if sol_eager_timed and _timed_steps(sol_eager_timed) and sol_eager_timed.get("train_excl_first2_s") \
+            and not used_graphs(sol_eager_timed):
+        return host_per_step(sol_eager_timed), (
+            f"the solution's own eager step: run {eager_run}'s timed pass (SOLUTION_CUDA_GRAPHS=0), its wall "
+            "time per step 3-N (host-bound on the H200)")
+    return host_per_step(base_timed), BASELINE_HOST
+
+
 def skipped(base_timed, base_prof, sol_timed, sol_prof, device: str | None = None,
             shape: str = "shipped") -> str | None:
     """Why no projection can be made from these runs (None: it can)."""
     if shape != "shipped":
-        return f"the report's runs are of the {shape} shape; the official baseline's figures are the shipped data's"
+        return (f"the report's main run is {shape}, not shipped; the official baseline's figures are the shipped "
+                "data's at the defaults")
     if device is not None and SOURCE_GPU not in device:
         return (f"measured on {device}: the model's constants describe an {SOURCE_GPU} "
                 "(a real T4 run needs no projection)")
@@ -236,19 +278,23 @@ def skipped(base_timed, base_prof, sol_timed, sol_prof, device: str | None = Non
 
 
 def project(base_timed: dict, base_prof: dict, sol_timed: dict, sol_prof: dict, steps: int = 64,
-            device: str | None = None, shape: str = "shipped", sol_prof_eager: dict | None = None) -> dict:
+            device: str | None = None, shape: str = "shipped", sol_prof_eager: dict | None = None,
+            sol_eager_timed: dict | None = None) -> dict:
     """Both runs on a T4, calibrated against the official baseline (module docstring). Returns
     {"model", "skipped": why} when the runs cannot be projected (no profile, not an H200, another
     shape than the shipped one). ``sol_prof_eager``: the solution's profiled pass with graphs off
-    (None: its graphs profile stands in, an upper bound)."""
+    (None: its graphs profile stands in, an upper bound). ``sol_eager_timed``: the solution's timed
+    run with graphs off (run shipped-graphs-off), whose wall time per step is its eager host time
+    (None: the baseline's stands in, an upper bound)."""
     why = skipped(base_timed, base_prof, sol_timed, sol_prof, device, shape)
     if why:
         return {"model": LABEL, "skipped": why}
     base = project_run(base_timed, base_prof, steps=steps)
     if sol_prof_eager is not None and not (sol_prof_eager.get("profile") or {}).get("kernel_times_s"):
         sol_prof_eager = None
-    sol = project_run(sol_timed, sol_prof, eager_host_h200=base["h200"]["host_s_per_step"], steps=steps,
-                      eager_profiled=sol_prof_eager)
+    eager_host, eager_source = solution_eager_host(base_timed, sol_eager_timed)
+    sol = project_run(sol_timed, sol_prof, eager_host_h200=eager_host, steps=steps,
+                      eager_profiled=sol_prof_eager, eager_host_source=eager_source)
     factor = OFFICIAL_BASELINE_TRAIN_S / base["train_s_raw"]
     error = base["train_s_raw"] / OFFICIAL_BASELINE_TRAIN_S - 1
     for r in (base, sol):
@@ -336,9 +382,10 @@ def summary(proj: dict | None) -> dict | None:
         t4 = proj[variant]["t4"]
         out[variant] = {"gpu_s_per_step": t4["gpu_s_per_step"], "host_s_per_step": t4["host_s_per_step"],
                         "graphs": t4["graphs"], "step_s": t4["step_s"], "bound": t4["bound"]}
-    src = proj["solution"]["h200"].get("gpu_eager_source")
-    if src:
-        out["solution"]["gpu_eager_source"] = src
+    for key in ("gpu_eager_source", "host_eager_source"):
+        src = proj["solution"]["h200"].get(key)
+        if src:
+            out["solution"][key] = src
     return out
 
 
@@ -349,3 +396,103 @@ def console_line(proj: dict | None) -> str:
     return (f"{LABEL}: {proj['steps']}-step training baseline {proj['baseline_train_s']:.1f} s, solution "
             f"{proj['solution_train_s']:.1f} s (calibrated; raw {proj['baseline_train_s_raw']:.1f} / "
             f"{proj['solution_train_s_raw']:.1f} s, calibration error {proj['calibration_error']:+.1%})")
+
+
+# --- the same model, pointed at a measured machine: an SM partition of the same GPU ---------------
+
+def partition_machine(rates: dict) -> dict:
+    """The model's constants for an SM partition (bench/partition.py's measured rates: {"whole":
+    {"matmul_tflops", "copy_gbs"}, "partition": {...}}): FLOP-bound kernels scaled by the whole
+    GPU's matmul rate over the partition's, memory-bound ones by the copy rates' ratio, transfers
+    and host unchanged (the same link and CPU)."""
+    whole, part = rates["whole"], rates["partition"]
+    return {"name": "partition", "host_factor": 1.0,
+            "scale": {FLOP: whole["matmul_tflops"] / part["matmul_tflops"], MEMORY: whole["copy_gbs"] / part["copy_gbs"],
+                      TRANSFER: 1.0}}
+
+
+def _gpu_per_step(profiled: dict | None) -> float | None:
+    if not profiled or not (profiled.get("profile") or {}).get("kernel_times_s") or not _timed_steps(profiled):
+        return None
+    return sum(profiled["profile"]["kernel_times_s"].values()) / _timed_steps(profiled)
+
+
+def predict_partition(whole: dict, rates: dict, measured: dict, steps: int = 64,
+                      eager_run: str = EAGER_RUN) -> dict:
+    """The model's prediction for an SM partition beside the partition's measurement. ``whole``:
+    the whole-GPU shipped runs' results ({"baseline", "solution", "baseline-profiled",
+    "solution-profiled"}, optionally "solution-profiled-eager" and "solution-graphs-off": the
+    timed run with graphs off); ``rates``: the partition's measured rates (partition_machine);
+    ``measured``: the partition run's results ({"baseline", "solution"}, optionally their
+    "-profiled" passes). Returns {"skipped": why} when an input is missing."""
+    need = ("baseline", "solution", "baseline-profiled", "solution-profiled")
+    missing = [k for k in need if not whole.get(k)]
+    if missing:
+        return {"skipped": f"no whole-GPU shipped {missing[0]} pass in this report (the prediction's input: run "
+                           "shipped in the same call, or assemble the calls with bench.rebuild_report)"}
+    if not rates or not rates.get("whole") or not rates.get("partition"):
+        return {"skipped": "the partition's rates were not measured"}
+    why = skipped(whole["baseline"], whole["baseline-profiled"], whole["solution"], whole["solution-profiled"])
+    if why:
+        return {"skipped": why}
+    machine = partition_machine(rates)
+    eager_prof = whole.get("solution-profiled-eager")
+    if eager_prof is not None and not (eager_prof.get("profile") or {}).get("kernel_times_s"):
+        eager_prof = None
+    eager_host, eager_source = solution_eager_host(whole["baseline"], whole.get("solution-graphs-off"), eager_run)
+    runs = {"baseline": project_run(whole["baseline"], whole["baseline-profiled"], steps=steps, machine=machine),
+            "solution": project_run(whole["solution"], whole["solution-profiled"], eager_host_h200=eager_host,
+                                    steps=steps, eager_profiled=eager_prof, eager_host_source=eager_source,
+                                    machine=machine)}
+    out = {"model": "bench/t4_projection.py with the partition's measured rates (no calibration)",
+           "constants": {"flop_scale": machine["scale"][FLOP], "memory_scale": machine["scale"][MEMORY],
+                         "host_factor": 1.0, "pcie_scale": 1.0},
+           "solution_host_eager_source": eager_source}
+    for variant, r in runs.items():
+        t = r["t4"]
+        got = measured.get(variant) or {}
+        timed = max(len(got.get("step_times_s") or []) - SKIP_STEPS, 0)
+        predicted = t["step_s"] * (timed or steps - SKIP_STEPS)
+        meas = got.get("train_excl_first2_s")
+        out[variant] = {"gpu_s_per_step": t["gpu_s_per_step"], "host_s_per_step": t["host_s_per_step"],
+                        "graphs": t["graphs"], "step_s": t["step_s"], "bound": t["bound"],
+                        "steps_3_n_s": predicted, "measured_steps_3_n_s": meas,
+                        "measured_gpu_s_per_step": _gpu_per_step(measured.get(f"{variant}-profiled")),
+                        "measured_graphs": used_graphs(got) if got else None,
+                        "error": (predicted / meas - 1) if meas else None}
+    b, s = out["baseline"], out["solution"]
+    out["ratio"] = {"predicted": s["steps_3_n_s"] / b["steps_3_n_s"],
+                    "measured": (s["measured_steps_3_n_s"] / b["measured_steps_3_n_s"]
+                                 if s["measured_steps_3_n_s"] and b["measured_steps_3_n_s"] else None)}
+    return out
+
+
+def partition_section(pred: dict | None) -> list[str]:
+    """The report's lines for predict_partition's result."""
+    if not pred:
+        return []
+    if pred.get("skipped"):
+        return [f"Model prediction for the partition: not made ({pred['skipped']}).", ""]
+    c = pred["constants"]
+
+    def fmt(v, spec=".3f"):
+        return "n/a" if v is None else format(v, spec)
+
+    out = [f"Model prediction (bench/t4_projection.py, its constants the partition's measured rates: FLOP-bound "
+           f"kernels x{c['flop_scale']:.2f}, memory-bound x{c['memory_scale']:.2f}, host x1; from the whole-GPU "
+           "shipped runs of this report, not calibrated) beside the partition's measurement:", "",
+           "| variant | predicted GPU s/step | measured GPU s/step | predicted host s/step | graphs predicted / "
+           "measured | predicted step s (bound) | predicted steps 3-N (s) | measured steps 3-N (s) | error |",
+           "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+    for variant in ("baseline", "solution"):
+        r = pred[variant]
+        graphs = f"{'on' if r['graphs'] else 'off'} / " + ("n/a" if r["measured_graphs"] is None else
+                                                            "on" if r["measured_graphs"] else "off")
+        out.append(f"| {variant} | {fmt(r['gpu_s_per_step'])} | {fmt(r['measured_gpu_s_per_step'])} | "
+                   f"{fmt(r['host_s_per_step'])} | {graphs} | {fmt(r['step_s'])} ({r['bound']}) | "
+                   f"{fmt(r['steps_3_n_s'], '.2f')} | {fmt(r['measured_steps_3_n_s'], '.2f')} | "
+                   f"{fmt(r['error'], '+.1%')} |")
+    ratio = pred["ratio"]
+    out += ["", f"Solution / baseline, steps 3-N: predicted {ratio['predicted']:.3f}, measured "
+            f"{fmt(ratio['measured'])}. The solution's eager host time: {pred['solution_host_eager_source']}.", ""]
+    return out

@@ -3,9 +3,20 @@
 # network (the lent GPU machine): install the carried wheels (.whl/, from
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
-#   bash scripts/gpu_run.sh [tests] [bench] [compare] [compare-shapes] [compare-cold] [compare-all] [cprofile] [hostsplit]
-#                           [precompile] [memory] [origins] [variants] [timed]
+#   bash scripts/gpu_run.sh [tests] [bench] [compare] [compare-shapes] [compare-cold] [compare-all] [runs] [cprofile]
+#                           [hostsplit] [precompile] [memory] [origins] [variants] [timed]
 #   (default: the first three)
+# Named runs (bench/runs.py; each a baseline-vs-solution comparison under stated conditions):
+#   RUNS=shipped,shipped-graphs-off bash scripts/gpu_run.sh runs
+# runs bench.compare --runs "$RUNS" into $OUT/runs-<names joined by +>, its summary.json and report.md
+# copied beside results.tgz as runs-<names>-summary.json / -report.md. One call holds about ten
+# children (~50 s each on the H200, more in an SM partition or with cold caches); a split of every
+# run of issues 24/25 into calls of <= 10 minutes (children in brackets):
+#   RUNS=shipped,shipped-graphs-off (9)          RUNS=gpu-bound-sm16 (4)
+#   RUNS=ckpt,shipped-same-allocator,outliers (6) RUNS=long,short (8)     RUNS=shipped-cold (2)
+# then, here, from the calls' unpacked results.tgz: one report with every run and the call each came from
+# (the T4 projection and the partition's prediction need the shipped runs' results):
+#   python -m bench.rebuild_report DIR_1/runs-... DIR_2/runs-... ... --into ALL_DIR
 # The comparison in three steps, each meant for its own 10-minute call (not yet timed): compare (the shipped
 # shape: timed, profiled and host-split passes; no cold pass), compare-shapes (the long and short
 # dataset shapes: timed and profiled), compare-cold (the shipped shape again with the cold pass,
@@ -34,7 +45,7 @@ mkdir -p "$OUT" "$FINAL"
 pack() {
   cp "$OUT"/compare/report.md "$FINAL"/ 2>/dev/null
   local d sums=()
-  for d in compare compare-shapes compare-cold compare-all; do
+  for d in compare compare-shapes compare-cold compare-all $(cd "$OUT" && ls -d runs-* 2>/dev/null); do
     if [ -f "$OUT/$d/summary.json" ]; then cp "$OUT/$d/summary.json" "$FINAL/$d-summary.json"; sums+=("$OUT/$d/summary.json"); fi
     [ "$d" != compare ] && [ -f "$OUT/$d/report.md" ] && cp "$OUT/$d/report.md" "$FINAL/$d-report.md"
   done
@@ -148,6 +159,12 @@ PY
       python3 -m bench.timed_table "${specs[@]}" | tee "$OUT/timed.md" ;;
     variants)
       timeout ${VARIANTS_TIMEOUT:-540} python3 -m bench.variants --out "$OUT/variants" ${VARIANT_ARGS:-} ${VARIANTS:-default} 2>&1 | tail -30 || rc=1 ;;
+    runs)
+      # named runs (bench/runs.py), one bench.compare call: RUNS=name,name,... (COMPARE_ARGS added)
+      if [ -z "${RUNS:-}" ]; then echo "error: set RUNS=name,name,... (bench/runs.py)"; rc=2; continue; fi
+      d=runs-$(echo "$RUNS" | tr ',' '+')
+      timeout ${COMPARE_TIMEOUT:-540} python3 -m bench.compare --runs "$RUNS" --out "$OUT/$d" ${COMPARE_ARGS:-} 2>&1 \
+        | tail -60 || rc=1 ;;
     compare|compare-shapes|compare-cold|compare-all)
       case $step in
         compare-all) opts="" ;;  # bench.compare's GPU default: every shape and the cold pass (one report)

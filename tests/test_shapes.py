@@ -17,7 +17,7 @@ from workload.data.validate import validate_dataset
 
 F_KEYS = {"soup_duration_s", "train_excl_first2_s", "first_step_s", "gpu_kernel_s", "peak_reserved_gib",
           "peak_allocated_gib", "loss_max_rel_diff", "capture_s_in_timed_steps",
-          "first_step_compiles", "graph_pool_gib"}
+          "first_step_compiles", "graph_pool_gib", "own_kernel_share"}
 
 
 # --- the dataset shapes ---------------------------------------------------------------------------
@@ -227,12 +227,15 @@ def test_summary_schema_from_a_synthetic_report(synthetic_report, tmp_path):
     assert list(rep["shapes"]) == ["shipped", "long", "shipped-cold"]
     assert set(rep["shape_runs"]) == {"long", "shipped-cold"}
     s = report.summary(rep)
-    assert set(s) == {"gpu", "date", "commit", "runs", "t4_projection"}
+    assert set(s) == {"gpu", "date", "commit", "command", "runs", "t4_projection"}
     assert isinstance(s["gpu"], str) and isinstance(s["date"], str) and s["commit"] == rep["commit"]
     assert list(s["runs"]) == ["shipped", "long", "shipped-cold"]
-    for runs in s["runs"].values():
-        assert set(runs) == {"baseline", "solution"}
-        assert all(set(f) == F_KEYS for f in runs.values())
+    for key, runs in s["runs"].items():
+        assert set(runs) == {"baseline", "solution", "run", "call"}  # what the run is, the call it came from
+        assert runs["run"]["about"] == compare.RUNS[key].about
+        assert runs["call"] == {"commit": rep["commit"], "date": rep["date"],
+                                "command": "python -m bench.compare --shapes shipped,long"}
+        assert all(set(runs[v]) == F_KEYS for v in ("baseline", "solution"))
         assert runs["baseline"]["loss_max_rel_diff"] == 0.0
     ship = s["runs"]["shipped"]
     assert ship["baseline"]["gpu_kernel_s"] == 3.0 and ship["solution"]["gpu_kernel_s"] == 1.5
@@ -240,6 +243,8 @@ def test_summary_schema_from_a_synthetic_report(synthetic_report, tmp_path):
     assert ship["solution"]["peak_reserved_gib"] == 1.0 and ship["solution"]["peak_allocated_gib"] == 0.5
     assert ship["solution"]["capture_s_in_timed_steps"] == 0.2 and ship["baseline"]["capture_s_in_timed_steps"] is None
     assert ship["solution"]["loss_max_rel_diff"] == pytest.approx(1e-3)
+    # our kernels' share: none in a profile of cuBLAS kernels only
+    assert ship["solution"]["own_kernel_share"] == 0.0 and s["runs"]["shipped-cold"]["solution"]["own_kernel_share"] is None
     assert s["runs"]["shipped-cold"]["solution"]["gpu_kernel_s"] is None  # no profiled pass
     assert rep["shapes"]["long"]["ratios"]["gpu_kernel_s"] == 0.25
     report.write_summary(rep, tmp_path / "summary.json")
@@ -252,7 +257,7 @@ def test_report_main_regenerates_summary_and_shapes_table(synthetic_report, tmp_
     assert report.main([str(path)]) == 0
     assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8")) == report.summary(synthetic_report)
     md = (tmp_path / "report.md").read_text(encoding="utf-8")
-    assert "## Shapes and the cold start" in md and "| long | solution / baseline |" in md
+    assert "## Every run side by side" in md and "| long | solution / baseline |" in md
     assert "| shipped-cold | baseline |" in md and "steps 3-4 (s)" in md  # the runs' 4 steps
 
 
@@ -275,7 +280,7 @@ def test_summary_of_a_report_from_before_shapes():
            "kernel_split": {"baseline": None, "solution": None}}
     s = report.summary(rep)
     assert s["commit"] == "unknown" and list(s["runs"]) == ["shipped"]
-    assert set(s["runs"]["shipped"]["solution"]) == F_KEYS
+    assert set(s["runs"]["shipped"]["solution"]) == F_KEYS and set(s["runs"]["shipped"]) == {"baseline", "solution"}
 
 
 def test_rules_judge_the_loss_of_every_other_run(synthetic_report):

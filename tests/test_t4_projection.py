@@ -138,7 +138,7 @@ def test_runs_that_cannot_be_projected_say_why(change, why):
 def test_only_an_h200_shipped_run_is_projected():
     assert "NVIDIA T4" in t4.project(*_pair(), device="NVIDIA T4")["skipped"]
     assert "cpu" in t4.project(*_pair(), device="cpu")["skipped"]
-    assert "long shape" in t4.project(*_pair(), device="NVIDIA H200", shape="long")["skipped"]
+    assert "main run is long" in t4.project(*_pair(), device="NVIDIA H200", shape="long")["skipped"]
 
 
 @pytest.fixture
@@ -232,3 +232,103 @@ def test_the_report_shows_the_solutions_gpu_time_with_graphs_off(monkeypatch):
     rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (full)", base, sol, base_prof, sol_prof,
                                load_workload(), shape="shipped", data="k.jsonl")
     assert "graphs off (the T4's path)" not in report.markdown(rep)
+
+
+# --- the solution's own eager host time (run shipped-graphs-off) ----------------------------------
+
+def test_the_solutions_eager_host_time_is_its_own_graphs_off_run():
+    bt, bp, st, sp = _pair()
+    eager = timed(6.2 / 62)  # the solution timed with SOLUTION_CUDA_GRAPHS=0: no captures
+    p = t4.project(bt, bp, st, sp, device="NVIDIA H200", sol_eager_timed=eager)
+    h = p["solution"]["h200"]
+    assert h["host_eager_s_per_step"] == pytest.approx(6.2 / 62)  # not the baseline's 15.5 / 62
+    assert "run shipped-graphs-off" in h["host_eager_source"] and "SOLUTION_CUDA_GRAPHS=0" in h["host_eager_source"]
+    assert p["solution"]["t4"]["host_eager_s_per_step"] == pytest.approx(6.2 / 62 * t4.KAGGLE_CPU_FACTOR)
+    assert "run shipped-graphs-off" in t4.summary(p)["solution"]["host_eager_source"]
+    assert "run shipped-graphs-off" in "\n".join(t4.section(p))
+    # without that run the baseline's stands in, and the result says so
+    p = t4.project(bt, bp, st, sp, device="NVIDIA H200")
+    assert p["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
+    assert "upper bound" in p["solution"]["h200"]["host_eager_source"]
+    # a "graphs off" run that captured graphs anyway is not an eager step
+    p = t4.project(bt, bp, st, sp, device="NVIDIA H200", sol_eager_timed=timed(0.05, graphs=True))
+    assert p["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
+
+
+def test_the_report_takes_the_eager_host_time_from_its_graphs_off_run(monkeypatch):
+    monkeypatch.setattr(compare, "_gpu", lambda: {"name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8})
+    base, base_prof, sol, sol_prof = _pair()
+    others = {"shipped-graphs-off": {"data": "k.jsonl", "baseline": timed(15.4 / 62), "solution": timed(6.2 / 62)}}
+    rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (full)", base, sol, base_prof, sol_prof,
+                               load_workload(), shape="shipped", data="k.jsonl", others=others)
+    assert rep["t4_projection"]["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(6.2 / 62)
+
+
+# --- the model pointed at a measured machine: an SM partition -------------------------------------
+
+RATES = {"whole": {"matmul_tflops": 660.0, "copy_gbs": 3900.0}, "partition": {"matmul_tflops": 94.0, "copy_gbs": 1200.0}}
+
+
+def test_the_partitions_constants_are_its_measured_rates():
+    m = t4.partition_machine(RATES)
+    assert m["scale"] == {t4.FLOP: pytest.approx(660 / 94), t4.MEMORY: pytest.approx(3900 / 1200), t4.TRANSFER: 1.0}
+    assert m["host_factor"] == 1.0
+
+
+def _whole():
+    base_k = {GEMM: 1.0, COPY: 2.0}
+    sol_k = {GEMM: 3.2, COPY: 0.4}  # GPU-bound in the partition: its eager step is the one that counts
+    return {"baseline": timed(15.5 / 62), "baseline-profiled": profiled(base_k),
+            "solution": timed(4.0 / 62, graphs=True), "solution-profiled": profiled(sol_k),
+            "solution-profiled-eager": profiled({GEMM: 3.0, COPY: 0.35}), "solution-graphs-off": timed(15.0 / 62)}
+
+
+def test_the_partition_prediction_stands_beside_the_measurement():
+    measured = {"baseline": timed(0.40), "solution": timed(0.25), "baseline-profiled": profiled({GEMM: 20.0})}
+    p = t4.predict_partition(_whole(), RATES, measured)
+    gpu_b = (1.0 * 660 / 94 + 2.0 * 3900 / 1200) / 62
+    assert p["baseline"]["gpu_s_per_step"] == pytest.approx(gpu_b)
+    assert p["baseline"]["host_s_per_step"] == pytest.approx(15.5 / 62)  # the same CPU: host x1
+    assert p["baseline"]["step_s"] == pytest.approx(max(gpu_b, 15.5 / 62)) and p["baseline"]["bound"] == "host"
+    assert p["baseline"]["steps_3_n_s"] == pytest.approx(62 * p["baseline"]["step_s"])
+    assert p["baseline"]["measured_steps_3_n_s"] == pytest.approx(62 * 0.40)
+    assert p["baseline"]["error"] == pytest.approx(p["baseline"]["steps_3_n_s"] / (62 * 0.40) - 1)
+    assert p["baseline"]["measured_gpu_s_per_step"] == pytest.approx(20.0 / 62)
+    # the solution's eager step: its own graphs-off run, its graphs-off profile (no filler)
+    assert "run shipped-graphs-off" in p["solution_host_eager_source"]
+    gpu_s = (3.0 * 660 / 94 + 0.35 * 3900 / 1200) / 62
+    assert p["solution"]["graphs"] is False and p["solution"]["gpu_s_per_step"] == pytest.approx(gpu_s)
+    assert p["solution"]["host_s_per_step"] == pytest.approx(15.0 / 62) and p["solution"]["measured_graphs"] is False
+    assert p["ratio"]["measured"] == pytest.approx(0.25 / 0.40)
+    assert p["ratio"]["predicted"] == pytest.approx(p["solution"]["step_s"] / p["baseline"]["step_s"])
+    text = "\n".join(t4.partition_section(p))
+    assert "measured steps 3-N (s)" in text and "| baseline |" in text and "x7.02" in text
+
+
+def test_no_partition_prediction_without_the_whole_gpu_runs():
+    whole = _whole()
+    whole.pop("baseline-profiled")
+    assert "baseline-profiled" in t4.predict_partition(whole, RATES, {})["skipped"]
+    assert "rates" in t4.predict_partition(_whole(), {}, {})["skipped"]
+    assert "not made" in t4.partition_section({"skipped": "x"})[0]
+
+
+def test_a_partitioned_run_gets_its_section_in_the_report(monkeypatch):
+    monkeypatch.setattr(compare, "_gpu", lambda: {"name": "NVIDIA H200", "capability": "9.0", "memory_gib": 139.8})
+    from tests.test_partition import _record
+
+    w = _whole()
+    part_b, part_s = {**timed(0.40), "partition": _record()}, {**timed(0.25), "partition": _record()}
+    others = {"gpu-bound-sm16": {"data": "k.jsonl", "baseline": part_b, "solution": part_s},
+              "shipped-graphs-off": {"data": "k.jsonl", "baseline": timed(15.4 / 62), "solution": w["solution-graphs-off"]}}
+    rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (full)", w["baseline"], w["solution"],
+                               w["baseline-profiled"], w["solution-profiled"], load_workload(), shape="shipped",
+                               data="k.jsonl", others=others, sol_prof_eager=w["solution-profiled-eager"])
+    e = rep["shapes"]["gpu-bound-sm16"]
+    assert set(e["partition"]) == {"baseline", "solution"} and e["prediction"]["ratio"]["measured"] == pytest.approx(0.625)
+    md = report.markdown(rep)
+    assert "## GPU-bound machine: run gpu-bound-sm16 in an SM partition" in md
+    assert "Model prediction (bench/t4_projection.py" in md and "16 of the GPU's 132 SMs" in md
+    run = report.summary(rep)["runs"]["gpu-bound-sm16"]
+    assert run["partition"]["baseline"]["held_check"]["held"] is True and "prediction" in run
+    assert "gpu-bound-sm16: 16-SM partition, baseline held, solution held" in report.summary_table(rep)
