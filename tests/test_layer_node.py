@@ -58,6 +58,19 @@ def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt
         solution.revert()
 
 
+def _lengths(device, lengths):
+    """Row lengths for the test's batch: as given on the CPU (the interpreter is slow); x12 on a GPU,
+    where fewer than ~512 packed rows of the tiny model's shapes fall under bitsandbytes' small-M
+    rule (bnb then runs its own fused GEMM, the modules leave those calls to bnb and so does the
+    node: test_small_m_step_runs_as_modules_then_the_node_again)."""
+    return [n * 12 for n in lengths] if device == "cuda" else lengths
+
+
+def _batch(device, lengths):
+    lengths = _lengths(device, lengths)
+    return _right_padded_batch(lengths, max(lengths), vocab=100, device=device)
+
+
 def _assert_same_bits(a, b):
     loss_n, grads_n, rng_n, launches_n = a
     loss_m, grads_m, rng_m, launches_m = b
@@ -82,7 +95,7 @@ def test_node_gives_the_module_path_bits(device, tiny_dir, autocast_ctx, dropout
     """Two steps (the second reuses the plans: the per-step check and the cached state), right
     padding with rows of different lengths and one full row. Layer 0's input needs no gradient
     (the embedding is frozen): its node skips the input-gradient work, as the modules do."""
-    batch = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device=device)
+    batch = _batch(device, [40, 17, 64, 9])
     node = _step(tiny_dir, device, batch, True, autocast_ctx, dropout=dropout, steps=2)
     mods = _step(tiny_dir, device, batch, False, autocast_ctx, dropout=dropout, steps=2)
     _assert_same_bits(node, mods)
@@ -92,7 +105,7 @@ def test_node_gives_the_module_path_bits(device, tiny_dir, autocast_ctx, dropout
 def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reentrant):
     """training.gradient_checkpointing: the node runs inside transformers' checkpoint function and
     its recompute draws the same dropout masks: the module path's checkpointed bits."""
-    batch = _right_padded_batch([30, 12, 33], 33, vocab=100, device=device)
+    batch = _batch(device, [30, 12, 33])
     node = _step(tiny_dir, device, batch, True, autocast_ctx, ckpt=reentrant)
     mods = _step(tiny_dir, device, batch, False, autocast_ctx, ckpt=reentrant)
     _assert_same_bits(node, mods)
@@ -109,7 +122,7 @@ def test_hooked_layer_runs_as_modules(device, tiny_dir, autocast_ctx, monkeypatc
     from solution.settings import Settings
     from solution.step import layer as layer_node
 
-    batch = _right_padded_batch([30, 17], 30, vocab=100, device=device)  # 47 rows: above bnb's small-M rule
+    batch = _batch(device, [30, 17])
     solution.revert()
     solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
     try:
@@ -145,7 +158,7 @@ def test_small_m_step_runs_as_modules_then_the_node_again(device, tiny_dir, auto
         model = qlora_tiny_model(tiny_dir, device)
         counts = []
         for lengths in ([20, 7], [30, 17]):
-            batch = _right_padded_batch(lengths, max(lengths), vocab=100, device=device)
+            batch = _right_padded_batch(lengths, max(lengths), vocab=100, device=device)  # (small_m is faked)
             _launches.reset()
             with autocast_ctx(), fused_lm_head_requested():
                 out = model(input_ids=batch[0], attention_mask=batch[1], labels=batch[2], use_cache=False)
