@@ -552,10 +552,11 @@ def shape_entry(data: str | None, base: dict, sol: dict, base_prof: dict | None 
                 sol_prof: dict | None = None, sol_prof_eager: dict | None = None) -> dict:
     """A run key's entry of the report's "shapes": its data file and each variant's figures
     (report.run_figures; GPU kernel time from the profiled pass; ``sol_prof_eager``: the
-    solution's profiled pass with graphs off, its GPU kernel time as "gpu_kernel_s_graphs_off"),
-    and solution / baseline."""
+    solution's profiled pass with graphs off, its GPU kernel time as "gpu_kernel_s_graphs_off"; the
+    steps the GradScaler skipped, "skipped_steps"), and solution / baseline."""
     b = report_mod.run_figures(base, kernel_split(base_prof))
     s = report_mod.run_figures(sol, kernel_split(sol_prof), base)
+    b["skipped_steps"], s["skipped_steps"] = base.get("skipped_steps"), sol.get("skipped_steps")
     r = report_mod.ratios(b, s)
     eager = kernel_split(sol_prof_eager)
     if eager:

@@ -7,7 +7,10 @@ What it does: (solution only) calls solution.apply(); adds a measurement callbac
 transformers Trainer built in this process (the same for baseline and solution: it only reads
 clocks, logs and memory counters); renders the workload into a Soup YAML and runs
 `soup train --config <yaml> --yes` in-process through Soup's own CLI; then reads back Soup's
-SQLite tracker and output files, and writes result.json into the workdir.
+SQLite tracker and output files, and writes result.json into the workdir. result.json holds, for
+bench.rules' comparison with the baseline, every Trainer log row, the fp16 GradScaler's decisions
+(skipped_steps: the 1-based steps whose optimizer step it skipped; scaler_scales: its scale after
+each step, null without a GradScaler) and rewind.jsonl's rows (outputs.rewind).
 With BENCH_DETERMINISTIC=1 in the environment (diagnosis only), PyTorch's deterministic algorithms
 are on (warn_only), to check whether two runs of the same code give the same bits.
 With --host-split FILE, the wall time of steps 3..end is split by Trainer phase (bench/host_split.py).
@@ -81,6 +84,7 @@ class StepClock:
 
             def on_step_end(self, args, state, control, **kw):
                 _sync()
+                clock.note_scaler(state.global_step)
                 last = clock.cprofile_steps[1]
                 if clock.cprofile is not None and last is not None and state.global_step == last:
                     clock.cprofile.disable()
@@ -115,7 +119,16 @@ class StepClock:
         self.pools = None
         self.step_ends: list[float] = []
         self.logs: list[dict] = []
+        self.skipped_steps: list[int] = []  # 1-based steps whose optimizer step the GradScaler skipped
+        self.scaler_scales: list[float | None] = []  # the GradScaler's scale after each step
         self.kernel_times: dict[str, float] = {}
+
+    def note_scaler(self, step: int) -> None:
+        """After optimizer step ``step`` (1-based): whether the GradScaler skipped it, and its scale."""
+        skipped, scale = scaler_state(self.trainer)
+        if skipped:
+            self.skipped_steps.append(step)
+        self.scaler_scales.append(scale)
 
     def start_profiler(self):
         import torch
@@ -161,6 +174,19 @@ class StepClock:
             out.append(t - prev)
             prev = t
         return out
+
+
+def scaler_state(trainer) -> tuple[bool, float | None]:
+    """The last optimizer step as accelerate saw it: whether the fp16 GradScaler skipped it (it
+    found an inf or NaN gradient and did not call the optimizer: accelerate's
+    optimizer_step_was_skipped, the signal the Trainer itself uses to hold the LR schedule back)
+    and the scale the GradScaler holds after its update (it halves the scale at each skip).
+    (False, None) without a GradScaler (fp32 or bf16 training, e.g. Soup on a CPU)."""
+    acc = getattr(trainer, "accelerator", None)
+    scaler = getattr(acc, "scaler", None)
+    if scaler is None or not scaler.is_enabled():
+        return False, None
+    return bool(acc.optimizer_step_was_skipped), float(scaler.get_scale())
 
 
 def emulate_t4_paths() -> str | None:
@@ -294,8 +320,8 @@ def read_tracker(db_path: Path) -> dict:
 def output_files(out_dir: Path) -> dict:
     want = ["adapter_model.safetensors", "adapter_config.json", "tokenizer_config.json", "rewind.jsonl"]
     present = {name: (out_dir / name).exists() for name in want}
-    rewind = out_dir / "rewind.jsonl"
-    rewind_rows = sum(1 for line in rewind.read_text(encoding="utf-8").splitlines() if line.strip()) if rewind.exists() else 0
+    rewind = read_rewind(out_dir / "rewind.jsonl")
+    rewind_rows = len(rewind) if rewind is not None else 0
     keys = []
     st = out_dir / "adapter_model.safetensors"
     if st.exists():
@@ -303,7 +329,25 @@ def output_files(out_dir: Path) -> dict:
 
         with safe_open(str(st), "pt") as f:
             keys = sorted(f.keys())
-    return {"present": present, "adapter_keys": keys, "rewind_rows": rewind_rows, "dir": str(out_dir)}
+    return {"present": present, "adapter_keys": keys, "rewind_rows": rewind_rows, "rewind": rewind,
+            "dir": str(out_dir)}
+
+
+def read_rewind(path: Path) -> list[dict] | None:
+    """Soup's rewind.jsonl, one dict a line (its header, then a row per micro-batch: step, micro,
+    dataset rows, per-row loss and token count), for bench.rules' row-by-row comparison; None when
+    the file is missing. A line that is not a JSON object is kept as {"kind": "unreadable"}."""
+    if not path.exists():
+        return None
+    rows = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            rows.append(row if isinstance(row, dict) else {"kind": "unreadable", "text": line[:200]})
+    return rows
 
 
 def parse_steps(text: str) -> tuple[int, int | None]:
@@ -479,6 +523,8 @@ def main(argv=None) -> int:
         "peak_mem_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
         "memory_pools_at_end": clock.pools,
         "trainer_logs": clock.logs,
+        "skipped_steps": clock.skipped_steps,
+        "scaler_scales": clock.scaler_scales if any(s is not None for s in clock.scaler_scales) else None,
         "tracker": read_tracker(work / "soup.db"),
         "outputs": output_files(out_dir),
         "launches": dict(_launches.LAUNCHES),

@@ -17,7 +17,7 @@ from workload.data.validate import validate_dataset
 
 F_KEYS = {"soup_duration_s", "train_excl_first2_s", "first_step_s", "gpu_kernel_s", "peak_reserved_gib",
           "peak_allocated_gib", "loss_max_rel_diff", "capture_s_in_timed_steps",
-          "first_step_compiles", "graph_pool_gib", "own_kernel_share"}
+          "first_step_compiles", "graph_pool_gib", "own_kernel_share", "skipped_steps"}
 
 
 # --- the dataset shapes ---------------------------------------------------------------------------
@@ -194,7 +194,7 @@ def _result(variant, losses, step=1.0, gib=2.0, graphs=None):
     return {"variant": variant, "steps": len(losses), "trainer_logs": logs, "step_times_s": steps,
             "train_excl_first2_s": sum(steps[2:]), "peak_mem_reserved_bytes": int(gib * 2**30),
             "peak_mem_allocated_bytes": int(gib * 2**29), "tracker": {"runs": [{"duration_secs": sum(steps) + 1}]},
-            "cuda_graphs": graphs}
+            "cuda_graphs": graphs, "skipped_steps": [1]}
 
 
 def _profiled(total):
@@ -208,7 +208,7 @@ GRAPHS = {"captures": [{"tokens": 512, "seconds": 0.5, "step": 1}, {"tokens": 64
 @pytest.fixture
 def synthetic_report():
     losses = [2.0, 1.9, 1.8, 1.7]
-    base, sol = _result("baseline", losses), _result("solution", [2.0, 1.9, 1.8, 1.7017], 0.5, 1.0, GRAPHS)
+    base, sol = _result("baseline", losses), _result("solution", [2.0, 1.9, 1.8, 1.70017], 0.5, 1.0, GRAPHS)
     others = {
         "long": {"data": "long.jsonl", "baseline": _result("baseline", losses, 2.0),
                  "solution": _result("solution", [2.0, 1.9, 1.8, 1.6], 1.0), "baseline-profiled": _profiled(4.0),
@@ -242,7 +242,8 @@ def test_summary_schema_from_a_synthetic_report(synthetic_report, tmp_path):
     assert ship["baseline"]["first_step_s"] == 3.0 and ship["solution"]["train_excl_first2_s"] == 1.0
     assert ship["solution"]["peak_reserved_gib"] == 1.0 and ship["solution"]["peak_allocated_gib"] == 0.5
     assert ship["solution"]["capture_s_in_timed_steps"] == 0.2 and ship["baseline"]["capture_s_in_timed_steps"] is None
-    assert ship["solution"]["loss_max_rel_diff"] == pytest.approx(1e-3)
+    assert ship["solution"]["loss_max_rel_diff"] == pytest.approx(1e-4)
+    assert ship["solution"]["skipped_steps"] == ship["baseline"]["skipped_steps"] == [1]
     # our kernels' share: none in a profile of cuBLAS kernels only
     assert ship["solution"]["own_kernel_share"] == 0.0 and s["runs"]["shipped-cold"]["solution"]["own_kernel_share"] is None
     assert s["runs"]["shipped-cold"]["solution"]["gpu_kernel_s"] is None  # no profiled pass
@@ -280,7 +281,8 @@ def test_summary_of_a_report_from_before_shapes():
            "kernel_split": {"baseline": None, "solution": None}}
     s = report.summary(rep)
     assert s["commit"] == "unknown" and list(s["runs"]) == ["shipped"]
-    assert set(s["runs"]["shipped"]["solution"]) == F_KEYS and set(s["runs"]["shipped"]) == {"baseline", "solution"}
+    assert set(s["runs"]["shipped"]["solution"]) == F_KEYS - {"skipped_steps"}  # not recorded then
+    assert set(s["runs"]["shipped"]) == {"baseline", "solution"}
 
 
 def test_rules_judge_the_loss_of_every_other_run(synthetic_report):
