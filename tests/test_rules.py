@@ -132,6 +132,16 @@ def test_a_skipped_step_s_nan_grad_norm_must_be_the_baseline_s():
     assert not row_for(rows_by_check(base, other), "logged metric grad_norm ")["ok"]
 
 
+def test_every_step_non_finite_in_both_is_compared_as_equal():
+    """A run whose every step overflowed (every grad norm NaN in both) has nothing finite to compare:
+    it passes on the non-finite pattern alone; a run with no step in common fails."""
+    base = fake_result(skipped=tuple(range(1, STEPS + 1)))
+    assert row_for(rows_by_check(base, copy.deepcopy(base)), "logged metric grad_norm ")["ok"]
+    empty = copy.deepcopy(base)
+    empty["trainer_logs"] = []
+    assert not rules.loss_row(base, empty)["ok"]
+
+
 def test_a_metric_logged_by_one_run_only_fails():
     base = fake_result()
     sol = copy.deepcopy(base)
