@@ -245,8 +245,6 @@ def test_rmsnorm_fp32_beyond_1e38(device):
 @pytest.mark.parametrize("case", ["inputs", "grads", "both"])
 @pytest.mark.parametrize("r_dt,x_dt,w_dt", [(F32, F16, F32), (F32, F32, F32), (F16, F16, F32)])
 def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
-    from solution.kernels.add_rmsnorm import add_rmsnorm
-
     rows, hidden = 11, 37
     h_dt = torch.promote_types(r_dt, x_dt)
     y_dt = torch.promote_types(h_dt, w_dt)
@@ -265,6 +263,16 @@ def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
         gy, gh = torch.randn(rows, hidden, generator=g).to(y_dt), torch.randn(rows, hidden, generator=g).to(h_dt)
     r, x, gy, gh = (t.to(device) for t in (r, x, gy, gh))
     w0 = (1.0 + 0.5 * torch.randn(hidden, generator=g)).to(device=device, dtype=w_dt)
+    t = norm_tol(r_dt, x_dt, w_dt)
+    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *add_rmsnorm_both(r, x, w0, gh, gy)):
+        assert_like_stock(a, b, t, name, exact=name == "h", expect_nonfinite=name not in ("h", "y") or case != "grads")
+
+
+def add_rmsnorm_both(r, x, w0, gh, gy):
+    """(ours, stock), each (h, y, d residual, d x, d weight): add_rmsnorm against residual + x and
+    Qwen2RMSNorm's stock forward, upstream gradients gh (of h) and gy (of y)."""
+    from solution.kernels.add_rmsnorm import add_rmsnorm
+
     results = []
     for impl in ("ours", "stock"):
         rr, xx, ww = (t.detach().clone().requires_grad_() for t in (r, x, w0))
@@ -274,9 +282,7 @@ def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
             h = rr + xx
             y = stock_norm(h, ww)
         results.append((h, y, *torch.autograd.grad((h, y), (rr, xx, ww), (gh, gy))))
-    t = norm_tol(r_dt, x_dt, w_dt)
-    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *results):
-        assert_like_stock(a, b, t, name, exact=name == "h", expect_nonfinite=name not in ("h", "y") or case != "grads")
+    return results
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1236,8 +1242,6 @@ def test_add_rmsnorm_massive_birth(device, norm_tiling, r_dt, x_dt):
     """Layer 1's residual add: the ordinary stream plus the MLP output that holds the massive values'
     birth (-4192 / +3376 on rows 1-3) and, on row 5, the raised trigger's overflowed fp16 GEMM output
     (-inf / +inf): h = r + x, y = norm(h)."""
-    from solution.kernels.add_rmsnorm import add_rmsnorm
-
     rows, hidden = 9, 37
     gen = torch.Generator().manual_seed(33)
     r = (torch.randn(rows, hidden, generator=gen) * 0.5).to(r_dt)
@@ -1248,17 +1252,8 @@ def test_add_rmsnorm_massive_birth(device, norm_tiling, r_dt, x_dt):
     gy, gh = (torch.randn(rows, hidden, generator=gen).to(h_dt) for _ in range(2))
     w0 = (1.0 + 0.5 * torch.randn(hidden, generator=gen)).to(F32)
     r, x, gy, gh, w0 = (t.to(device) for t in (r, x, gy, gh, w0))
-    res = []
-    for impl in ("ours", "stock"):
-        rr, xx, ww = (t.detach().clone().requires_grad_() for t in (r, x, w0))
-        if impl == "ours":
-            h, y = add_rmsnorm(rr, xx, ww, EPS)
-        else:
-            h = rr + xx
-            y = stock_norm(h, ww)
-        res.append((h, y, *torch.autograd.grad((h, y), (rr, xx, ww), (gh, gy))))
     t = norm_tol(r_dt, x_dt, F32)
-    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *res):
+    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *add_rmsnorm_both(r, x, w0, gh, gy)):
         assert_like_stock(a, b, t, name, exact=name == "h", expect_nonfinite=True)
 
 
