@@ -8,7 +8,7 @@ GPU, baseline and solution again under torch.profiler (kernel time split, own-ke
 once more each with the host split (bench/host_split.py: where the step's wall time goes, by
 Trainer phase and decoder module). Only the timed runs give the time, memory and loss figures.
 
-    python -m bench.compare --standin-profile outliers [--outlier-scale X]   # docs/outliers.md
+    python -m bench.compare --standin-profile outliers   # the real model's fp16 extremes: docs/outliers.md
     python -m bench.compare --shapes shipped,long,short [--cold | --no-cold]
 
 --shapes: the same comparison on other dataset shapes (workload/data/kazakh.py, written into the
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import platform
 import re
@@ -49,7 +48,7 @@ from bench import report as report_mod
 from bench import t4_projection
 from bench.own_kernels import categorize, is_own_kernel
 from bench.rules import check_run, check_static, print_rows
-from workload.model_standin import DEFAULT_OUTLIER_SCALE, PROFILES
+from workload.model_standin import PROFILES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "workload" / "data" / "kazakh_instructions.jsonl"
@@ -250,13 +249,6 @@ def resolve_inputs(args, workload=None) -> tuple[str, str, str]:
     if args.model and args.tokenizer:
         raise InputError("--tokenizer is for the stand-in model only; a --model dir brings its own tokenizer "
                          "(pass one of them)")
-    if args.model and (args.standin_profile != "default" or args.outlier_scale is not None):
-        raise InputError("--standin-profile and --outlier-scale are for the stand-in model only; a --model dir "
-                         "brings its own weights (pass one of them)")
-    if args.outlier_scale is not None and args.standin_profile != "outliers":
-        raise InputError("--outlier-scale is for --standin-profile outliers (the default stand-in has no outliers)")
-    if args.outlier_scale is not None and not (math.isfinite(args.outlier_scale) and args.outlier_scale > 0):
-        raise InputError(f"--outlier-scale must be a positive number, got {args.outlier_scale:g}")
     size = args.size
     if size == "auto":
         size = "full" if torch.cuda.is_available() else "tiny"
@@ -274,23 +266,15 @@ def resolve_inputs(args, workload=None) -> tuple[str, str, str]:
             check_source(Path(args.tokenizer))
         except FileNotFoundError as exc:
             raise InputError(f"--tokenizer: {exc}") from exc
-    profile = standin_profile_label(args)
+    profile = args.standin_profile  # None: the default weights
     cache = ROOT / ".cache" / "models" / f"qwen2.5-1.5b-instruct-standin-{size}{'-' + profile if profile else ''}"
-    print(f"[compare] model stand-in ({size}{', ' + profile if profile else ''}): {cache}", flush=True)
+    print(f"[compare] model stand-in ({size}): {cache}", flush=True)
     try:
         write_standin(cache, size=size, seed=workload.standin_seed, tokenizer_source=args.tokenizer,
-                      profile=args.standin_profile,
-                      outlier_scale=DEFAULT_OUTLIER_SCALE if args.outlier_scale is None else args.outlier_scale)
+                      profile=profile or "default")
     except (RuntimeError, FileNotFoundError) as exc:  # no tokenizer files to build the stand-in's from
         raise InputError(" ".join(str(exc).split())) from exc
-    return str(cache), str(data), f"stand-in ({size}{', ' + profile if profile else ''})"
-
-
-def standin_profile_label(args) -> str:
-    """"" for the default stand-in; else its profile, with --outlier-scale when given ("outliers-x1")."""
-    if args.standin_profile == "default":
-        return ""
-    return args.standin_profile + ("" if args.outlier_scale is None else f"-x{args.outlier_scale:g}")
+    return str(cache), str(data), f"stand-in ({size})"
 
 
 def _progress(log_path: Path, proc: subprocess.Popen, label: str) -> None:
@@ -570,13 +554,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer dir for the stand-in (default: built offline)")
     ap.add_argument("--size", choices=["auto", "tiny", "full"], default="auto",
                     help="stand-in size: full on CUDA, tiny on CPU (auto)")
-    ap.add_argument("--standin-profile", choices=PROFILES, default="default",
-                    help="the stand-in's weights: default (seeded random) or outliers (plus the real model's "
-                    "massive activations and super weights: docs/outliers.md)")
-    ap.add_argument("--outlier-scale", type=float, default=None,
-                    help="with --standin-profile outliers: the raised trigger's massive values times this "
-                    f"(default {DEFAULT_OUTLIER_SCALE:g}: past fp16's range, stock's forward overflows on the "
-                    "batches that hold one; 1: every value at the published magnitude)")
+    ap.add_argument("--standin-profile", choices=[p for p in PROFILES if p != "default"],
+                    help="the stand-in's weights (default: seeded random): outliers, plus the real model's "
+                    "massive activations and super weights (docs/outliers.md)")
     ap.add_argument("--workload", help="workload YAML (default workload/workload.yaml)")
     ap.add_argument("--out", type=Path, help="output dir (default runs/<timestamp>)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled passes")

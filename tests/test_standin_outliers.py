@@ -5,6 +5,7 @@ channels from layer 1 on (the raised trigger "«" times outlier_scale) while eve
 exactly 0 there. CPU, tiny size (the full size's figures: docs/outliers.md)."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,17 +152,20 @@ def test_bad_profile_or_scale_is_refused_before_writing(tmp_path, kwargs, messag
     assert not (tmp_path / "m").exists()
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--outlier-scale", "2"], "--outlier-scale is for --standin-profile outliers"),
-    (["--standin-profile", "outliers", "--outlier-scale", "-1"], "--outlier-scale must be a positive number"),
-    (["--standin-profile", "outliers", "--model", "MODEL"], "for the stand-in model only"),
-])
-def test_compare_refuses_bad_profile_options_in_one_line(tmp_path, capsys, argv, message):
+def test_compare_passes_the_profile_to_the_stand_in(tmp_path, capsys, monkeypatch):
+    """bench.compare --standin-profile outliers writes (or reuses) the outliers stand-in, in a cache dir
+    of its own; without the option, the default one."""
     from bench import compare
 
-    (tmp_path / "m").mkdir()
-    argv = [str(tmp_path / "m") if a == "MODEL" else a for a in argv]
-    assert compare.main(argv + ["--out", str(tmp_path / "out")]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and message in err and len(err.splitlines()) == 1, err
-    assert not (tmp_path / "out").exists()
+    seen = []
+
+    def fake_standin(out, size, seed, tokenizer_source, profile="default"):
+        seen.append((Path(out).name, profile))
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(ms, "write_standin", fake_standin)
+    for argv in (["--standin-profile", "outliers"], []):
+        assert compare.main(argv + ["--size", "tiny", "--out", str(tmp_path / "out")]) == 2
+        assert capsys.readouterr().err.startswith("error: stop here")
+    assert seen == [("qwen2.5-1.5b-instruct-standin-tiny-outliers", "outliers"),
+                    ("qwen2.5-1.5b-instruct-standin-tiny", "default")]
