@@ -9,6 +9,7 @@ and once more each with the host split (bench/host_split.py: where the step's wa
 Trainer phase and decoder module).
 
     python -m bench.compare --runs shipped,shipped-graphs-off,gpu-bound-sm16,ckpt
+    python -m bench.compare --standin-profile outliers   # the real model's fp16 extremes: docs/outliers.md
     python -m bench.compare --shapes shipped,long,short [--cold | --no-cold]
     python -m bench.compare --sms 16 --runs shipped     # every run in a 16-SM partition
 
@@ -59,6 +60,7 @@ from bench import t4_projection
 from bench.own_kernels import categorize, is_own_kernel
 from bench.rules import check_run, check_static, print_rows
 from bench.runs import COLD, EAGER_PROFILED, MODE_ENV, RUNS, SHAPES, VARIANTS, RunsError, RunSpec
+from workload.model_standin import PROFILES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = ROOT / "workload" / "data" / "kazakh_instructions.jsonl"
@@ -672,6 +674,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokenizer", help="tokenizer dir for the stand-in (default: built offline)")
     ap.add_argument("--size", choices=["auto", "tiny", "full"], default="auto",
                     help="stand-in size: full on CUDA, tiny on CPU (auto)")
+    ap.add_argument("--standin-profile", choices=[p for p in PROFILES if p != "default"],
+                    help="the stand-in's weights (default: seeded random): outliers, plus the real model's "
+                    "massive activations and super weights (docs/outliers.md)")
     ap.add_argument("--workload", help="workload YAML (default workload/workload.yaml)")
     ap.add_argument("--out", type=Path, help="output dir (default runs/<timestamp>)")
     ap.add_argument("--no-profile", action="store_true", help="skip the profiled passes")

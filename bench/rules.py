@@ -152,17 +152,17 @@ def series_diff(base: dict, sol: dict, key: str, absolute: bool = False) -> dict
     ("steps"), whether both logged the same steps ("same_steps"), whether the solution is
     non-finite (inf / NaN) exactly where the baseline is ("same_nonfinite", with those steps in
     "nonfinite"), and the max, mean and median of the relative (``absolute``: absolute)
-    differences at the steps where both are finite (inf when there is none)."""
+    differences at the steps where both are finite (inf when no step is in common; 0 when every
+    common step is non-finite in both)."""
     b, s = _metric_series(base, key), _metric_series(sol, key)
     common = sorted(set(b) & set(s))
     bad = [t for t in common if not (math.isfinite(b[t]) and math.isfinite(s[t]))]
     diffs = sorted(abs(s[t] - b[t]) if absolute else _rel(s[t], b[t]) for t in common if t not in bad)
+    if not diffs:
+        diffs = [0.0] if common else [float("inf")]
     return {"steps": len(common), "same_steps": bool(common) and set(b) == set(s),
             "same_nonfinite": all(math.isfinite(b[t]) == math.isfinite(s[t]) for t in common),
-            "nonfinite": bad,
-            "max": diffs[-1] if diffs else float("inf"),
-            "mean": sum(diffs) / len(diffs) if diffs else float("inf"),
-            "median": diffs[len(diffs) // 2] if diffs else float("inf")}
+            "nonfinite": bad, "max": diffs[-1], "mean": sum(diffs) / len(diffs), "median": diffs[len(diffs) // 2]}
 
 
 def loss_diffs(base: dict, sol: dict) -> dict:

@@ -194,7 +194,7 @@ def test_descriptive_workload_keys_are_optional_and_the_used_ones_used(tmp_path,
         load_workload(old)
     seen = {}
 
-    def fake_standin(out, size, seed, tokenizer_source):
+    def fake_standin(out, size, seed, tokenizer_source, profile="default", outlier_scale=1.0):
         seen["seed"] = seed
         raise RuntimeError("stop here")
 
@@ -360,7 +360,7 @@ def test_a_missing_tokenizer_dir_is_refused(tmp_path, capsys, no_runs):
 def test_a_cached_standin_takes_the_tokenizer_asked_for(tmp_path, monkeypatch):
     weights = []
 
-    def fake_weights(out, size, seed):  # the weights are not what this test is about
+    def fake_weights(out, size, seed, *profile):  # the weights are not what this test is about
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps({"seed": seed}))
         weights.append(seed)

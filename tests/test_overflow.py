@@ -32,6 +32,11 @@ The stock side is the module or function the kernel replaces, with the same dtyp
 On the CPU the NF4 stock side is bitsandbytes itself (its CPU dequantization, on shapes where its
 CPU kernel is right: tests/test_nf4_dequant.py), as in the op's own tests.
 
+Then the same ops on inputs with the real model's outlier channels (docs/outliers.md): Qwen2.5-1.5B's
+massive activations (two channels at -7968 / +6368 on a few rows, born as -4192 / +3376 from a super
+weight) and the outlier stand-in's raised trigger (20x: inf in fp16): rmsnorm, add_rmsnorm, the NF4
+linear with super weights, LoRA on normed massive rows, swiglu's super activation, the LM head.
+
 All of the above run on the ``device`` fixture: Triton's CPU interpreter here, the GPU on the GPU
 machine. The whole stack, on the tiny QLoRA model (tests/test_unpad.py's qlora_tiny_model):
   * GPU only (marked gpu; CUDA graphs): the graphed decoder against eager and stock on batches
@@ -240,8 +245,6 @@ def test_rmsnorm_fp32_beyond_1e38(device):
 @pytest.mark.parametrize("case", ["inputs", "grads", "both"])
 @pytest.mark.parametrize("r_dt,x_dt,w_dt", [(F32, F16, F32), (F32, F32, F32), (F16, F16, F32)])
 def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
-    from solution.kernels.add_rmsnorm import add_rmsnorm
-
     rows, hidden = 11, 37
     h_dt = torch.promote_types(r_dt, x_dt)
     y_dt = torch.promote_types(h_dt, w_dt)
@@ -260,6 +263,16 @@ def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
         gy, gh = torch.randn(rows, hidden, generator=g).to(y_dt), torch.randn(rows, hidden, generator=g).to(h_dt)
     r, x, gy, gh = (t.to(device) for t in (r, x, gy, gh))
     w0 = (1.0 + 0.5 * torch.randn(hidden, generator=g)).to(device=device, dtype=w_dt)
+    t = norm_tol(r_dt, x_dt, w_dt)
+    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *add_rmsnorm_both(r, x, w0, gh, gy)):
+        assert_like_stock(a, b, t, name, exact=name == "h", expect_nonfinite=name not in ("h", "y") or case != "grads")
+
+
+def add_rmsnorm_both(r, x, w0, gh, gy):
+    """(ours, stock), each (h, y, d residual, d x, d weight): add_rmsnorm against residual + x and
+    Qwen2RMSNorm's stock forward, upstream gradients gh (of h) and gy (of y)."""
+    from solution.kernels.add_rmsnorm import add_rmsnorm
+
     results = []
     for impl in ("ours", "stock"):
         rr, xx, ww = (t.detach().clone().requires_grad_() for t in (r, x, w0))
@@ -269,9 +282,7 @@ def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
             h = rr + xx
             y = stock_norm(h, ww)
         results.append((h, y, *torch.autograd.grad((h, y), (rr, xx, ww), (gh, gy))))
-    t = norm_tol(r_dt, x_dt, w_dt)
-    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *results):
-        assert_like_stock(a, b, t, name, exact=name == "h", expect_nonfinite=name not in ("h", "y") or case != "grads")
+    return results
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1177,3 +1188,194 @@ def test_grad_scaler_skips_the_same_steps_as_stock_cpu(device, tmp_path, autocas
     init = 2.0 ** 30 if final_norm_scale == 1.0 else 2.0 ** 26
     _check_grad_scaler(device, tmp_path, autocast_ctx, init, 10 if final_norm_scale == 1.0 else 5,
                        final_norm_scale, seqlen=32)
+
+
+# --------------------------------------------------------------------------------------------------
+# Inputs with the real model's outlier channels (docs/outliers.md): Qwen2.5-1.5B-Instruct's massive
+# activations as measured by Chen et al. 2026 (two residual channels at -7968 / +6368 on a few
+# tokens, born in layer 1's MLP as -4192 / +3376 from one unit's super weight; workload/model_standin.py's
+# "outliers" profile builds them into the stand-in, with a raised trigger at 20x). Every op the
+# massive values pass through, ours against stock: the same inf / NaN positions, finite values
+# within the op's tolerance.
+# --------------------------------------------------------------------------------------------------
+MASSIVE = (3, 7)  # the negative and positive massive channels
+PLATEAU = (-7968.0, 6368.0)  # hidden state after layer 5 .. 25 on a massive token
+BIRTH = (-4192.0, 3376.0)  # layer 1's MLP output on it
+RAISED = 20.0  # the stand-in's raised trigger: its layer-1 output 20x (beyond fp16's range)
+
+
+def massive_rows(rows, hidden, dtype, seed, values=PLATEAU, raised=True):
+    """[rows, hidden] ordinary residual values (RMS ~5, the real model's) with ``values`` in MASSIVE on
+    rows 1-3 (massive tokens) and, with ``raised``, RAISED x ``values`` on row 5 (inf once in fp16)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, hidden, generator=gen) * 5.0
+    for row in (1, 2, 3):
+        x[row, list(MASSIVE)] = torch.tensor(values)
+    if raised:
+        x[5, list(MASSIVE)] = torch.tensor(values) * RAISED
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", NORM_DTYPES)
+def test_rmsnorm_massive_channels(device, norm_tiling, x_dtype, w_dtype):
+    """The residual stream with massive tokens (fp32 in the workload; fp16 too: the raised row is inf
+    there) through RMSNorm, forward and backward."""
+    from solution.kernels.rmsnorm import rmsnorm
+
+    rows, hidden = 9, 37
+    gen = torch.Generator().manual_seed(31)
+    x = massive_rows(rows, hidden, x_dtype, seed=30).to(device)
+    gy = torch.randn(rows, hidden, generator=gen).to(device=device, dtype=torch.promote_types(x_dtype, w_dtype))
+    w0 = (1.0 + 0.5 * torch.randn(hidden, generator=gen)).to(device=device, dtype=w_dtype)
+    res = []
+    for fn in (lambda t, w: rmsnorm(t, w, EPS), stock_norm):
+        xx, ww = x.detach().clone().requires_grad_(), w0.detach().clone().requires_grad_()
+        y = fn(xx, ww)
+        res.append((y, *torch.autograd.grad(y, (xx, ww), gy)))
+    t = norm_tol(x_dtype, w_dtype)
+    for name, a, b in zip(("y", "dx", "dw"), *res):
+        assert_like_stock(a, b, t, name, expect_nonfinite=x_dtype == F16)  # the raised row: inf in fp16
+
+
+@pytest.mark.parametrize("r_dt,x_dt", [(F32, F16), (F32, F32)])
+def test_add_rmsnorm_massive_birth(device, norm_tiling, r_dt, x_dt):
+    """Layer 1's residual add: the ordinary stream plus the MLP output that holds the massive values'
+    birth (-4192 / +3376 on rows 1-3) and, on row 5, the raised trigger's overflowed fp16 GEMM output
+    (-inf / +inf): h = r + x, y = norm(h)."""
+    rows, hidden = 9, 37
+    gen = torch.Generator().manual_seed(33)
+    r = (torch.randn(rows, hidden, generator=gen) * 0.5).to(r_dt)
+    x = massive_rows(rows, hidden, x_dt, seed=32, values=BIRTH)
+    if x_dt == F32:
+        x[5, list(MASSIVE)] = torch.tensor([-INF, INF])  # what the fp16 GEMM handed on, promoted
+    h_dt = torch.promote_types(r_dt, x_dt)
+    gy, gh = (torch.randn(rows, hidden, generator=gen).to(h_dt) for _ in range(2))
+    w0 = (1.0 + 0.5 * torch.randn(hidden, generator=gen)).to(F32)
+    r, x, gy, gh, w0 = (t.to(device) for t in (r, x, gy, gh, w0))
+    t = norm_tol(r_dt, x_dt, F32)
+    for name, a, b in zip(("h", "y", "dres", "dx", "dw"), *add_rmsnorm_both(r, x, w0, gh, gy)):
+        assert_like_stock(a, b, t, name, exact=name == "h", expect_nonfinite=True)
+
+
+def _linear4bit_with(weight: torch.Tensor, device):
+    """tests/test_nf4_linear.py's Linear4bit (NF4, double quant, fp16 compute, fp32 bias) quantized from
+    ``weight`` [out, in] instead of random values."""
+    import bitsandbytes as bnb
+
+    from tests.test_nf4_linear import make_linear4bit
+
+    layer = make_linear4bit(weight.shape[1], weight.shape[0], bias=True, device="cpu", seed=40)
+    layer.weight = bnb.nn.Params4bit(weight.to(F16), requires_grad=False, compress_statistics=True, quant_type="nf4")
+    return layer.to(device).train()
+
+
+def super_weight_linear(device, k=99, n_out=40, seed=41):
+    """A down_proj with the stand-in's super weights: input unit 10 writes output MASSIVE[0] with -2 and
+    unit 11 writes MASSIVE[1] with +2 (the published pair), unit 12 writes MASSIVE[0] with -2 x RAISED
+    (the raised trigger's). NF4 keeps each exactly: it is its 64-block's absmax. Returns (layer, the
+    super activation: the input that gives the birth values, 36 x 58.2)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_out, k, generator=gen) * 0.05
+    w[MASSIVE[0], 10], w[MASSIVE[1], 11], w[MASSIVE[0], 12] = -2.0, 2.0, -2.0 * RAISED
+    return _linear4bit_with(w, device), 36.0 * 4192.0 / (36.0 * 2.0)
+
+
+@pytest.mark.parametrize("case", ["inputs", "grads"])
+def test_nf4_linear_super_weight(device, case):
+    """The birth of the massive values: an NF4 down_proj whose super weights turn a super activation
+    (~2096 on rows 1-3) into -4192 / +3376-like outputs, and the raised unit's (row 5) into -83,840: inf
+    in stock's fp16 GEMM and in ours. Backward: the super weights in the input-gradient GEMM, with
+    upstream gradients that are large in the massive channels. Exact on the CPU (the op's own rule)."""
+    from tests.test_nf4_linear import Patched
+
+    layer, act = super_weight_linear(device)
+    rows = _rows_for(device, 9)
+    gen = torch.Generator().manual_seed(42)
+    x = torch.randn(rows, 99, generator=gen)
+    x[1:4, 10:12] = act
+    if case == "inputs":
+        x[5, 12] = act
+    g = torch.randn(rows, 40, generator=gen)
+    if case == "grads":
+        g[:, list(MASSIVE)] = 3.0e4  # the input gradient's super-weight column: 2 x 3e4 (fine); x 40: inf
+    x, g = x.to(device), g.to(device)
+    res = []
+    for patched in (True, False):
+        xx = x.clone().requires_grad_()
+        with Patched() if patched else contextlib_null():
+            out = layer(xx)
+            res.append((out, torch.autograd.grad(out, xx, g)[0]))
+    assert float(res[1][0][1, MASSIVE[0]].detach()) < -4000  # the birth value reached the output
+    assert_like_stock(res[0][0], res[1][0], 0.0, "out", exact=True, expect_nonfinite=case == "inputs")
+    assert_like_stock(res[0][1], res[1][1], 0.0, "dx", exact=True, expect_nonfinite=case == "grads")
+
+
+def test_lora_nf4_massive_normed_inputs(device, autocast_ctx):
+    """q / v's input on massive tokens: the normed stream, where the massive channels dominate (-30.6 /
+    +24.4 = sqrt(hidden) x their share, the rest near 0); on row 5 the NaN row an overflowed residual
+    leaves after the norm. Base weights with the super weights above, LoRA with dropout 0.05."""
+    from tests.test_lora_nf4 import Patched, make_lora_layer
+
+    layer = make_lora_layer(99, 40, 0.05, F32, device, seed=43)
+    base, _ = super_weight_linear(device)
+    layer.base_layer = base
+    rows = _rows_for(device, 9)
+    gen = torch.Generator().manual_seed(44)
+    x = torch.randn(rows, 99, generator=gen)
+    x[1:4] *= 0.01
+    x[1:4, list(MASSIVE)] = torch.tensor([-30.6, 24.4])
+    x[5] = NAN
+    g = torch.randn(rows, 40, generator=gen)
+    x, g = x.to(device), g.to(device)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    res = []
+    for patched in (True, False):
+        xx = x.clone().requires_grad_()
+        with Patched() if patched else contextlib_null():
+            torch.manual_seed(123)
+            with autocast_ctx():
+                out = layer(xx)
+            res.append((out, *torch.autograd.grad(out, (xx, a, b), g)))
+    for name, o, s in zip(("out", "dx", "dA", "dB"), *res):  # dx = dy (W + scaled B A): no x in it
+        assert_like_stock(o, s, 3e-3, name, exact=device == "cpu", expect_nonfinite=name != "dx")
+
+
+@pytest.mark.parametrize("dtype", [F16, F32])
+def test_swiglu_super_activation(device, dtype):
+    """The unit that makes a massive value: gate 36 (layer 1's largest, published) and up 58.2, the
+    product ~2096 (the super activation); a unit with up 2000 makes 72,000: inf in fp16, as its gate's
+    gradient."""
+    from solution.kernels.swiglu import swiglu
+
+    gen = torch.Generator().manual_seed(45)
+    g0, u0, dh = (torch.randn(9, 37, generator=gen) for _ in range(3))
+    g0[1:4, 10], u0[1:4, 10] = 36.0, 58.2
+    g0[5, 12], u0[5, 12] = 36.0, 2000.0
+    dh[1:4, 10], dh[5, 12] = 50.0, 40.0  # dg = dh * u * silu'(36): 2910 (finite), 80,000 (inf in fp16)
+    g0, u0, dh = (t.to(dtype).to(device) for t in (g0, u0, dh))
+    res = []
+    for impl in ("ours", "stock"):
+        gl, ul = g0.detach().clone().requires_grad_(), u0.detach().clone().requires_grad_()
+        with torch.autocast(device_type=device, dtype=F16, enabled=dtype == F16):
+            g, u = gl * 1, ul * 1
+            h = swiglu(g, u, inplace_backward=True) if impl == "ours" else F.silu(g) * u
+        res.append((h, *torch.autograd.grad(h, (gl, ul), dh)))
+    for name, a, b in zip(("h", "dg", "du"), *res):
+        assert_like_stock(a, b, _swiglu_tol(dtype), name, expect_nonfinite=dtype == F16 and name != "du")
+
+
+def test_lm_head_loss_massive_final_hidden(device):
+    """The final norm's output where the massive channels left their mark: the published final-norm
+    extremes (Chen et al. 2026: +187 / -156) on some labelled rows, the GradScaler's 65536 / n upstream.
+    Tolerances: tests/test_lm_head_loss.py's."""
+    from tests.test_lm_head_loss import SMALL_BLOCK, make_inputs, ours, stock
+
+    h, w, labels = make_inputs(1, 23, 32, 1000, "cpu", scale=0.3, seed=46)
+    h[0, 2:6, list(MASSIVE)] = torch.tensor([-156.0, 187.0])
+    h, w, labels = h.to(device), w.to(device), labels.to(device)
+    a = ours(h, w, labels, F16, num_items=20, grad_out=65536.0, block_v=SMALL_BLOCK)
+    s = stock(h, w, labels, F16, num_items=20, grad_out=65536.0)
+    tol = 1e-4 if device == "cuda" else 1e-5
+    for name in ("loss", "token_loss", "entropy"):
+        assert_like_stock(a[name], s[name], tol, name)
+    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad")
