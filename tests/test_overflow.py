@@ -567,6 +567,12 @@ def test_attn_varlen(device, dtype, case):
         out = fn(qq, kk, vv)
         res.append((out, *torch.autograd.grad(out, (qq, kk, vv), dout)))
     tol = 2e-3 if dtype == F16 else 1e-5
+    if device == "cpu" and dtype == F16 and case == "grads":
+        # On the CPU both sides are PyTorch's fp16 SDPA (the padded batch against one call per
+        # row), whose fp16 kernels and accumulation order follow the CPU's instruction set and the
+        # call's shape: with 65504 in the upstream gradient they differ by ~3e-2 relative on an AMD
+        # EPYC CPU (1e-3 elsewhere). The positions of inf / NaN are still compared exactly below.
+        tol = 5e-2
     if device == "cuda" and case == "inputs":
         # On a GPU both kernels compute a whole tile of scores and then mask it, and each poisons
         # some masked positions in its own way: stock's padded kernel adds the mask to a +inf score
@@ -629,7 +635,15 @@ def test_nf4_dequant_special_scales(device, state_dtype, nested):
     if state_dtype == torch.bfloat16:  # the backward's rounding chain (round_bwd)
         want_bwd = bnbF.dequantize_4bit(packed, qs).to(F16)
         ours_bwd = dequantize_nf4(packed, qs, rounding_dtype=torch.bfloat16)
-        assert_like_stock(ours_bwd, want_bwd, 0.0, "backward (bf16 rounding)", exact=True, expect_nonfinite=True)
+        # Where the fp32 product itself is NaN (a NaN scale) the kernel keeps a NaN (nf4_dequant's
+        # _to_fp16). bnb's fp32 -> bf16 conversion on some CPUs rounds that NaN's bits with integer
+        # adds and returns a finite -0.0 (seen on an AMD EPYC CPU; its result depends on the CPU's
+        # instruction set): there only "ours is NaN" is required; everything else as stock, exactly.
+        nan_product = torch.isnan(formula_ref(packed, qs)).to(ours_bwd.device)
+        assert bool(torch.isnan(ours_bwd[nan_product]).all())
+        keep = ~nan_product
+        assert_like_stock(ours_bwd[keep], want_bwd[keep], 0.0, "backward (bf16 rounding)", exact=True,
+                          expect_nonfinite=True)
 
 
 def test_nf4_dequant_cast_launch(device):
