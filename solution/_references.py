@@ -62,6 +62,14 @@ def residual_add(residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return _f64(residual) + _f64(y)
 
 
+def qkv_grad_sum(aq, bq, mq, ak, av, bv, mv, keep_scale: float) -> torch.Tensor:
+    """x's gradient from q's, k's and v's: q and v each ``a + keep * b * keep_scale`` (base part plus
+    the LoRA part through dropout's backward; masks bool), k's ``a``; summed ((v + k) + q)."""
+    q = _f64(aq) + _f64(mq) * _f64(bq) * keep_scale
+    v = _f64(av) + _f64(mv) * _f64(bv) * keep_scale
+    return (v + _f64(ak)) + q
+
+
 def nf4_dequant(packed: torch.Tensor, quant_state) -> torch.Tensor:
     """bitsandbytes' NF4 storage decoded with torch ops: element 2i is the high nibble of byte i,
     2i+1 the low one, each code an index into the state's 16 NF4 levels; each block of

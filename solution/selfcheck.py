@@ -365,6 +365,22 @@ def _k_fp32_add(dev):
     return errs, ("fp32_add_kernel",)
 
 
+def _k_qkv_grad(dev):
+    import torch
+
+    from solution import _references as R
+    from solution.kernels.lora_nf4 import DROPOUT_MASK
+    from solution.kernels.qkv_grad import qkv_grad_sum
+
+    parts = [_randn(7, 40, device=dev, dtype=torch.float16, seed=40 + i) for i in range(5)]
+    masks = [_randn(7, 40, device=dev, seed=50 + i) > -0.5 for i in range(2)]
+    aq, bq, ak, av, bv = parts
+    scale = 1.0 / 0.7
+    ours = qkv_grad_sum(aq, bq, masks[0], ak, av, bv, masks[1], DROPOUT_MASK, scale)
+    ref = R.qkv_grad_sum(aq, bq, masks[0], ak, av, bv, masks[1], scale)
+    return {"forward": rel_err(ours, ref)}, ("qkv_grad_sum",)
+
+
 def _k_attn_layout(dev):
     import torch
 
@@ -442,6 +458,7 @@ KERNELS = (
     ("rope", _k_rope, False),
     ("swiglu", _k_swiglu, False),
     ("fp32_add", _k_fp32_add, False),
+    ("qkv_grad", _k_qkv_grad, False),
     ("attn_layout", _k_attn_layout, False),
     ("attn_varlen", _k_attn_varlen, True),
     ("lm_head_loss", _k_lm_head_loss, False),
