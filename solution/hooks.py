@@ -16,8 +16,11 @@ def global_hooks() -> bool:
 
 
 def own_hooks(module) -> bool:
-    """A forward / backward hook registered on ``module`` itself."""
-    return any(getattr(module, a, None) for a in OWN_HOOKS)
+    """A forward / backward hook registered on ``module`` itself. Reads the instance dict: it runs
+    for every module of every layer each step (the decoder-layer node's per-step check)."""
+    d = module.__dict__
+    return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks")
+                or d.get("_backward_pre_hooks"))
 
 
 def has_hooks(module) -> bool:

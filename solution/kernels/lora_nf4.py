@@ -305,12 +305,10 @@ def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None
             plan.dq.launch(w16, a=x, b=drop_mask, b16=xd16, cast_b=3, scaling=xd.scale)
         return w16, x16, xd16
     jobs = []
-    if x16 is not None:
-        pass
-    elif _fusable(x):
+    if x16 is None and _fusable(x):
         x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
         jobs.append((x, x16))
-    else:
+    elif x16 is None:
         x16 = x if x.dtype == torch.float16 else x.to(torch.float16)
     if xd is None:
         xd16 = x16

@@ -60,7 +60,7 @@ from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of
 from solution.settings import MEMORY_POLICIES
 
 
-def _block_forward(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan):
+def mlp_forward(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan):
     """(y16 [..., H], g16, u16, x16) for fp32 x [..., H]: the block's forward, kept activations."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
@@ -127,7 +127,7 @@ class NF4MLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate, up, down, policy):
-        y, g16, u16, x16 = _block_forward(x, gate, up, down)
+        y, g16, u16, x16 = mlp_forward(x, gate, up, down)
         ctx.plans = (gate, up, down)
         ctx.policy = policy
         ctx.x_shape = x.shape
@@ -155,4 +155,4 @@ def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
         raise ValueError(f"nf4_mlp: unknown memory policy {policy!r}")
     if torch.is_grad_enabled() and x.requires_grad:
         return NF4MLPFunction.apply(x, gate, up, down, policy)
-    return _block_forward(x, gate, up, down)[0]
+    return mlp_forward(x, gate, up, down)[0]

@@ -111,9 +111,7 @@ def _validator(layer, sides, linears):
 
     def valid() -> bool:
         for m in modules:
-            d = m.__dict__
-            if (d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] or d["_backward_pre_hooks"]
-                    or "forward" in d):
+            if own_hooks(m) or "forward" in m.__dict__:
                 return False
         return (all(_lora_state(mod, dropout) == st for mod, dropout, st in states)
                 and all(_weight_same(mod, plan) for mod, plan in linears))

@@ -43,7 +43,6 @@ from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 from solution.kernels.lora_nf4 import lora_backward_parts, lora_dropout, lora_forward_parts
 from solution.kernels.qkv_grad import qkv_grad_sum
-from solution.kernels.swiglu import swiglu_fp16_of_fp32
 from solution.say import say_once
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> LayerPlan | reason str
@@ -289,14 +288,8 @@ class _LayerNode(torch.autograd.Function):
         wo, _ = plan.o.dequant_and_cast(attn16)
         o16 = F.linear(attn16, wo)
         h2, y2, rstd2 = add_rmsnorm._launch_forward(h2d, o16.view(n, hid), plan.norm2_w, plan.eps2, (n, hid))
-        gate, up, down = plan.mlp
-        wg, m16 = gate.dequant_and_cast(y2)
-        g16 = F.linear(m16, wg)
-        wu, _ = up.dequant_and_cast(m16)
-        u16 = F.linear(m16, wu)
-        s16 = swiglu_fp16_of_fp32(g16, u16)
-        wd, _ = down.dequant_and_cast(s16)
-        out = fp32_add.add_as_fp32(h2, F.linear(s16, wd))
+        y16, g16, u16, m16 = nf4_mlp.mlp_forward(y2, *plan.mlp)
+        out = fp32_add.add_as_fp32(h2, y16)
         mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16)
         ctx.counts = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None)
         masks = (q_mask, v_mask) if q_mask is not None else ()
