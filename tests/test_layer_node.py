@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from solution.kernels import _launches
+from solution.step.layer import CHECKPOINT_COUNT as CKPT
 from solution.step.layer import NODE_COUNT as NODE
 from tests.test_unpad import _right_padded_batch, qlora_tiny_model
 
@@ -103,8 +104,10 @@ def test_node_gives_the_module_path_bits(device, tiny_dir, autocast_ctx, dropout
 
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reentrant):
-    """training.gradient_checkpointing: the node runs inside transformers' checkpoint function and
-    its recompute draws the same dropout masks: the module path's checkpointed bits."""
+    """training.gradient_checkpointing with transformers' checkpoint function (torch's checkpoint,
+    reentrant or not): the node checkpoints itself (keeps the input and the generator's state,
+    recomputes in its own backward) and its recompute draws the same dropout masks: the module
+    path's checkpointed bits, and the generator ends where the module path leaves it."""
     batch = _batch(device, [30, 12, 33])
     node = _step(tiny_dir, device, batch, True, autocast_ctx, ckpt=reentrant)
     mods = _step(tiny_dir, device, batch, False, autocast_ctx, ckpt=reentrant)
@@ -112,6 +115,41 @@ def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reent
     # each layer's node: the forward, then the recompute; the input gradient of both layers (the
     # embedding's output requires grad under checkpointing)
     assert node[3][NODE] == 4 and node[3]["qkv_grad_sum"] == 2
+    assert node[3][CKPT] == 2  # both layers through the node's own checkpointing
+
+
+def test_node_inside_another_checkpoint_function(device, tiny_dir, autocast_ctx, monkeypatch):
+    """A checkpoint function the node's own checkpointing does not reproduce (here torch's with a
+    context_fn, as a caller's wrapper would be): the node runs inside that function, as the module
+    would, with the module path's bits."""
+    import functools
+
+    import torch.utils.checkpoint as tuc
+
+    from solution.step import layer as layer_node
+
+    assert layer_node.own_checkpoint(functools.partial(tuc.checkpoint, use_reentrant=False))
+    assert layer_node.own_checkpoint(functools.partial(tuc.checkpoint, use_reentrant=True, preserve_rng_state=True))
+    custom = functools.partial(tuc.checkpoint, use_reentrant=False, context_fn=tuc.noop_context_fn)
+    assert not layer_node.own_checkpoint(custom)
+    assert not layer_node.own_checkpoint(functools.partial(tuc.checkpoint, use_reentrant=False,
+                                                           preserve_rng_state=False))
+    assert not layer_node.own_checkpoint(lambda fn, *a, **k: tuc.checkpoint(fn, *a, use_reentrant=False, **k))
+
+    from transformers.modeling_utils import PreTrainedModel
+
+    enable = PreTrainedModel.gradient_checkpointing_enable
+
+    def with_context_fn(self, gradient_checkpointing_kwargs=None):
+        kw = dict(gradient_checkpointing_kwargs or {}, context_fn=tuc.noop_context_fn)
+        return enable(self, gradient_checkpointing_kwargs=kw)
+
+    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", with_context_fn)
+    batch = _batch(device, [30, 12, 33])
+    node = _step(tiny_dir, device, batch, True, autocast_ctx, ckpt=False)
+    mods = _step(tiny_dir, device, batch, False, autocast_ctx, ckpt=False)
+    _assert_same_bits(node, mods)
+    assert node[3][NODE] == 4 and node[3].get(CKPT, 0) == 0  # inside torch's checkpoint, not its own
 
 
 def test_hooked_layer_runs_as_modules(device, tiny_dir, autocast_ctx, monkeypatch):

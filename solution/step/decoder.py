@@ -135,14 +135,18 @@ def _run_checkpointed(layer, info, hidden_states, kwargs):
 
 
 def _run_node(layer, hidden_states, node, info):
-    """The layer through the decoder-layer node (step/layer.py), under transformers' checkpoint
-    function when the layer is checkpointed (as the module would run); None when the node does not
-    take this layer (the caller calls the module)."""
+    """The layer through the decoder-layer node (step/layer.py); when the layer is checkpointed,
+    through the node's own checkpointing where transformers' checkpoint function is torch's plain
+    one (``layer_node.own_checkpoint``), else under that function (as the module would run); None
+    when the node does not take this layer (the caller calls the module)."""
     layer_plan = layer_node.takes(layer, hidden_states, node)
     if layer_plan is None:
         return None
     if not _checkpointed(layer):
         return layer_node.apply_node(layer_plan, hidden_states, node)
+    if node.mask_source is None and layer_node.own_checkpoint(layer._gradient_checkpointing_func):
+        # torch's own checkpoint function: the node checkpoints itself (the same kernels and draws)
+        return layer_node.apply_checkpointed(layer_plan, hidden_states, node)
 
     def run(h):  # the forward, and again in backward (the recompute), under the packed batch
         with packing.running_unpadded(info):

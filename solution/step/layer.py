@@ -48,6 +48,7 @@ from solution.say import say_once
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> LayerPlan | reason str
 
 NODE_COUNT = "decoder_layer_node"  # counted in kernels/_launches.LAUNCHES per node forward
+CHECKPOINT_COUNT = "decoder_layer_node_checkpointed"  # per forward of the node's own checkpointing
 
 
 # -- the plan -------------------------------------------------------------------------------------
@@ -266,94 +267,191 @@ def _attention_backward(plan: LayerPlan, d_out16, saved, ctx: StepContext, need_
     return dq3, dk3, dv_rows.view(1, n, -1)
 
 
+def _node_forward(h, plan: LayerPlan, sc: StepContext):
+    """The layer's forward kernels: (out [1, N, H] fp32, kept, meta). ``kept``: the tensors its
+    backward needs, in ``_node_backward``'s order; ``meta``: the plain values it needs with them."""
+    record(NODE_COUNT, ours=False)  # one per layer forward through the node (tests and reports)
+    n, hid = sc.n, h.shape[-1]
+    h2d = h.view(n, hid) if h.is_contiguous() else h.reshape(n, hid).contiguous()
+    hn, rstd1 = rmsnorm._launch_forward(h2d, plan.norm1_w, plan.eps1)
+    x3 = hn.view(1, n, hid)
+    # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
+    q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc)
+    wk = plan.k.weight16()
+    plan.k.dq.launch(wk)
+    k = F.linear(x16, wk, plan.k_bias16).to(torch.float32)
+    v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, x16)
+    attn16, att_saved = _attention_forward(plan, q, k, v, sc)
+    del q, k, v
+    wo, _ = plan.o.dequant_and_cast(attn16)
+    o16 = F.linear(attn16, wo)
+    h2, y2, rstd2 = add_rmsnorm._launch_forward(h2d, o16.view(n, hid), plan.norm2_w, plan.eps2, (n, hid))
+    y16, g16, u16, m16 = nf4_mlp.mlp_forward(y2, *plan.mlp)
+    out = fp32_add.add_as_fp32(h2, y16)
+    mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16)
+    masks = (q_mask, v_mask) if q_mask is not None else ()
+    kept = (h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
+    meta = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale)
+    return out.view(h.shape), kept, meta
+
+
+def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs, dtypes):
+    """The layer's backward kernels from ``_node_forward``'s ``kept`` and ``meta`` (``kept`` is a
+    list: it is emptied, so each activation is freed as soon as it is used). ``needs``: which of
+    (h, q's A, q's B, v's A, v's B) need a gradient; ``dtypes``: the four LoRA weights' dtypes.
+    Returns (grad_h, grad_qa, grad_qb, grad_va, grad_vb)."""
+    n_q, n_att, n_mlp, has_masks, mode, drop_scale = meta
+    t = kept
+    h2d, rstd1 = t[0], t[1]
+    i = 2
+    q_saved, v_saved = tuple(t[i:i + n_q]), tuple(t[i + n_q:i + 2 * n_q])
+    i += 2 * n_q
+    q_mask = v_mask = None
+    if has_masks:
+        q_mask, v_mask = t[i], t[i + 1]
+        i += 2
+    att_saved = tuple(t[i:i + n_att])
+    i += n_att
+    h2, rstd2 = t[i], t[i + 1]
+    mlp_saved = tuple(t[i + 2:i + 2 + n_mlp])
+    t.clear()
+    need_h, need_qa, need_qb, need_va, need_vb = needs
+    qa_t, qb_t, va_t, vb_t = dtypes
+    n, hid = h2d.shape
+    g2 = grad_out.reshape(n, hid)
+    if not g2.is_contiguous():
+        g2 = g2.contiguous()
+    # the residual add's backward hands g to h2 as it is and fp16(g) to the MLP: that cast is made
+    # in the down weight's dequantization launch (mlp_backward)
+    dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2)
+    del mlp_saved
+    d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2,
+                                                [torch.float32, torch.float16])
+    del dy
+    wo, _ = plan.o.dequant_and_cast(d_o16, plan.o.round_bwd)
+    d_attn16 = torch.matmul(d_o16, wo)
+    # k's input gradient matters only when x needs one (layer 0 without checkpointing: no)
+    need_x = need_h
+    dq3, dk3, dv3 = _attention_backward(plan, d_attn16, att_saved, sc, need_x)
+    del att_saved, d_attn16
+    # autograd ran v_proj's backward first, then k_proj's, then q_proj's
+    _, av, bv, grad_va, grad_vb = lora_backward_parts(plan.v.plan, dv3, v_saved, plan.v.scaling, need_x,
+                                                      need_va, need_vb, va_t, vb_t)
+    if need_x:
+        wk, gk16 = plan.k.dequant_and_cast(dk3, plan.k.round_bwd)
+        ak = torch.matmul(gk16, wk)
+    _, aq, bq, grad_qa, grad_qb = lora_backward_parts(plan.q.plan, dq3, q_saved, plan.q.scaling, need_x,
+                                                      need_qa, need_qb, qa_t, qb_t)
+    grad_h = None
+    if need_h:
+        d_hn = qkv_grad_sum(aq, bq, q_mask, ak, av, bv, v_mask, mode, drop_scale)
+        grad_h = rmsnorm._launch_backward_dx(h2d, plan.norm1_w, d_hn.view(n, hid), rstd1)
+        grad_h += d_res  # autograd's sum of h's two gradients (residual and norm; commutative)
+        grad_h = grad_h.view(grad_out.shape)
+    return grad_h, grad_qa, grad_qb, grad_va, grad_vb
+
+
+def _keep_plain(ctx, plan, sc, *loras) -> None:
+    """What both nodes keep besides tensors: the plan, the step's context, the LoRA weights' dtypes."""
+    ctx.plan, ctx.sc = plan, sc
+    ctx.dtypes = tuple(w.dtype for w in loras)
+    ctx.consumed = False
+
+
+def _consume(ctx) -> None:
+    """One backward per forward: the first one reuses the saved activations' memory."""
+    if ctx.consumed:
+        raise RuntimeError("decoder-layer node: a second backward through the same graph is not supported "
+                           "(the first one reused the saved activations' memory)")
+    ctx.consumed = True
+
+
 class _LayerNode(torch.autograd.Function):
     """out = Qwen2DecoderLayer(h) on packed rows [1, N, H] (fp32), the module path's values;
     gradients for h and the four LoRA weights (q's A, B, v's A, B)."""
 
     @staticmethod
     def forward(ctx, h, qa, qb, va, vb, plan: LayerPlan, sc: StepContext):
-        record(NODE_COUNT, ours=False)  # one per layer forward through the node (tests and reports)
-        n, hid = sc.n, h.shape[-1]
-        h2d = h.view(n, hid) if h.is_contiguous() else h.reshape(n, hid).contiguous()
-        hn, rstd1 = rmsnorm._launch_forward(h2d, plan.norm1_w, plan.eps1)
-        x3 = hn.view(1, n, hid)
-        # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
-        q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc)
-        wk = plan.k.weight16()
-        plan.k.dq.launch(wk)
-        k = F.linear(x16, wk, plan.k_bias16).to(torch.float32)
-        v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, x16)
-        attn16, att_saved = _attention_forward(plan, q, k, v, sc)
-        del q, k, v
-        wo, _ = plan.o.dequant_and_cast(attn16)
-        o16 = F.linear(attn16, wo)
-        h2, y2, rstd2 = add_rmsnorm._launch_forward(h2d, o16.view(n, hid), plan.norm2_w, plan.eps2, (n, hid))
-        y16, g16, u16, m16 = nf4_mlp.mlp_forward(y2, *plan.mlp)
-        out = fp32_add.add_as_fp32(h2, y16)
-        mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16)
-        ctx.counts = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None)
-        masks = (q_mask, v_mask) if q_mask is not None else ()
-        ctx.save_for_backward(h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
-        ctx.plan, ctx.sc, ctx.drop = plan, sc, (mode, drop_scale)
-        ctx.dtypes = (qa.dtype, qb.dtype, va.dtype, vb.dtype)
-        ctx.consumed = False
-        return out.view(h.shape)
+        out, kept, ctx.meta = _node_forward(h, plan, sc)
+        ctx.save_for_backward(*kept)
+        _keep_plain(ctx, plan, sc, qa, qb, va, vb)
+        return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        if ctx.consumed:
-            raise RuntimeError("decoder-layer node: a second backward through the same graph is not supported "
-                               "(the first one reused the saved activations' memory)")
-        ctx.consumed = True
-        plan, sc = ctx.plan, ctx.sc
-        n_q, n_att, n_mlp, has_masks = ctx.counts
-        t = list(ctx.saved_tensors)
-        h2d, rstd1 = t[0], t[1]
-        i = 2
-        q_saved, v_saved = tuple(t[i:i + n_q]), tuple(t[i + n_q:i + 2 * n_q])
-        i += 2 * n_q
-        q_mask = v_mask = None
-        if has_masks:
-            q_mask, v_mask = t[i], t[i + 1]
-            i += 2
-        att_saved = tuple(t[i:i + n_att])
-        i += n_att
-        h2, rstd2 = t[i], t[i + 1]
-        mlp_saved = tuple(t[i + 2:i + 2 + n_mlp])
-        del t
-        need_h, need_qa, need_qb, need_va, need_vb = ctx.needs_input_grad[:5]
-        qa_t, qb_t, va_t, vb_t = ctx.dtypes
-        n, hid = h2d.shape
-        g2 = grad_out.reshape(n, hid)
-        if not g2.is_contiguous():
-            g2 = g2.contiguous()
-        # the residual add's backward hands g to h2 as it is and fp16(g) to the MLP: that cast is made
-        # in the down weight's dequantization launch (mlp_backward)
-        dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2)
-        del mlp_saved
-        d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2,
-                                                    [torch.float32, torch.float16])
-        del dy
-        wo, _ = plan.o.dequant_and_cast(d_o16, plan.o.round_bwd)
-        d_attn16 = torch.matmul(d_o16, wo)
-        # k's input gradient matters only when x needs one (layer 0 without checkpointing: no)
-        need_x = need_h
-        dq3, dk3, dv3 = _attention_backward(plan, d_attn16, att_saved, sc, need_x)
-        del att_saved, d_attn16
-        mode, drop_scale = ctx.drop
-        # autograd ran v_proj's backward first, then k_proj's, then q_proj's
-        _, av, bv, grad_va, grad_vb = lora_backward_parts(plan.v.plan, dv3, v_saved, plan.v.scaling, need_x,
-                                                          need_va, need_vb, va_t, vb_t)
-        if need_x:
-            wk, gk16 = plan.k.dequant_and_cast(dk3, plan.k.round_bwd)
-            ak = torch.matmul(gk16, wk)
-        _, aq, bq, grad_qa, grad_qb = lora_backward_parts(plan.q.plan, dq3, q_saved, plan.q.scaling, need_x,
-                                                          need_qa, need_qb, qa_t, qb_t)
-        grad_h = None
-        if need_h:
-            d_hn = qkv_grad_sum(aq, bq, q_mask, ak, av, bv, v_mask, mode, drop_scale)
-            grad_h = rmsnorm._launch_backward_dx(h2d, plan.norm1_w, d_hn.view(n, hid), rstd1)
-            grad_h += d_res  # autograd's sum of h's two gradients (residual and norm; commutative)
-            grad_h = grad_h.view(grad_out.shape)
-        return grad_h, grad_qa, grad_qb, grad_va, grad_vb, None, None
+        _consume(ctx)
+        grads = _node_backward(ctx.plan, ctx.sc, list(ctx.saved_tensors), ctx.meta, grad_out,
+                               ctx.needs_input_grad[:5], ctx.dtypes)
+        return (*grads, None, None)
+
+
+# -- gradient checkpointing inside the node -------------------------------------------------------
+
+def _rng_state(device: torch.device):
+    """The state of the generator the layer's dropout draws from (the device's; the CPU's on the CPU)."""
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+class _CheckpointedLayerNode(torch.autograd.Function):
+    """The node under gradient checkpointing: the forward keeps only the layer's input and the
+    dropout generator's state; the backward sets that state again (inside ``fork_rng``, so the
+    generator ends where the forward left it, as torch's checkpoint leaves it), recomputes the
+    forward's kernels, then runs the node's backward. The values are the node's under
+    transformers' checkpoint function (the same kernels, the same draws), without the checkpoint
+    machinery around them (saved-tensor hooks or a second autograd graph)."""
+
+    @staticmethod
+    def forward(ctx, h, qa, qb, va, vb, plan: LayerPlan, sc: StepContext):
+        record(CHECKPOINT_COUNT, ours=False)
+        dev = h.device.type
+        ctx.rng = _rng_state(h.device)
+        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
+        out, _, _ = _node_forward(h, plan, sc)
+        ctx.save_for_backward(h)
+        _keep_plain(ctx, plan, sc, qa, qb, va, vb)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out):
+        _consume(ctx)
+        (h,) = ctx.saved_tensors
+        dev = h.device
+        cuda = dev.type == "cuda"
+        with torch.random.fork_rng(devices=[dev] if cuda else [], device_type=dev.type if cuda else "cuda"):
+            if cuda:
+                torch.cuda.set_rng_state(ctx.rng, dev)
+            else:
+                torch.set_rng_state(ctx.rng)
+            enabled, dtype = ctx.autocast  # the forward's autocast state, as torch's checkpoint restores it
+            with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled):
+                _, kept, meta = _node_forward(h, ctx.plan, ctx.sc)
+        del h
+        kept = list(kept)  # _node_backward empties it: each activation is freed once used
+        grads = _node_backward(ctx.plan, ctx.sc, kept, meta, grad_out, ctx.needs_input_grad[:5], ctx.dtypes)
+        return (*grads, None, None)
+
+
+def apply_checkpointed(plan: LayerPlan, h, ctx: StepContext):
+    """The layer's output through the node with its own gradient checkpointing (``plan`` from
+    ``takes``; the caller checked ``own_checkpoint`` and that no CUDA graph supplies the masks)."""
+    return _CheckpointedLayerNode.apply(h, plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb, plan, ctx)
+
+
+def own_checkpoint(checkpoint_fn) -> bool:
+    """``checkpoint_fn`` (a layer's ``_gradient_checkpointing_func``) is torch's plain
+    ``torch.utils.checkpoint.checkpoint`` with options the node's own checkpointing reproduces:
+    use_reentrant either way, preserve_rng_state on, no context_fn (transformers' ``offload`` wraps
+    it in another function: not this). Anything else: the node runs inside that function."""
+    import functools
+
+    import torch.utils.checkpoint as tuc
+
+    if not isinstance(checkpoint_fn, functools.partial) or checkpoint_fn.func is not tuc.checkpoint or checkpoint_fn.args:
+        return False
+    kw = dict(checkpoint_fn.keywords)
+    kw.pop("use_reentrant", None)
+    kw.pop("debug", None)
+    kw.pop("determinism_check", None)
+    return kw.pop("preserve_rng_state", True) is True and not kw
