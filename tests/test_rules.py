@@ -264,9 +264,21 @@ def test_run_one_records_accelerate_s_skipped_steps_and_scales():
     inf gradient is recorded as skipped, and the scale after it is halved."""
     torch = pytest.importorskip("torch")
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    # accelerate keeps one process-wide state: an earlier test in this process (a GPU machine runs
+    # Soup in-process) may have made it a CUDA one, which Accelerator(cpu=True) refuses to change
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        _check_scaler_records(Accelerator(cpu=True), torch)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _check_scaler_records(acc, torch):
+    """One optimizer over a CPU GradScaler through ``acc``: steps 2 (inf) and 4 (NaN) skipped."""
     from accelerate.optimizer import AcceleratedOptimizer
 
-    acc = Accelerator(cpu=True)
     p = torch.nn.Parameter(torch.ones(3))
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     opt = AcceleratedOptimizer(torch.optim.SGD([p], lr=0.1), device_placement=False, scaler=scaler)

@@ -177,9 +177,10 @@ def test_named_runs_start_their_children_as_specified(tmp_path, monkeypatch):
     monkeypatch.setattr(compare, "standin_model", lambda args, workload, profile=None: f"model-{profile}")
     out = tmp_path / "out"
     names = "shipped,ckpt,shipped-same-allocator,shipped-graphs-off,outliers"
-    compare.main(["--runs", names, "--out", str(out)])
+    # timed passes only (a CPU's default; a GPU's adds profiled and host-split passes)
+    compare.main(["--runs", names, "--out", str(out), "--no-profile", "--no-host-split"])
     by = {(c["out"].name if c["out"] != out else "shipped", c["variant"]): c for c in calls}
-    assert len(calls) == 10 and {c["mode"] for c in calls} == {"timed"}  # a CPU: timed passes only
+    assert len(calls) == 10 and {c["mode"] for c in calls} == {"timed"}
     assert by["shipped", "solution"]["label"] is None and by["ckpt", "baseline"]["label"] == "ckpt"
     assert by["shipped-graphs-off", "solution"]["env"] == {"SOLUTION_CUDA_GRAPHS": "0"}
     assert by["shipped-graphs-off", "baseline"]["env"] == {}
@@ -198,7 +199,7 @@ def test_named_runs_start_their_children_as_specified(tmp_path, monkeypatch):
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     assert list(summary["runs"]) == names.split(",")
     for name, run in summary["runs"].items():
-        assert run["call"]["command"] == f"python -m bench.compare --runs {names} --out {out}"
+        assert run["call"]["command"] == f"python -m bench.compare --runs {names} --out {out} --no-profile --no-host-split"
         assert run["run"]["about"] == runs.RUNS[name].about
     assert summary["runs"]["ckpt"]["solution"]["train_excl_first2_s"] == 1.0
     md = (out / "report.md").read_text(encoding="utf-8")

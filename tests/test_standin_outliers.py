@@ -35,14 +35,18 @@ def _weights(path):
 
 
 def test_default_profile_is_the_seeded_random_init_bit_for_bit(tiny_dirs):
-    """What the stand-in always wrote: torch.manual_seed(seed), Qwen2ForCausalLM(config) on the CPU,
-    stored in the config's dtype; and the marker without profile keys (existing stand-ins are reused)."""
+    """What the stand-in always wrote: torch.manual_seed(seed), Qwen2ForCausalLM(config) initialised
+    on the GPU when there is one, else on the CPU (the generators differ, so the weights are the
+    machine kind's), stored in the config's dtype; and the marker without profile keys (existing
+    stand-ins are reused)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = ms.standin_config("tiny")
     config = Qwen2Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type", "torch_dtype")})
     torch.manual_seed(SEED)
-    reference = Qwen2ForCausalLM(config).to(torch.float32).state_dict()
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(config)
+    reference = {k: v.cpu() for k, v in model.to(torch.float32).state_dict().items()}
     written = _weights(tiny_dirs["default"])
     assert set(written) <= set(reference)
     for name, tensor in written.items():
