@@ -24,9 +24,11 @@
    makes ``plan_for`` answer None and the layer runs as modules (the reason is said once).
    (b) Numerics: the same kernels in the same order; pinned bit for bit against the module path
    (CPU interpreter and GPU). (c) Memory: it saves the tensors the module path's nodes saved, no
-   more. (d) Gradient checkpointing: the node runs inside transformers' checkpoint function like
-   the layer did; everything it keeps for backward goes through ``save_for_backward``, so the
-   checkpoint's saved-tensor hooks see it.
+   more. (d) Gradient checkpointing: where the checkpoint function is torch's plain one
+   (``own_checkpoint``) the node checkpoints itself (``_CheckpointedLayerNode``: keeps its input
+   and the generator's state, recomputes the same kernels with the same draws in its backward);
+   under any other checkpoint function it runs inside it, everything it keeps going through
+   ``save_for_backward``, so that function's saved-tensor hooks see it.
 5. How it was measured: docs/layer_node.md (host time per layer, whole runs with graphs off).
 """
 from __future__ import annotations

@@ -9,8 +9,8 @@ with its own seeded generator (``random.Random``: the global torch / Python / Nu
 are never touched, so the run's batch order and dropout are unchanged) and names the buckets that
 more than ``p_min`` of the simulated runs meet. P_MIN is 1/4: capturing a bucket ahead costs one
 capture outside the timed steps, leaving it costs one capture inside them with its probability. cuda_graphs.py captures those ahead, in the step
-that turns graphs on (a step the challenge does not time); a bucket outside them is still captured
-when it first comes.
+that turns graphs on (step 2: outside steps 3-64, inside Soup's duration, which counts every
+capture); a bucket outside them is still captured when it first comes.
 
 ``note`` is called by patches/trainer_lengths.py when ``Trainer.train`` starts; it only reads.
 """
