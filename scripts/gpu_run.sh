@@ -14,6 +14,9 @@
 # run of issues 24/25 into calls of <= 10 minutes (children in brackets):
 #   RUNS=shipped,shipped-graphs-off (9)          RUNS=gpu-bound-sm16 (4)
 #   RUNS=ckpt,shipped-same-allocator,outliers (6) RUNS=long,short (8)     RUNS=shipped-cold (2)
+# Measured on the H200 (2026-12-02): RUNS=shipped,shipped-graphs-off,ckpt with --no-host-split (9
+# children) 506 s; RUNS=shipped-same-allocator,outliers,gpu-bound-sm16 with --no-host-split
+# --no-profile (6) ~240 s; the whole GPU suite 339 s; RUNS=shipped-cold --no-profile (2) ~100 s.
 # then, here, from the calls' unpacked results.tgz: one report with every run and the call each came from
 # (the T4 projection and the partition's prediction need the shipped runs' results):
 #   python -m bench.rebuild_report DIR_1/runs-... DIR_2/runs-... ... --into ALL_DIR
