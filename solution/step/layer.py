@@ -33,10 +33,12 @@
 """
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.function import once_differentiable
 
 from solution.hooks import global_hooks
@@ -421,7 +423,7 @@ class _CheckpointedLayerNode(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         dev = h.device
         cuda = dev.type == "cuda"
-        with torch.random.fork_rng(devices=[dev] if cuda else [], device_type=dev.type if cuda else "cuda"):
+        with torch.random.fork_rng(devices=[dev] if cuda else []):  # the CPU's state is always forked
             if cuda:
                 torch.cuda.set_rng_state(ctx.rng, dev)
             else:
@@ -441,19 +443,19 @@ def apply_checkpointed(plan: LayerPlan, h, ctx: StepContext):
     return _CheckpointedLayerNode.apply(h, plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb, plan, ctx)
 
 
+# torch.utils.checkpoint.checkpoint's keywords the node's own checkpointing reproduces (debug and
+# determinism_check only report on a recompute that differs; the node's recompute is the same kernels)
+_OWN_CHECKPOINT_OPTIONS = frozenset({"use_reentrant", "preserve_rng_state", "debug", "determinism_check"})
+
+
 def own_checkpoint(checkpoint_fn) -> bool:
     """``checkpoint_fn`` (a layer's ``_gradient_checkpointing_func``) is torch's plain
     ``torch.utils.checkpoint.checkpoint`` with options the node's own checkpointing reproduces:
     use_reentrant either way, preserve_rng_state on, no context_fn (transformers' ``offload`` wraps
-    it in another function: not this). Anything else: the node runs inside that function."""
-    import functools
-
-    import torch.utils.checkpoint as tuc
-
-    if not isinstance(checkpoint_fn, functools.partial) or checkpoint_fn.func is not tuc.checkpoint or checkpoint_fn.args:
+    it in another function: not this). Anything else: the node runs inside that function. Asked
+    for each checkpointed layer of a step: attribute reads only."""
+    if (not isinstance(checkpoint_fn, functools.partial) or checkpoint_fn.func is not torch_checkpoint.checkpoint
+            or checkpoint_fn.args):
         return False
-    kw = dict(checkpoint_fn.keywords)
-    kw.pop("use_reentrant", None)
-    kw.pop("debug", None)
-    kw.pop("determinism_check", None)
-    return kw.pop("preserve_rng_state", True) is True and not kw
+    kw = checkpoint_fn.keywords
+    return kw.get("preserve_rng_state", True) is True and kw.keys() <= _OWN_CHECKPOINT_OPTIONS
