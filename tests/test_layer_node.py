@@ -205,3 +205,76 @@ def test_small_m_step_runs_as_modules_then_the_node_again(device, tiny_dir, auto
         assert counts == [0, 2]
     finally:
         solution.revert()
+
+
+class _SeededMasks:
+    """A dropout mask source (packing.DropoutMaskSource's ``take``) as a CUDA graph's slots are one:
+    masks handed out in call order, here drawn from a seeded CPU generator; counts its calls."""
+
+    def __init__(self, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.calls = 0
+
+    def take(self, p, x):
+        self.calls += 1
+        return (torch.rand(x.shape, generator=self.gen) >= p).to(x.device)
+
+
+def test_checkpointed_node_takes_its_masks_again_from_a_source(device, tiny_dir, autocast_ctx, monkeypatch):
+    """Inside a CUDA graph the dropout masks come from the graph's slots (drawn before each
+    replay, as stock draws them). Under gradient checkpointing the node then keeps the masks its
+    forward took and its recompute takes them again; it reads and sets no generator state (which
+    a capture does not allow). With the masks from a source, the checkpointed node must give the
+    plain node's bits (output, input gradient, every LoRA gradient), take each mask once, and leave
+    the generators where they were. On the CPU the source path is opened for the test (on CUDA
+    it is dropout's native path)."""
+    import solution
+    from solution.kernels import lora_nf4
+    from solution.settings import Settings
+    from solution.step import cuda_graphs, packing
+
+    monkeypatch.setattr(lora_nf4, "_dropout_is_native", lambda x: True)
+    lengths = _lengths(device, [30, 12, 33])
+    ids, _, _ = _right_padded_batch(lengths, max(lengths), vocab=100, device=device)
+    solution.revert()
+    solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
+    try:
+        model = qlora_tiny_model(tiny_dir, device)
+        dec = model.base_model.model.model
+        info = packing.make_unpadded(lengths, max(lengths), torch.device(device))
+        g = torch.Generator().manual_seed(5)
+        grad = (torch.randn(1, info.n_tokens, dec.config.hidden_size, generator=g) * 0.1).to(device)
+
+        def run(ckpt: bool):
+            if ckpt:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.train()
+            model.zero_grad(set_to_none=True)
+            h = dec.embed_tokens(packing.unpad_rows(ids.reshape(-1), info).unsqueeze(0)).detach().float()
+            h.requires_grad_(True)
+            pos = info.positions.unsqueeze(0)
+            cos, sin = dec.rotary_emb(h, pos)
+            source = _SeededMasks(7)
+            _launches.reset()
+            cpu_rng = torch.get_rng_state()
+            cuda_off = torch.cuda.default_generators[0].get_offset() if device == "cuda" else None
+            with autocast_ctx(), packing.dropout_masks_from(source):
+                out = cuda_graphs.run_layers(dec.layers, h, info, cos, sin, pos)
+            out.backward(grad)
+            assert torch.equal(torch.get_rng_state(), cpu_rng)
+            if device == "cuda":
+                assert torch.cuda.default_generators[0].get_offset() == cuda_off
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            return out.detach(), h.grad, grads, source.calls, dict(_launches.LAUNCHES)
+
+        plain = run(False)
+        ckpt = run(True)
+    finally:
+        solution.revert()
+    assert plain[4].get(NODE) == 2 and plain[4].get(CKPT, 0) == 0, plain[4]
+    assert ckpt[4].get(NODE) == 4 and ckpt[4].get(CKPT) == 2, ckpt[4]  # the forward, then the recompute
+    assert plain[3] == ckpt[3] == 4  # q's and v's mask per layer, each taken once
+    assert torch.equal(ckpt[0], plain[0]) and torch.equal(ckpt[1], plain[1])
+    assert set(ckpt[2]) == set(plain[2]) and any("lora_B" in n for n in plain[2])
+    for name, g in plain[2].items():
+        assert torch.equal(ckpt[2][name], g), name

@@ -37,3 +37,9 @@ def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids (triton.cdiv is a constexpr_function, with Python overhead per
     call: docs/PERFORMANCE.md, "Host time per operation")."""
     return -(-a // b)
+
+
+def pow2_at_least(n: int) -> int:
+    """The smallest power of two >= n (1 for n < 1), as triton.next_power_of_2 gives it for launch
+    configurations, without the constexpr_function wrapper's per-call overhead (see ``cdiv``)."""
+    return 1 if n < 1 else 1 << (n - 1).bit_length()

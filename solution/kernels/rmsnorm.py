@@ -38,7 +38,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from solution.env import interpreter_enabled
-from solution.kernels._launches import cdiv, launch
+from solution.kernels._launches import cdiv, launch, pow2_at_least
 
 # Rows longer than this are left to the stock code (one row must fit in one program's registers).
 MAX_HIDDEN = 8192
@@ -147,7 +147,7 @@ def _rmsnorm_bwd_dw_kernel(x_ptr, g_ptr, rstd_ptr, partial_ptr, x_row_stride, g_
 # --------------------------------------------------------------------------------------------------
 def _row_config(n_cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for rows of n_cols elements: ~8-16 fp32 values per thread for one row."""
-    block = triton.next_power_of_2(max(n_cols, 1))
+    block = pow2_at_least(max(n_cols, 1))
     if block <= 1024:
         warps = 4
     elif block <= 4096:
@@ -176,7 +176,7 @@ def _tile_elems() -> int:
 
 def _rows_per_program(n_rows: int, block: int) -> int:
     """BLOCK_ROWS: as many rows as fit the tile (at least 1, at most what the input has)."""
-    return min(triton.next_power_of_2(max(n_rows, 1)), _pow2_at_most(_tile_elems() // block))
+    return min(pow2_at_least(max(n_rows, 1)), _pow2_at_most(_tile_elems() // block))
 
 
 # Weight-gradient tiles on the GPU: [32 rows, 64 columns], 4 warps.
@@ -189,8 +189,8 @@ def _dw_config(n_rows: int, n_cols: int) -> tuple[int, int]:
     tile = _tile_elems()
     if tile <= _DW_BLOCK_M * _DW_BLOCK_N:
         return _DW_BLOCK_M, _DW_BLOCK_N
-    block_n = min(triton.next_power_of_2(max(n_cols, 1)), _pow2_at_most(tile))
-    return min(triton.next_power_of_2(max(n_rows, 1)), _pow2_at_most(tile // block_n)), block_n
+    block_n = min(pow2_at_least(max(n_cols, 1)), _pow2_at_most(tile))
+    return min(pow2_at_least(max(n_rows, 1)), _pow2_at_most(tile // block_n)), block_n
 
 
 def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:

@@ -49,7 +49,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from solution.env import interpreter_enabled
-from solution.kernels._launches import cdiv, launch
+from solution.kernels._launches import cdiv, launch, pow2_at_least
 
 _SUPPORTED_DTYPES = (torch.float16, torch.float32)
 MAX_HEAD_DIM = 512  # head_dim above this is left to stock (one half-row lives in registers)
@@ -133,7 +133,7 @@ def _rope_qk_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
 # --------------------------------------------------------------------------------------------------
 def _head_tiles(n_heads: int, block_d: int) -> tuple[int, int]:
     """(BLOCK_H, number of tiles) covering n_heads with per-token tiles of at most MAX_TILE elements."""
-    block_h = min(triton.next_power_of_2(max(n_heads, 1)), max(1, MAX_TILE // block_d))
+    block_h = min(pow2_at_least(max(n_heads, 1)), max(1, MAX_TILE // block_d))
     return block_h, max(1, cdiv(n_heads, block_h))
 
 
@@ -154,12 +154,12 @@ def _pow2_at_most(n: int) -> int:
 def _tokens_per_program(n_tokens: int, token_elems: int) -> int:
     """BLOCK_T: as many tokens as fit the tile (at least 1, at most what the input has)."""
     tile = INTERP_TILE_ELEMS if interpreter_enabled() else GPU_TILE_ELEMS
-    return min(triton.next_power_of_2(max(n_tokens, 1)), _pow2_at_most(tile // token_elems))
+    return min(pow2_at_least(max(n_tokens, 1)), _pow2_at_most(tile // token_elems))
 
 
 def _launch_config(n_tokens: int, n_q: int, n_k: int, head_dim: int) -> dict:
     """The constexprs of one launch."""
-    block_d = triton.next_power_of_2(head_dim // 2)
+    block_d = pow2_at_least(head_dim // 2)
     block_hq, q_tiles = _head_tiles(n_q, block_d)
     block_hk, k_tiles = _head_tiles(n_k, block_d)
     block_t = _tokens_per_program(n_tokens, max(block_hq, block_hk) * block_d)
@@ -288,7 +288,7 @@ def _spec(qk_dt, cs_dt, backward: bool, head_dim: int, n_q: int, n_k: int, gpu_t
                  "k_sl", "qo_sb", "qo_sh", "qo_sl", "ko_sb", "ko_sh", "ko_sl", "cos_sb", "cos_sl",
                  "sin_sb", "sin_sl"):
         sig[name] = "i32"
-    block_d = triton.next_power_of_2(head_dim // 2)
+    block_d = pow2_at_least(head_dim // 2)
     block_hq, q_tiles = _head_tiles(n_q, block_d)
     block_hk, k_tiles = _head_tiles(n_k, block_d)
     block_t = _pow2_at_most(gpu_tile_elems // (max(block_hq, block_hk) * block_d))

@@ -95,18 +95,13 @@ def _model_ok(model) -> bool:
     return ok
 
 
-def _checkpointed(layer) -> bool:
-    """The layer recomputes its forward in backward (transformers' gradient checkpointing)."""
-    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
-
-
 def _checkpointing_ok(model) -> bool:
     """Gradient checkpointing, where it is on, can run on the packed rows: each checkpointed layer
     has the checkpoint function transformers set (``_gradient_checkpointing_func``) and no module
     hooks (``_run_checkpointed`` calls the layer's forward itself, as stock does inside the
     checkpoint, so hooks would not run where stock runs them). Otherwise: the stock forward."""
     layers = model.layers[: model.config.num_hidden_layers]
-    return all(not _checkpointed(layer) or (callable(getattr(layer, "_gradient_checkpointing_func", None))
+    return all(not layer_node.checkpointed(layer) or (callable(getattr(layer, "_gradient_checkpointing_func", None))
                                             and not has_hooks(layer)) for layer in layers)
 
 
@@ -142,9 +137,9 @@ def _run_node(layer, hidden_states, node, info):
     layer_plan = layer_node.takes(layer, hidden_states, node)
     if layer_plan is None:
         return None
-    if not _checkpointed(layer):
+    if not layer_node.checkpointed(layer):
         return layer_node.apply_node(layer_plan, hidden_states, node)
-    if node.mask_source is None and layer_node.own_checkpoint(layer._gradient_checkpointing_func):
+    if layer_node.own_checkpoint(layer._gradient_checkpointing_func):
         # torch's own checkpoint function: the node checkpoints itself (the same kernels and draws)
         return layer_node.apply_checkpointed(layer_plan, hidden_states, node)
 
@@ -211,7 +206,7 @@ def unpadded_forward(model, input_ids, info, kwargs):
                     continue
                 layer_kwargs = dict(attention_mask=info, position_embeddings=position_embeddings,
                                     position_ids=position_ids, use_cache=False, **kwargs)
-                if _checkpointed(decoder_layer):
+                if layer_node.checkpointed(decoder_layer):
                     hidden_states = _run_checkpointed(decoder_layer, info, hidden_states, layer_kwargs)
                 else:
                     hidden_states = decoder_layer(hidden_states, **layer_kwargs)

@@ -185,10 +185,22 @@ def apply_node(plan: LayerPlan, h, ctx: StepContext):
     return _LayerNode.apply(h, plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb, plan, ctx)
 
 
+def checkpointed(layer) -> bool:
+    """The layer recomputes its forward in backward (transformers' gradient checkpointing)."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
+
+
 def run_layer(layer, h, ctx: StepContext):
-    """``apply_node`` when the node ``takes`` the layer, else None."""
+    """``apply_node`` when the node ``takes`` the layer (``apply_checkpointed`` when the layer is
+    checkpointed with a checkpoint function the node reproduces: ``own_checkpoint``), else None."""
     plan = takes(layer, h, ctx)
-    return None if plan is None else apply_node(plan, h, ctx)
+    if plan is None:
+        return None
+    if not checkpointed(layer):
+        return apply_node(plan, h, ctx)
+    if own_checkpoint(getattr(layer, "_gradient_checkpointing_func", None)):
+        return apply_checkpointed(plan, h, ctx)
+    return None
 
 
 def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
@@ -206,12 +218,12 @@ def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
 
 # -- the node -------------------------------------------------------------------------------------
 
-def _lora_forward(side: LoraPlan, x3, ctx: StepContext, x16=None):
+def _lora_forward(side: LoraPlan, x3, ctx: StepContext, source, x16=None):
     """q_proj / v_proj on x3 ([1, N, H] fp32): (out fp32, x16, saved, mask, mode, drop_scale) with
-    the dropout mask drawn as peft's call draws it (over the padded shape, or from the graph's
-    slots)."""
+    the dropout mask drawn as peft's call draws it (over the padded shape), or taken from
+    ``source`` (a packing.DropoutMaskSource: a CUDA graph's slots) when it is not None."""
     xd, mask, mode, drop_scale = lora_dropout(side.dropout, x3, defer=True, packed=ctx.info,
-                                              mask_source=ctx.mask_source)
+                                              mask_source=source)
     out, x16, saved = lora_forward_parts(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, side.scaling, x16)
     return out, x16, saved, mask, mode, drop_scale
 
@@ -271,20 +283,23 @@ def _attention_backward(plan: LayerPlan, d_out16, saved, ctx: StepContext, need_
     return dq3, dk3, dv_rows.view(1, n, -1)
 
 
-def _node_forward(h, plan: LayerPlan, sc: StepContext):
+def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     """The layer's forward kernels: (out [1, N, H] fp32, kept, meta). ``kept``: the tensors its
-    backward needs, in ``_node_backward``'s order; ``meta``: the plain values it needs with them."""
+    backward needs, in ``_node_backward``'s order; ``meta``: the plain values it needs with them.
+    ``masks``: where the dropout masks come from instead of ``sc.mask_source`` (the checkpointed
+    node's recording or replay of them), or None."""
+    source = sc.mask_source if masks is None else masks
     record(NODE_COUNT, ours=False)  # one per layer forward through the node (tests and reports)
     n, hid = sc.n, h.shape[-1]
     h2d = h.view(n, hid) if h.is_contiguous() else h.reshape(n, hid).contiguous()
     hn, rstd1 = rmsnorm._launch_forward(h2d, plan.norm1_w, plan.eps1)
     x3 = hn.view(1, n, hid)
     # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
-    q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc)
+    q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc, source)
     wk = plan.k.weight16()
     plan.k.dq.launch(wk)
     k = F.linear(x16, wk, plan.k_bias16).to(torch.float32)
-    v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, x16)
+    v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, source, x16)
     attn16, att_saved = _attention_forward(plan, q, k, v, sc)
     del q, k, v
     wo, _ = plan.o.dequant_and_cast(attn16)
@@ -397,21 +412,64 @@ def _rng_state(device: torch.device):
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
+class _RecordedMasks:
+    """A mask source (packing.DropoutMaskSource's ``take``) that hands out ``source``'s masks and
+    keeps them: the checkpointed node's forward inside a CUDA graph, where the masks come from the
+    graph's slots (drawn before each replay, over stock's padded shape)."""
+
+    def __init__(self, source):
+        self.source, self.masks = source, []
+
+    def take(self, p: float, x: torch.Tensor) -> torch.Tensor:
+        mask = self.source.take(p, x)
+        self.masks.append((float(p), mask))
+        return mask
+
+
+class _ReplayedMasks:
+    """A mask source that hands out the masks a ``_RecordedMasks`` kept, in the same order: the
+    checkpointed node's recompute takes the very masks its forward took (stock's recompute draws
+    them again from the restored generator state: the same values)."""
+
+    def __init__(self, masks):
+        self.masks, self.i = masks, 0
+
+    def take(self, p: float, x: torch.Tensor) -> torch.Tensor:
+        kept_p, mask = self.masks[self.i]
+        self.i += 1
+        if kept_p != float(p) or mask.shape != x.shape:
+            raise RuntimeError(f"checkpointed decoder-layer node: the recompute's dropout call {self.i - 1} "
+                               f"(p={p}, {tuple(x.shape)}) is not the forward's (p={kept_p}, {tuple(mask.shape)})")
+        return mask
+
+
 class _CheckpointedLayerNode(torch.autograd.Function):
-    """The node under gradient checkpointing: the forward keeps only the layer's input and the
-    dropout generator's state; the backward sets that state again (inside ``fork_rng``, so the
-    generator ends where the forward left it, as torch's checkpoint leaves it), recomputes the
-    forward's kernels, then runs the node's backward. The values are the node's under
-    transformers' checkpoint function (the same kernels, the same draws), without the checkpoint
-    machinery around them (saved-tensor hooks or a second autograd graph)."""
+    """The node under gradient checkpointing: the forward keeps only the layer's input and where
+    its dropout masks came from; the backward recomputes the forward's kernels with the same
+    masks, then runs the node's backward. Two cases:
+    - masks drawn by the layer (eager): the forward keeps the dropout generator's state; the
+      backward sets it again (inside ``fork_rng``, so the generator ends where the forward left it,
+      as torch's checkpoint leaves it) and the recompute draws the same masks;
+    - masks taken from a source (``sc.mask_source``: a CUDA graph's slots, drawn before each replay
+      exactly as stock draws them): the forward keeps the masks it took (views of the slots, which
+      hold them until the next replay) and the recompute takes them again; no generator is read or
+      set, so the node can be captured in a CUDA graph.
+    The values are the node's under transformers' checkpoint function (the same kernels, the same
+    masks), without the checkpoint machinery around them (saved-tensor hooks or a second autograd
+    graph)."""
 
     @staticmethod
     def forward(ctx, h, qa, qb, va, vb, plan: LayerPlan, sc: StepContext):
         record(CHECKPOINT_COUNT, ours=False)
         dev = h.device.type
-        ctx.rng = _rng_state(h.device)
-        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev))
-        out, _, _ = _node_forward(h, plan, sc)
+        ctx.autocast = (torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev), torch.is_autocast_cache_enabled())
+        if sc.mask_source is None:
+            ctx.rng, ctx.masks = _rng_state(h.device), None
+            out, _, _ = _node_forward(h, plan, sc)
+        else:
+            recorded = _RecordedMasks(sc.mask_source)
+            out, _, _ = _node_forward(h, plan, sc, recorded)
+            ctx.rng, ctx.masks = None, recorded.masks
         ctx.save_for_backward(h)
         _keep_plain(ctx, plan, sc, qa, qb, va, vb)
         return out
@@ -422,15 +480,20 @@ class _CheckpointedLayerNode(torch.autograd.Function):
         _consume(ctx)
         (h,) = ctx.saved_tensors
         dev = h.device
-        cuda = dev.type == "cuda"
-        with torch.random.fork_rng(devices=[dev] if cuda else []):  # the CPU's state is always forked
-            if cuda:
-                torch.cuda.set_rng_state(ctx.rng, dev)
-            else:
-                torch.set_rng_state(ctx.rng)
-            enabled, dtype = ctx.autocast  # the forward's autocast state, as torch's checkpoint restores it
-            with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled):
-                _, kept, meta = _node_forward(h, ctx.plan, ctx.sc)
+        enabled, dtype, cache = ctx.autocast  # the forward's autocast state, as torch's checkpoint restores it
+        if ctx.masks is not None:
+            with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                _, kept, meta = _node_forward(h, ctx.plan, ctx.sc, _ReplayedMasks(ctx.masks))
+            ctx.masks = None
+        else:
+            cuda = dev.type == "cuda"
+            with torch.random.fork_rng(devices=[dev] if cuda else []):  # the CPU's state is always forked
+                if cuda:
+                    torch.cuda.set_rng_state(ctx.rng, dev)
+                else:
+                    torch.set_rng_state(ctx.rng)
+                with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+                    _, kept, meta = _node_forward(h, ctx.plan, ctx.sc)
         del h
         kept = list(kept)  # _node_backward empties it: each activation is freed once used
         grads = _node_backward(ctx.plan, ctx.sc, kept, meta, grad_out, ctx.needs_input_grad[:5], ctx.dtypes)
@@ -439,7 +502,7 @@ class _CheckpointedLayerNode(torch.autograd.Function):
 
 def apply_checkpointed(plan: LayerPlan, h, ctx: StepContext):
     """The layer's output through the node with its own gradient checkpointing (``plan`` from
-    ``takes``; the caller checked ``own_checkpoint`` and that no CUDA graph supplies the masks)."""
+    ``takes``; the caller checked ``own_checkpoint``)."""
     return _CheckpointedLayerNode.apply(h, plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb, plan, ctx)
 
 
