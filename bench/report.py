@@ -213,10 +213,6 @@ def _cuda_graph_lines(rep: dict) -> list[str]:
              f"of them captured ahead from the dataset's predicted buckets), {total:.2f} s in all, "
              f"{g.get('capture_s_excl_first2', 0.0):.2f} s of them inside the timed steps; "
              f"buckets (tokens): {', '.join(str(c['tokens']) for c in caps)}."]
-    rare = g.get("eager_buckets") or []
-    if rare:
-        lines.append("Buckets left to the eager layers (expected in fewer batches than a capture pays for): "
-                     + ", ".join(f"{b['tokens']} tokens ({b['expected_uses']:.1f} expected)" for b in rare) + ".")
     if g.get("failed"):
         lines.append(f"Graph failures (eager from then on): {'; '.join(g['failed'])}.")
     lines.append("With graphs the layers' activations live in the graph's memory pool, which peak *allocated* "

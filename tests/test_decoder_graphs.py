@@ -378,19 +378,15 @@ def _assert_trains_like_eager(eager, graphed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bucket,ahead,cap,rare", [("64", False, None, False), ("16", False, None, False),
-                                                   ("16", True, None, False), ("16", False, 64, False),
-                                                   ("16", True, None, True)])
-def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahead, cap, rare):
+@pytest.mark.parametrize("bucket,ahead,cap", [("64", False, None), ("16", False, None), ("16", True, None),
+                                              ("16", False, 64)])
+def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahead, cap):
     """Graphs against eager on 4 QLoRA steps: same generator offsets, losses and gradients. With
     ``ahead`` a length profile is noted (as patches/trainer_lengths does) that predicts the
     batches' buckets: they are captured ahead, in the first step, from zeros, and the replays
     of the later steps still train as eager does. With ``cap`` the runner takes it as the run's
     longest row (the batches' longest is 64): attention's row bound is then 64 in every bucket
-    above it, and the filler row (at most one bucket width, 16) within it. With ``rare`` the profile's
-    buckets met once (112 and 208 tokens, against 144 met twice) fall below lengths.MIN_USES: they
-    are neither captured ahead nor when they come; those steps run eagerly. (Without ``rare`` every
-    bucket of the profile counts as worth a capture.)
+    above it, and the filler row (at most one bucket width, 16) within it.
     The workload's stack on a tiny model (NF4 double quant, LoRA r=16 on q/v, dropout 0.05,
     fp16 autocast, every patch): four forward/backward steps on batches of different lengths
     (two in one bucket, a new bucket, and a gradient accumulation of two batches), with graphs and
@@ -405,7 +401,6 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahea
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     batches = _four_batches()
     plan = [(0, True), (1, True), (2, True), (3, False)]  # (batch, zero_grad first): the last accumulates
-    monkeypatch.setattr(lengths, "MIN_USES", 1.5 if rare else 0.5)
     if cap is not None:
         bound = cuda_graphs.row_bound
         monkeypatch.setattr(cuda_graphs, "row_bound", lambda tokens, longest, _cap: bound(tokens, longest, cap))
@@ -414,21 +409,15 @@ def test_graphs_train_like_eager_gpu(device, tmp_path, monkeypatch, bucket, ahea
         return _train_steps(model_dir, batches, plan, "1" if graphs else "0", monkeypatch,
                             profile=[int(m.sum()) for _, m, _ in batches] if ahead else None)
 
-    first_capture, first_eager = len(cuda_graphs.CAPTURES), len(cuda_graphs.EAGER_BUCKETS)
+    first_capture = len(cuda_graphs.CAPTURES)
     eager, none = run(False)
     graphed, state = run(True)
     lengths.clear()
     assert none is None
     assert state is not None and state[1] is None, state
-    buckets = [cuda_graphs.bucketed_tokens(int(m.sum()), int(bucket)) for _, m, _ in batches]
+    assert state[0] == len({cuda_graphs.bucketed_tokens(int(m.sum()), int(bucket)) for _, m, _ in batches})
     caps = cuda_graphs.CAPTURES[first_capture:]
-    if rare:
-        assert buckets == [144, 144, 112, 208]
-        assert state[0] == 1 and [c["tokens"] for c in caps] == [144]
-        assert sorted(b["tokens"] for b in cuda_graphs.EAGER_BUCKETS[first_eager:]) == [112, 208]
-    else:
-        assert state[0] == len(set(buckets))
-        assert sum(1 for c in caps if c.get("ahead")) == (state[0] - 1 if ahead else 0)
+    assert sum(1 for c in caps if c.get("ahead")) == (state[0] - 1 if ahead else 0)
     if cap is not None:
         assert [c["row_bound"] for c in caps] == [min(c["tokens"], cap) for c in caps]
         assert any(c["row_bound"] < c["tokens"] for c in caps)
@@ -508,9 +497,8 @@ def test_describe_failure_names_the_first_error():
 
 
 def test_predicted_buckets_from_row_lengths():
-    """lengths.bucket_uses: how many of the run's batches each bucket is expected to hold, from the
-    row lengths alone, with a generator of its own (the global ones do not move); the buckets worth
-    a capture (at least lengths.MIN_USES expected uses) are predicted."""
+    """lengths.predicted_buckets: the buckets most simulated runs meet, from the row lengths
+    alone, with a generator of its own (the global ones do not move)."""
     import random
 
     from solution.step import lengths
@@ -518,19 +506,14 @@ def test_predicted_buckets_from_row_lengths():
     rows = [100] * 200 + [400] * 56  # most batches of 4 hold 400-700 tokens
     prof = lengths.LengthProfile(tuple(rows), batch=4, steps=64)
     state = (random.getstate(), torch.random.get_rng_state())
-    uses = lengths.bucket_uses(prof, lambda t: cuda_graphs.bucketed_tokens(t, 128))
+    buckets = lengths.predicted_buckets(prof, lambda t: cuda_graphs.bucketed_tokens(t, 128))
     assert random.getstate() == state[0] and torch.equal(torch.random.get_rng_state(), state[1])
-    assert abs(sum(uses.values()) - 64) < 1e-9  # every batch of the run in one bucket
-    buckets = lengths.predicted_buckets(uses)
     assert buckets == sorted(buckets) and {512, 768} <= set(buckets)  # 400 (4 short rows), 700 (one long)
-    assert uses[512] > 15 and uses[768] > 15
-    assert 1664 not in buckets and uses.get(1664, 0.0) < lengths.MIN_USES  # four long rows: 1600 tokens, rare
-    assert not lengths.worth_a_capture(uses, 1664) and lengths.worth_a_capture(uses, 768)
-    assert uses == lengths.bucket_uses(prof, lambda t: cuda_graphs.bucketed_tokens(t, 128))  # seeded
-    # every batch 4 x 512 (rows over max_length, truncated by the profile): one bucket, every batch
+    assert 1664 not in buckets  # four long rows: 1600 tokens, in few runs
+    assert buckets == lengths.predicted_buckets(prof, lambda t: cuda_graphs.bucketed_tokens(t, 128))  # seeded
+    # every batch 4 x 512 (rows over max_length, truncated by the profile): one bucket
     long = lengths.note([900] * 256, batch=4, steps=64, max_length=512)
-    assert lengths.bucket_uses(long, lambda t: cuda_graphs.bucketed_tokens(t, 128)) == {2176: 64.0}
-    assert lengths.predicted_buckets({2176: 64.0}) == [2176]
+    assert lengths.predicted_buckets(long, lambda t: cuda_graphs.bucketed_tokens(t, 128)) == [2176]
     assert lengths.note([], batch=4, steps=64) is None and lengths.note([5], batch=0, steps=1) is None
     lengths.clear()
     assert lengths.profile() is None

@@ -462,10 +462,6 @@ class DecoderGraphs:
         self.failed: str | None = None
         self.full_said = False
         self.ahead: list[int] | None = None  # buckets to capture ahead (lengths.py), set at the first step
-        # each bucket's expected uses in the run (lengths.bucket_uses), where the run's row lengths are
-        # known (set at the first step), else None; buckets below lengths.MIN_USES run eagerly
-        self.uses: dict[int, float] | None = None
-        self.eager_buckets: set[int] = set()
         # the longest row any bucket of this run holds, where the run's row lengths are known
         # (``row_bound``; set at the first step with ``ahead``), else None (the bucket is the bound)
         self.row_cap: int | None = None
@@ -489,14 +485,6 @@ class DecoderGraphs:
         g = self.graphs.get(key)
         if g is not None:
             return g
-        if not ahead and self.uses is not None and not lengths.worth_a_capture(self.uses, n):
-            if n not in self.eager_buckets:  # a bucket the run rarely uses: a capture would cost more than it saves
-                self.eager_buckets.add(n)
-                EAGER_BUCKETS.append({"tokens": n, "expected_uses": self.uses.get(n, 0.0)})
-                say(f"decoder CUDA graphs: batches of the {n}-token bucket run eagerly (expected in "
-                    f"{self.uses.get(n, 0.0):.1f} of the run's batches, fewer than {lengths.MIN_USES}: "
-                    "a capture would cost more than its replays save)")
-            return None
         if len(self.graphs) >= MAX_GRAPHS:
             if not self.full_said:
                 self.full_said = True
@@ -592,7 +580,6 @@ class DecoderGraphs:
         only on its token count, its number of rows and dtypes: they are recorded from zeros
         shaped like a batch of ``binfo.batch`` rows (a capture runs no kernel; the values the
         replays use are loaded before each replay)."""
-        self._ensure_arena(binfo, h, cos)  # this step's own bucket may not have been captured (a rare one)
         for nb in sorted(self.ahead or [], reverse=True):
             if nb == h.shape[1] or nb > self.arena.capacity:
                 continue
@@ -620,15 +607,14 @@ class DecoderGraphs:
         first = self.ahead is None
         if first:
             prof = lengths.profile()
-            self.uses = None if prof is None else lengths.bucket_uses(prof, lambda t: bucketed_tokens(t, bucket_size()))
-            self.ahead = [] if self.uses is None else lengths.predicted_buckets(self.uses)
+            self.ahead = [] if prof is None else lengths.predicted_buckets(prof, lambda t: bucketed_tokens(t, bucket_size()))
             self.row_cap = None if prof is None else max(bucket_size(), max(prof.lengths))
             if self.ahead:
                 say(f"decoder CUDA graphs: {len(self.ahead)} buckets predicted from the dataset's row lengths "
                      f"({self.ahead[0]}-{self.ahead[-1]} tokens), captured ahead in this step")
         try:
             g = self._graphs_for(layers, binfo, h, cos, sin, dropouts)
-            if first and self.ahead:
+            if first and g is not None and self.ahead:
                 self._capture_ahead(layers, binfo, h, cos, dropouts)
         except Exception as exc:  # noqa: BLE001 - a refused capture: eager from now on, said once
             self.failed = _describe_failure(exc)
@@ -655,14 +641,13 @@ _REFUSALS_SAID: set[str] = set()
 # {"tokens", "seconds", "t": time.perf_counter() at its start, "ahead", "row_bound"}, and the failure reasons.
 CAPTURES: list[dict] = []
 FAILURES: list[str] = []
-EAGER_BUCKETS: list[dict] = []  # {"tokens", "expected_uses"}: buckets left uncaptured (lengths.MIN_USES)
 DECISIONS: list[dict] = []  # "auto" mode: {"graphs", "reason", "samples"} per model decided
 
 
 def stats() -> dict:
     """Captures, failures and "auto" decisions so far (copies), plus the refusals said."""
     return {"captures": [dict(c) for c in CAPTURES], "failed": list(FAILURES), "refused": sorted(_REFUSALS_SAID),
-            "decisions": [dict(d) for d in DECISIONS], "eager_buckets": [dict(b) for b in EAGER_BUCKETS]}
+            "decisions": [dict(d) for d in DECISIONS]}
 
 # Forward arguments that reach the layers but no op inside them reads: the Trainer's loss
 # normaliser (transformers passes its **kwargs down to every layer; Qwen2's attention and MLP

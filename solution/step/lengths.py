@@ -4,14 +4,13 @@ Why: a CUDA-graph bucket captured on first sight inside the timed steps costs ab
 pass of the layers on the host (docs/cuda_graphs.md). The buckets a run will need are not known
 before its batches come, but their distribution is: the Trainer's tokenized dataset holds every
 row's length, the batch size and the step count are in its arguments, and the sampler draws each
-epoch as a random permutation of the rows. ``bucket_uses`` simulates such permutations with its
-own seeded generator (``random.Random``: the global torch / Python / NumPy generators are never
-touched, so the run's batch order and dropout are unchanged) and gives how many batches of the
-run each bucket is expected to hold. A capture pays only where the bucket is used often enough
-(``MIN_USES``, measured): cuda_graphs.py captures those buckets ahead, in the step that turns
-graphs on (step 2: outside steps 3-64, inside Soup's duration, which counts every capture), and
-runs a batch of a rarer bucket eagerly instead of capturing it; a bucket the profile does not
-name (or any bucket, without a profile) is captured when it first comes.
+epoch as a random permutation of the rows. ``predicted_buckets`` simulates such permutations
+with its own seeded generator (``random.Random``: the global torch / Python / NumPy generators
+are never touched, so the run's batch order and dropout are unchanged) and names the buckets that
+more than ``p_min`` of the simulated runs meet. P_MIN is 1/4: capturing a bucket ahead costs one
+capture outside the timed steps, leaving it costs one capture inside them with its probability. cuda_graphs.py captures those ahead, in the step
+that turns graphs on (step 2: outside steps 3-64, inside Soup's duration, which counts every
+capture); a bucket outside them is still captured when it first comes.
 
 ``note`` is called by patches/trainer_lengths.py when ``Trainer.train`` starts; it only reads.
 """
@@ -55,23 +54,20 @@ def clear() -> None:
     _PROFILE = None
 
 
-# A bucket is worth a capture when the run is expected to use it at least MIN_USES times: a capture
-# costs about one eager pass of the layers plus the graphs' instantiation, each use saves one eager
-# pass minus a replay. Measured on the H200 (shipped run of 90905ac, docs/runs/latest.json of
-# 2026-12-02): the 1792-token bucket's capture ahead took 0.18 s, a replayed step saved 0.115 s
-# against the eager step (61 against 176 ms): 1.57 uses to break even.
-MIN_USES = 1.6
+P_MIN = 0.25
 
 
-def bucket_uses(prof: LengthProfile, bucket_of, runs: int = 200, seed: int = 0) -> dict[int, float]:
-    """How many of the run's batches fall in each bucket (``bucket_of(tokens in a batch)``), the mean
-    over ``runs`` simulated runs: each run takes the rows in a random order, epoch after epoch,
-    ``prof.batch`` at a time (the last batch of an epoch may be shorter, as a DataLoader without
-    drop_last gives it), for ``prof.steps`` batches. Pure: its own generator, nothing global."""
+def predicted_buckets(prof: LengthProfile, bucket_of, p_min: float = P_MIN, runs: int = 200,
+                      seed: int = 0) -> list[int]:
+    """The buckets (``bucket_of(tokens in a batch)``) that more than ``p_min`` of ``runs`` simulated
+    runs meet: each run takes the rows in a random order, epoch after epoch, ``prof.batch`` at a
+    time (the last batch of an epoch may be shorter, as a DataLoader without drop_last gives it),
+    for ``prof.steps`` batches. Sorted ascending. Pure: its own generator, nothing global."""
     rng = random.Random(seed)
     n_rows, b = len(prof.lengths), prof.batch
     seen: dict[int, int] = {}
     for _ in range(runs):
+        buckets: set[int] = set()
         steps = 0
         while steps < prof.steps:
             order = list(range(n_rows))
@@ -79,17 +75,8 @@ def bucket_uses(prof: LengthProfile, bucket_of, runs: int = 200, seed: int = 0) 
             for start in range(0, n_rows, b):
                 if steps >= prof.steps:
                     break
-                k = bucket_of(sum(prof.lengths[i] for i in order[start:start + b]))
-                seen[k] = seen.get(k, 0) + 1
+                buckets.add(bucket_of(sum(prof.lengths[i] for i in order[start:start + b])))
                 steps += 1
-    return {k: c / runs for k, c in sorted(seen.items())}
-
-
-def worth_a_capture(uses: dict[int, float], bucket: int) -> bool:
-    """The run is expected to use ``bucket`` at least MIN_USES times (``uses``: ``bucket_uses``)."""
-    return uses.get(bucket, 0.0) >= MIN_USES
-
-
-def predicted_buckets(uses: dict[int, float]) -> list[int]:
-    """The buckets of ``bucket_uses`` worth a capture ahead (``worth_a_capture``), ascending."""
-    return sorted(k for k in uses if worth_a_capture(uses, k))
+        for k in buckets:
+            seen[k] = seen.get(k, 0) + 1
+    return sorted(k for k, c in seen.items() if c > p_min * runs)
