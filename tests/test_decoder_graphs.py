@@ -249,22 +249,37 @@ def test_refused_without_cuda_or_setting(monkeypatch):
 
 
 def test_scan_finds_hooks_and_active_lora_dropouts(monkeypatch):
-    """_scan counts the LoRA dropouts a forward draws from (p > 0, training mode) and sees hooks
-    anywhere in the layers. The tiny model's LoRA layers are peft's plain Linear; the scan is
-    pointed at that class in place of the bnb 4-bit one."""
+    """_scan counts the LoRA dropouts a forward draws from (p > 0, training mode), sees hooks
+    anywhere in the layers, and lists the trainable parameters exactly as
+    ``layer.parameters()`` does (the same objects, in the same order, each once). The tiny
+    model's LoRA layers are peft's plain Linear; the scan is pointed at that class in place of the
+    bnb 4-bit one."""
     import peft.tuners.lora.bnb as lora_bnb
     from peft.tuners.lora.layer import Linear as LoraLinear
+
+    def found(layers):
+        scan = cuda_graphs._scan(layers)
+        expected = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        assert len(scan.params) == len(expected) and all(a is b for a, b in zip(scan.params, expected))
+        return scan.hooked, scan.dropouts
 
     monkeypatch.setattr(lora_bnb, "Linear4bit", LoraLinear, raising=False)
     model = _lora_model("cpu", dropout=0.1).train()
     layers = model.base_model.model.model.layers
-    assert cuda_graphs._scan(layers) == (False, 4)  # 2 layers x (q, v)
+    assert found(layers) == (False, 4)  # 2 layers x (q, v)
+    assert len(cuda_graphs._scan(layers).params) == 8  # q's and v's A and B in 2 layers
     layers[0].self_attn.q_proj.lora_dropout["default"].eval()
-    assert cuda_graphs._scan(layers) == (False, 3)
+    assert found(layers) == (False, 3)
     handle = layers[1].mlp.register_forward_hook(lambda *a: None)
-    assert cuda_graphs._scan(layers) == (True, 3)
+    assert found(layers) == (True, 3)
     handle.remove()
-    assert cuda_graphs._scan(_lora_model("cpu", dropout=0.0).base_model.model.model.layers) == (False, 0)
+    layers[1].self_attn.k_proj.weight.requires_grad_(True)  # one more trainable parameter: listed in its place
+    assert found(layers) == (False, 3)
+    layers[1].self_attn.k_proj.weight.requires_grad_(False)
+    layers[1].self_attn.extra = layers[1].self_attn.q_proj  # a module seen twice is walked once
+    assert found(layers) == (False, 3)
+    del layers[1].self_attn.extra
+    assert found(_lora_model("cpu", dropout=0.0).base_model.model.model.layers) == (False, 0)
 
 
 def test_layer_arguments_the_graph_may_ignore():

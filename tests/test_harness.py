@@ -647,3 +647,13 @@ def test_kernel_rates_divide_the_modelled_bytes_by_the_profiled_time(tmp_path, c
     if not torch.cuda.is_available():  # the T4 script's --measure-copy: refused with one line without a GPU
         assert kernel_rates.main([str(path), "--measure-copy"]) == 2
         assert "no CUDA GPU" in capsys.readouterr().err
+
+
+def test_step_walks_bench_runs_and_agrees(capsys):
+    """bench/step_walks.py (the host time of the graphs' per-step walk, CPU): on a 2-layer model it
+    runs, prints its table and finds the same hooks, dropouts and parameters both ways (exit 0)."""
+    from bench import step_walks
+
+    assert step_walks.main(["--layers", "2", "--reps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "same answers: yes" in out and "`_scan`, one walk (now)" in out

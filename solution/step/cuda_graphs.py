@@ -48,6 +48,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import weakref
 
@@ -63,6 +64,8 @@ from solution.step import attention, lengths, packing
 from solution.step import layer as layer_node
 
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
+# torch's context that turns tensor subclasses' __torch_function__ off (torch >= 2.0; a no-op where absent)
+_NO_SUBCLASS_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
 
 
 def mode() -> str:
@@ -427,24 +430,57 @@ def run_layers(layers, h, info, cos, sin, pos):
     return x
 
 
-def _scan(layers) -> tuple[bool, int]:
-    """(any module hook in or around the layers, LoRA dropouts with p > 0 in training mode): the
-    hooks would run only at capture; the dropouts are the masks one forward takes. One pass over
-    the layers' modules, every step (its cost is not measured separately)."""
+class Scan:
+    """What one walk over the decoder layers' modules finds (``_scan``): any module hook in or
+    around the layers (they would run only at capture), the LoRA dropouts with p > 0 in training
+    mode (the masks one forward takes), and the trainable parameters in ``Module.parameters()``
+    order (the graphs' gradient outputs)."""
+
+    __slots__ = ("hooked", "dropouts", "params")
+
+    def __init__(self, hooked: bool, dropouts: int, params: list):
+        self.hooked, self.dropouts, self.params = hooked, dropouts, params
+
+
+def _scan(layers) -> Scan:
+    """One pass over the layers' modules, every step: what ``layer.modules()`` and
+    ``layer.parameters()`` would visit (pre-order, children in order, each module and parameter
+    once), read from the modules' own dicts. It replaced two walks with torch's generators
+    (``modules()`` for hooks and dropouts, then ``parameters()``) at about a third of their host
+    time (``python -m bench.step_walks``; docs/cuda_graphs.md, "Host work per step")."""
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     except Exception:  # noqa: BLE001 - peft / bnb absent: no LoRA layer of that kind
         LoraLinear4bit = ()
-    hooked = global_hooks()
-    dropouts = 0
-    for layer in layers:
-        for m in layer.modules():
-            if not hooked and own_hooks(m):
+    dropout_cls = torch.nn.Dropout
+    hooked, dropouts, params = global_hooks(), 0, []
+    seen_modules: set = set()
+    seen_params: set = set()
+    stack = [(layer, False) for layer in reversed(list(layers))]  # (module, inside a LoRA layer's lora_dropout)
+    # bitsandbytes' Params4bit overrides __torch_function__, which every attribute read of such a
+    # tensor goes through (~2.5 us for requires_grad; 196 weights): the block reads the flags with
+    # subclass overrides off (it only reads attributes; nothing is computed or called in it)
+    with _NO_SUBCLASS_TORCH_FUNCTION():
+        while stack:
+            m, in_dropout = stack.pop()
+            if id(m) in seen_modules:
+                continue
+            seen_modules.add(id(m))
+            d = m.__dict__
+            if not hooked and (d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks")
+                               or d.get("_backward_pre_hooks")):
                 hooked = True
-            if LoraLinear4bit and isinstance(m, LoraLinear4bit):
-                dropouts += sum(1 for d in m.lora_dropout.modules()
-                                if isinstance(d, torch.nn.Dropout) and d.training and d.p > 0)
-    return hooked, dropouts
+            if in_dropout and isinstance(m, dropout_cls) and m.training and m.p > 0:
+                dropouts += 1
+            for p in d["_parameters"].values():
+                if p is not None and p.requires_grad and id(p) not in seen_params:
+                    seen_params.add(id(p))
+                    params.append(p)
+            children = d["_modules"]
+            if children:
+                lora_dropout = children.get("lora_dropout") if LoraLinear4bit and isinstance(m, LoraLinear4bit) else None
+                stack.extend((c, in_dropout or c is lora_dropout) for c in reversed(children.values()) if c is not None)
+    return Scan(hooked, dropouts, params)
 
 
 class DecoderGraphs:
@@ -467,8 +503,8 @@ class DecoderGraphs:
         self.row_cap: int | None = None
 
     # -- parameters ---------------------------------------------------------------------------
-    def _trainable(self, layers) -> list[torch.nn.Parameter]:
-        params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+    def _trainable(self, params: list) -> list[torch.nn.Parameter]:
+        """The layers' trainable parameters this step (``_scan``'s), the graphs dropped when they changed."""
         if self.params is None or len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
             self.params, self.graphs, self.grads = params, {}, _GradBuffers(params)
         return params
@@ -593,7 +629,7 @@ class DecoderGraphs:
             self._graphs_for(layers, fake, h0, c0, c0, dropouts, ahead=True)
 
     # -- a step -------------------------------------------------------------------------------
-    def forward(self, model, layers, input_ids, info, dropouts: int) -> torch.Tensor | None:
+    def forward(self, model, layers, input_ids, info, scan: Scan) -> torch.Tensor | None:
         """The layers' output [1, N, H] on the packed real tokens (pre final norm), replayed from a
         graph; None when this step cannot run in one (the caller runs the eager loop)."""
         n = info.n_tokens
@@ -603,7 +639,8 @@ class DecoderGraphs:
         h = model.embed_tokens(ids)
         pos = binfo.positions.unsqueeze(0)
         cos, sin = model.rotary_emb(h, pos)
-        params = self._trainable(layers)
+        params = self._trainable(scan.params)
+        dropouts = scan.dropouts
         first = self.ahead is None
         if first:
             prof = lengths.profile()
@@ -693,8 +730,8 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
 def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
     """The packed decoder layers' output [1, N, H] from CUDA graphs, or None (run them eagerly)."""
     layers = model.layers[: model.config.num_hidden_layers]
-    hooked, dropouts = _scan(layers) if enabled() and input_ids.device.type == "cuda" else (False, 0)
-    reason = refusal(model, input_ids, kwargs, hooked)
+    scan = _scan(layers) if enabled() and input_ids.device.type == "cuda" else None
+    reason = refusal(model, input_ids, kwargs, scan is not None and scan.hooked)
     if reason is None and mode() == "auto":
         probe = _PROBES.get(model)
         if probe is None:
@@ -712,7 +749,7 @@ def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
     if runner is None:
         precompile.wait()  # a background compile must not load modules while a graph is captured
         runner = _RUNNERS[model] = DecoderGraphs(input_ids.device)
-    return runner.forward(model, layers, input_ids, info, dropouts)
+    return runner.forward(model, layers, input_ids, info, scan)
 
 
 def runner_of(model) -> DecoderGraphs | None:
