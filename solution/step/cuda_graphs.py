@@ -466,10 +466,9 @@ def _scan(layers) -> Scan:
             if id(m) in seen_modules:
                 continue
             seen_modules.add(id(m))
-            d = m.__dict__
-            if not hooked and (d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks")
-                               or d.get("_backward_pre_hooks")):
+            if not hooked and own_hooks(m):
                 hooked = True
+            d = m.__dict__
             if in_dropout and isinstance(m, dropout_cls) and m.training and m.p > 0:
                 dropouts += 1
             for p in d["_parameters"].values():
