@@ -130,24 +130,19 @@ def _run_checkpointed(layer, info, hidden_states, kwargs):
 
 
 def _run_node(layer, hidden_states, node, info):
-    """The layer through the decoder-layer node (step/layer.py); when the layer is checkpointed,
-    through the node's own checkpointing where transformers' checkpoint function is torch's plain
-    one (``layer_node.own_checkpoint``), else under that function (as the module would run); None
-    when the node does not take this layer (the caller calls the module)."""
-    layer_plan = layer_node.takes(layer, hidden_states, node)
-    if layer_plan is None:
-        return None
-    if not layer_node.checkpointed(layer):
-        return layer_node.apply_node(layer_plan, hidden_states, node)
-    if layer_node.own_checkpoint(layer._gradient_checkpointing_func):
-        # torch's own checkpoint function: the node checkpoints itself (the same kernels and draws)
-        return layer_node.apply_checkpointed(layer_plan, hidden_states, node)
+    """The layer through the decoder-layer node (``layer_node.run_layer``: its own checkpointing
+    where transformers' checkpoint function is torch's plain one); a checkpointed layer whose
+    checkpoint function the node does not reproduce runs the node under that function (as the module
+    would run); None when the node does not take this layer (the caller calls the module)."""
 
-    def run(h):  # the forward, and again in backward (the recompute), under the packed batch
-        with packing.running_unpadded(info):
-            return layer_node.apply_node(layer_plan, h, node)
+    def under_checkpoint_function(layer_plan):
+        def run(h):  # the forward, and again in backward (the recompute), under the packed batch
+            with packing.running_unpadded(info):
+                return layer_node.apply_node(layer_plan, h, node)
 
-    return layer._gradient_checkpointing_func(run, hidden_states)
+        return layer._gradient_checkpointing_func(run, hidden_states)
+
+    return layer_node.run_layer(layer, hidden_states, node, other_checkpoint=under_checkpoint_function)
 
 
 def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs):

@@ -33,6 +33,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -190,9 +191,11 @@ def checkpointed(layer) -> bool:
     return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
 
 
-def run_layer(layer, h, ctx: StepContext):
+def run_layer(layer, h, ctx: StepContext, other_checkpoint=None):
     """``apply_node`` when the node ``takes`` the layer (``apply_checkpointed`` when the layer is
-    checkpointed with a checkpoint function the node reproduces: ``own_checkpoint``), else None."""
+    checkpointed with a checkpoint function the node reproduces: ``own_checkpoint``); a layer
+    checkpointed with another function: ``other_checkpoint(plan)`` (None when not given); None when
+    the node does not take the layer."""
     plan = takes(layer, h, ctx)
     if plan is None:
         return None
@@ -200,7 +203,7 @@ def run_layer(layer, h, ctx: StepContext):
         return apply_node(plan, h, ctx)
     if own_checkpoint(getattr(layer, "_gradient_checkpointing_func", None)):
         return apply_checkpointed(plan, h, ctx)
-    return None
+    return None if other_checkpoint is None else other_checkpoint(plan)
 
 
 def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
@@ -412,6 +415,19 @@ def _rng_state(device: torch.device):
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
+@contextlib.contextmanager
+def _generator_at(state, device: torch.device):
+    """Within this block the dropout generator of ``device`` is at ``state`` (``_rng_state``); after
+    it, where it was before (``fork_rng``: as torch's checkpoint leaves it after its recompute)."""
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):  # the CPU's state is always forked
+        if cuda:
+            torch.cuda.set_rng_state(state, device)
+        else:
+            torch.set_rng_state(state)
+        yield
+
+
 class _RecordedMasks:
     """A mask source (packing.DropoutMaskSource's ``take``) that hands out ``source``'s masks and
     keeps them: the checkpointed node's forward inside a CUDA graph, where the masks come from the
@@ -481,19 +497,11 @@ class _CheckpointedLayerNode(torch.autograd.Function):
         (h,) = ctx.saved_tensors
         dev = h.device
         enabled, dtype, cache = ctx.autocast  # the forward's autocast state, as torch's checkpoint restores it
-        if ctx.masks is not None:
-            with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
-                _, kept, meta = _node_forward(h, ctx.plan, ctx.sc, _ReplayedMasks(ctx.masks))
-            ctx.masks = None
-        else:
-            cuda = dev.type == "cuda"
-            with torch.random.fork_rng(devices=[dev] if cuda else []):  # the CPU's state is always forked
-                if cuda:
-                    torch.cuda.set_rng_state(ctx.rng, dev)
-                else:
-                    torch.set_rng_state(ctx.rng)
-                with torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
-                    _, kept, meta = _node_forward(h, ctx.plan, ctx.sc)
+        masks = None if ctx.masks is None else _ReplayedMasks(ctx.masks)
+        draws = contextlib.nullcontext() if masks is not None else _generator_at(ctx.rng, dev)
+        with draws, torch.no_grad(), torch.autocast(dev.type, dtype=dtype, enabled=enabled, cache_enabled=cache):
+            _, kept, meta = _node_forward(h, ctx.plan, ctx.sc, masks)
+        ctx.masks = None
         del h
         kept = list(kept)  # _node_backward empties it: each activation is freed once used
         grads = _node_backward(ctx.plan, ctx.sc, kept, meta, grad_out, ctx.needs_input_grad[:5], ctx.dtypes)
