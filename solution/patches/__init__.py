@@ -13,4 +13,5 @@ PATCHES = [
     "solution.patches.qwen2_lm_head_loss",
     "solution.patches.qwen2_unpad",
     "solution.patches.trainer_lengths",
+    "solution.patches.trainer_flops",
 ]

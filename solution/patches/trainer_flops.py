@@ -1,0 +1,92 @@
+"""``transformers.Trainer.floating_point_ops``: the model's parameter count taken once per run.
+
+What it replaces: every training step the Trainer adds ``floating_point_ops(inputs)`` to its FLOP
+count (``total_flos``, a metric Soup logs), and transformers computes it as
+``6 * tokens * model.num_parameters(exclude_embeddings=True)``. ``num_parameters`` walks every
+module (for the embeddings' names) and every parameter (bitsandbytes' 4-bit weights route each
+attribute read through their ``__torch_function__``): ~6 ms of host time a step on the H200 host
+(docs/PERFORMANCE.md), the same number every step.
+
+What it does instead: inside ``floating_point_ops``, and only there, ``num_parameters`` with
+``only_trainable=False`` answers from a memo that lives as long as the Trainer's run state
+(``trainer.state``, a new object each time ``train()`` starts) and its model. Stock's own
+``floating_point_ops`` still runs: the formula, the inputs it reads and the integer it returns are
+transformers'; only the repeated walk is gone. A count that can change within a run is not
+memoized: ``only_trainable=True`` (a callback may freeze or unfreeze parameters) and every call
+outside ``floating_point_ops`` go to stock.
+
+Risk: a run that adds or removes parameters between two steps of one ``train()`` (no Trainer
+feature does) would keep the first count; the total_flos check of every compared run
+(bench/rules.py: equal, exactly) and the test guard it.
+"""
+from __future__ import annotations
+
+import contextvars
+import functools
+
+NAME = "trainer_flops"
+
+_KEY = "_solution_flops_memo"
+# The memo of the floating_point_ops call in progress ({(id(model), exclude_embeddings): count}), or None.
+_ACTIVE: contextvars.ContextVar = contextvars.ContextVar("solution_flops_memo", default=None)
+
+
+def check() -> str | None:
+    try:
+        import transformers
+        from transformers.modeling_utils import PreTrainedModel
+    except Exception as exc:  # noqa: BLE001 - transformers missing or broken
+        return f"transformers not importable ({type(exc).__name__}: {exc})"
+    if not callable(getattr(transformers.Trainer, "floating_point_ops", None)):
+        return "transformers.Trainer has no floating_point_ops()"
+    if not callable(getattr(PreTrainedModel, "num_parameters", None)):
+        return "PreTrainedModel has no num_parameters()"
+    return None
+
+
+def _memo_of(trainer) -> dict:
+    """The trainer's memo for its current run state and model (a new one when either changed)."""
+    state, model = getattr(trainer, "state", None), getattr(trainer, "model", None)
+    held = trainer.__dict__.get(_KEY)
+    if held is None or held[0] is not state or held[1] is not model:
+        held = (state, model, {})
+        trainer.__dict__[_KEY] = held
+    return held[2]
+
+
+def _make_floating_point_ops(stock):
+    def floating_point_ops(self, inputs):
+        token = _ACTIVE.set(_memo_of(self))
+        try:
+            return stock(self, inputs)
+        finally:
+            _ACTIVE.reset(token)
+
+    functools.update_wrapper(floating_point_ops, stock)
+    return floating_point_ops
+
+
+def _make_num_parameters(stock):
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        memo = _ACTIVE.get()
+        if memo is None or only_trainable:
+            return stock(self, only_trainable=only_trainable, exclude_embeddings=exclude_embeddings)
+        key = (id(self), bool(exclude_embeddings))
+        held = memo.get(key)
+        if held is None or held[0] is not self:
+            held = memo[key] = (self, stock(self, only_trainable=False, exclude_embeddings=exclude_embeddings))
+        return held[1]
+
+    functools.update_wrapper(num_parameters, stock)
+    return num_parameters
+
+
+def install(swaps) -> str:
+    import transformers
+    from transformers.modeling_utils import PreTrainedModel
+
+    swaps.set(transformers.Trainer, "floating_point_ops",
+              _make_floating_point_ops(transformers.Trainer.floating_point_ops))
+    swaps.set(PreTrainedModel, "num_parameters", _make_num_parameters(PreTrainedModel.num_parameters))
+    return ("Trainer.floating_point_ops: the model's parameter count walked once per run instead of "
+            "every step (stock formula; total_flos unchanged)")
