@@ -54,6 +54,7 @@ import threading
 import time
 from pathlib import Path
 
+from bench import repeats
 from bench import report as report_mod
 from bench import runs as runs_mod
 from bench import t4_projection
@@ -595,7 +596,7 @@ def run_entry(key: str, runs: dict, spec: RunSpec | None, call: dict) -> dict:
 def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, base_split=None, sol_split=None,
                  shape: str = "shipped", data: str | None = None, others: dict | None = None,
                  machine: dict | None = None, sol_prof_eager: dict | None = None,
-                 specs: dict | None = None) -> dict:
+                 specs: dict | None = None, repeated: dict | None = None) -> dict:
     """The report of the ``shape`` run (time, memory, kernels, host split, rules), plus "shapes":
     the figures of every run (``shape`` first, then ``others``: name -> {"data", "baseline",
     "solution", and where run "baseline-profiled", "solution-profiled", "solution-profiled-eager",
@@ -605,7 +606,8 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
     None: this machine's, now. ``sol_prof_eager``: the solution's profiled pass with graphs off
     (plan's "profiled-eager"), or None. The T4 projection takes the solution's eager host time
     from run shipped-graphs-off where the report has it; a run in an SM partition gets the model's
-    prediction from the shipped run beside its measurement."""
+    prediction from the shipped run beside its measurement. ``repeated``: name -> the choice among
+    repeated pairs (bench/repeats.py), kept in the run's entry as "repeats"."""
     if machine is None:
         machine = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "gpu": _gpu(),
                    "versions": _versions(), "commit": git_commit()}
@@ -651,6 +653,8 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
                "solution-profiled": sol_prof, f"solution-{EAGER_PROFILED}": sol_prof_eager}
     every = {shape: primary, **(others or {})}
     rep["shapes"] = {key: run_entry(key, runs, specs.get(key), call) for key, runs in every.items()}
+    for key, choice in (repeated or {}).items():
+        rep["shapes"][key]["repeats"] = choice
     rep["shape_runs"] = {key: {v: runs[v] for v in VARIANTS} for key, runs in (others or {}).items()}
     # T4 projection (bench/t4_projection.py): a model from the shipped run's profiled and timed passes,
     # the solution's eager host time from run shipped-graphs-off where this report has it
@@ -690,6 +694,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cold", action=argparse.BooleanOptionalAction, default=None,
                     help="the cold pass: baseline and solution once more (shipped shape, timed) in empty "
                     "Triton/Inductor caches (default: on a GPU only)")
+    ap.add_argument("--repeat", type=int, default=1, metavar="N",
+                    help=f"each run's timed pass N times per variant (1-{repeats.MAX_REPEAT}), interleaved; the "
+                    "pair with the median steps 3-N ratio stands for the run, every pair is listed (bench/repeats.py)")
     ap.add_argument("--sms", type=int, metavar="N", help="every run with every CUDA stream in a green context of "
                     "N SMs (a GPU-bound machine; bench/partition.py; torch >= 2.11), named <run>-sm<N>")
     args = ap.parse_args(argv)
@@ -728,6 +735,8 @@ def _main(args) -> int:
                 profile_only = runs_mod.parse_names(args.profile_shapes, names, "run of this comparison")
             except RunsError as exc:
                 raise InputError(f"--profile-shapes {args.profile_shapes!r}: {exc}") from exc
+        if not 1 <= args.repeat <= repeats.MAX_REPEAT:
+            raise InputError(f"--repeat {args.repeat}: give 1 to {repeats.MAX_REPEAT}")
         check_out(out)
         check_solution_settings()
         workload = load_workload(args.workload or WORKLOAD_FILE)
@@ -768,7 +777,7 @@ def _main(args) -> int:
                                                   tokenizer=tokenizer))
             print(f"[compare] dataset shape {shape}: {datas[shape]}", flush=True)
     plan = runs_mod.plan(specs, cuda, profile=not args.no_profile, host_split=not args.no_host_split,
-                         profile_only=profile_only)
+                         profile_only=profile_only, repeat=args.repeat)
     by_name = {spec.name: spec for spec in specs}
     print(f"[compare] {len(plan)} runs: " + "; ".join(
         f"{key} " + ", ".join(dict.fromkeys(m for k, _, m in plan if k == key)) for key in names), flush=True)
@@ -790,6 +799,15 @@ def _main(args) -> int:
             left = (time.time() - t0) / i * (len(plan) - i)
             print(f"[compare] {i}/{len(plan)} runs done, about {left / 60:.0f} min left", flush=True)
     primary = "shipped" if "shipped" in names else names[0]
+    choices = {}
+    for key in names:  # --repeat: the median pair stands for the run (bench/repeats.py)
+        passes = {repeats.folder(v, i): results[key, v, repeats.timed_mode(i)]
+                  for v in VARIANTS for i in range(1, args.repeat + 1)}
+        choice = repeats.apply_choice(passes)
+        if choice is not None:
+            choices[key] = choice
+            for v in VARIANTS:
+                results[key, v, "timed"] = passes[v]
 
     def get(key, variant, mode="timed"):
         return results.get((key, variant, mode))
@@ -802,7 +820,8 @@ def _main(args) -> int:
                        get(primary, "baseline", "profiled"), get(primary, "solution", "profiled"), workload,
                        get(primary, "baseline", "hostsplit"), get(primary, "solution", "hostsplit"),
                        shape=primary, data=datas[by_name[primary].shape], others=others, machine=machine,
-                       sol_prof_eager=get(primary, "solution", EAGER_PROFILED), specs=by_name)
+                       sol_prof_eager=get(primary, "solution", EAGER_PROFILED), specs=by_name,
+                       repeated=choices)
     write_outputs(rep, out)
     print()
     print(report_mod.summary_table(rep))

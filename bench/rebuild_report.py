@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from bench import compare
+from bench import compare, repeats
 from bench import report as report_mod
 from bench.runs import RUNS, RunSpec
 
@@ -47,6 +47,15 @@ def pass_names(variant: str) -> tuple[str, ...]:
     return (variant, f"{variant}-profiled") + extra + (f"{variant}-hostsplit",)
 
 
+def repeated_names(base: Path, variant: str) -> tuple[str, ...]:
+    """The folders of a variant's repeated timed passes in a run folder (bench/repeats.py), pair 2 up."""
+    names, i = [], 2
+    while (base / repeats.folder(variant, i)).exists():
+        names.append(repeats.folder(variant, i))
+        i += 1
+    return tuple(names)
+
+
 def collect(out: Path, machine: dict | None = None) -> tuple[dict, list[str]]:
     """{run name: {pass name: result}} of the finished runs of the comparison in ``out`` (its
     ``machine`` record says which runs it planned), and the missing ones."""
@@ -55,13 +64,16 @@ def collect(out: Path, machine: dict | None = None) -> tuple[dict, list[str]]:
         base = compare.run_dir(out, key)
         found = {}
         for v in compare.VARIANTS:
-            for name in pass_names(v):
+            for name in pass_names(v) + repeated_names(base, v):
                 r = compare.read_result(base / name, cold=spec.cold)
                 if r is not None:
                     found[name] = r
                 elif name == v and base.exists():
                     missing.append(f"{key}/{name}")
         if all(v in found for v in compare.VARIANTS):
+            choice = repeats.apply_choice(found)  # the pair bench.compare took, from the same folders
+            if choice is not None:
+                found["repeats"] = choice
             runs[key] = found
         elif found:
             missing += [f"{key}/{n} (finished, left out: its pair did not)" for n in found]
@@ -117,7 +129,8 @@ def rebuild(outs, machines, reason: str, into: Path | None = None) -> dict:
                                p["baseline"], p["solution"], p.get("baseline-profiled"), p.get("solution-profiled"),
                                workload, p.get("baseline-hostsplit"), p.get("solution-hostsplit"), shape=primary,
                                data=p["data"], others=others, machine=rec,
-                               sol_prof_eager=p.get(f"solution-{compare.EAGER_PROFILED}"), specs=specs)
+                               sol_prof_eager=p.get(f"solution-{compare.EAGER_PROFILED}"), specs=specs,
+                               repeated={k: r["repeats"] for k, r in every.items() if r.get("repeats")})
     rep["shapes"][primary]["call"] = p["call"]
     rep["rebuilt"] = {"by": "bench.rebuild_report", "reason": reason, "missing_runs": missing,
                       "folders": [str(o) for o in outs], "duplicates": notes,

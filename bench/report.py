@@ -322,6 +322,33 @@ def _shapes_section(rep: dict) -> list[str]:
     return out + [""]
 
 
+def _repeats_section(rep: dict) -> list[str]:
+    """The runs whose timed pairs were repeated (bench.compare --repeat; bench/repeats.py): every
+    pair with its ratios, the one taken for the run marked, and the spread."""
+    rows = [(key, e["repeats"]) for key, e in _shapes(rep).items() if e.get("repeats")]
+    if not rows:
+        return []
+
+    def f(v, fmt):
+        return "n/a" if v is None else format(v, fmt)
+
+    steps = timed_steps(rep)
+    out = ["## Repeated pairs (--repeat)", "",
+           "Each run's timed pass ran once per pair and variant, interleaved (baseline, solution, baseline, "
+           f"solution, ...). The pair with the median {steps} ratio (the lower middle one for an even count) stands "
+           "for the run in every other table of this report (bench/repeats.py).", "",
+           f"| run | pair | baseline {steps} (s) | solution {steps} (s) | {steps} ratio | Soup's duration ratio | taken |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for key, c in rows:
+        for r in c["pairs"]:
+            out.append(f"| {key} | {r['pair']} | {f(r['baseline_steps_s'], '.2f')} | {f(r['solution_steps_s'], '.2f')} | "
+                       f"{f(r['steps_ratio'], '.3f')} | {f(r['soup_ratio'], '.3f')} | "
+                       f"{'yes' if r['pair'] == c['chosen'] else ''} |")
+        out.append(f"| {key} | spread | | | {f(c['steps_ratio_min'], '.3f')}-{f(c['steps_ratio_max'], '.3f')} | "
+                   f"{f(c['soup_ratio_min'], '.3f')}-{f(c['soup_ratio_max'], '.3f')} | |")
+    return out + [""]
+
+
 def _cell(key: str, value) -> str:
     if key == "loss_max_rel_diff" and value:
         return f"{value:.2e}"
@@ -429,7 +456,7 @@ def summary(rep: dict) -> dict:
     """summary.json: the report's runs, figures only, for comparing sessions by machine. Each run
     under its name: its two variants' figures, and where known what the run is ("run"), the call
     it came from ("call": commit, date, command), its SM partition's measurement ("partition") and
-    the model's prediction for it ("prediction")."""
+    the model's prediction for it ("prediction") and its repeated pairs ("repeats", bench/repeats.py)."""
     return {"gpu": rep["gpu"]["name"], "date": rep["date"], "commit": rep.get("commit") or "unknown",
             "command": rep.get("command"),
             "runs": {key: _summary_run(e) for key, e in _shapes(rep).items()},
@@ -438,7 +465,7 @@ def summary(rep: dict) -> dict:
 
 def _summary_run(e: dict) -> dict:
     out = {"baseline": e["baseline"], "solution": e["solution"]}
-    out.update({k: e[k] for k in ("run", "call", "partition", "prediction") if e.get(k)})
+    out.update({k: e[k] for k in ("run", "call", "partition", "prediction", "repeats") if e.get(k)})
     return out
 
 
@@ -538,6 +565,7 @@ def markdown(rep: dict) -> str:
     out += _host_split_section(rep)
     out += _memory_section(rep)
     out += _runs_section(rep)
+    out += _repeats_section(rep)
     out += _shapes_section(rep)
     out += _partition_sections(rep)
     out += ["## Rule check", ""]

@@ -129,15 +129,17 @@ def with_sms(spec: RunSpec, sms: int | None) -> RunSpec:
 
 
 def plan(specs: list[RunSpec], cuda: bool, profile: bool = True, host_split: bool = True,
-         profile_only: list[str] | None = None) -> list[tuple[str, str, str]]:
-    """The passes, in order, as (run name, variant, mode): each run timed (both variants), then,
-    on a GPU, its profiled pass where the run has one (and ``profile``; ``profile_only``: only
-    for these names), the solution's graphs-off profile, the host-split pass."""
+         profile_only: list[str] | None = None, repeat: int = 1) -> list[tuple[str, str, str]]:
+    """The passes, in order, as (run name, variant, mode): each run timed (both variants;
+    ``repeat`` > 1: that many pairs, interleaved, modes "timed", "timed-2", ...: bench/repeats.py),
+    then, on a GPU, its profiled pass where the run has one (and ``profile``; ``profile_only``:
+    only for these names), the solution's graphs-off profile, the host-split pass."""
     out = []
     for spec in specs:
         profiled = (cuda and profile and spec.profiled
                     and (profile_only is None or spec.name in profile_only))
-        modes = [TIMED] + ([PROFILED] if profiled else [])
+        timed = [TIMED if i == 1 else f"{TIMED}-{i}" for i in range(1, repeat + 1)]
+        modes = timed + ([PROFILED] if profiled else [])
         out += [(spec.name, v, m) for m in modes for v in VARIANTS]
         if profiled and spec.eager_profile:
             out.append((spec.name, "solution", EAGER_PROFILED))

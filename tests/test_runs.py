@@ -371,3 +371,66 @@ def test_the_readme_lists_every_named_run():
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     missing = [name for name in runs.RUNS if f"`{name}`" not in readme]
     assert not missing, f"README.md's run list lacks {missing}"
+
+
+# --- bench.compare --repeat: interleaved pairs, the median pair stands for the run -----------------
+
+def test_repeats_choose_the_median_pair():
+    from bench import repeats
+
+    def pair(b, s):
+        return _result("baseline", step=b), _result("solution", step=s)
+
+    c = repeats.choose([pair(1.0, 0.5), pair(1.0, 0.9), pair(1.0, 0.6)])
+    assert c["chosen"] == 3 and c["steps_ratio_median"] == pytest.approx(0.6)
+    assert (c["steps_ratio_min"], c["steps_ratio_max"]) == (pytest.approx(0.5), pytest.approx(0.9))
+    assert [r["pair"] for r in c["pairs"]] == [1, 2, 3]
+    assert repeats.choose([pair(1.0, 0.8), pair(2.0, 1.0)])["chosen"] == 2  # even count: the lower middle
+    no_time = _result("solution")
+    no_time["train_excl_first2_s"] = None
+    c = repeats.choose([(_result("baseline"), no_time), pair(1.0, 0.7)])
+    assert c["chosen"] == 2 and c["pairs"][0]["steps_ratio"] is None
+    assert [repeats.timed_mode(i) for i in (1, 2)] == ["timed", "timed-2"]
+    assert repeats.folder("solution", 1) == "solution" and repeats.folder("solution", 3) == "solution-timed-3"
+
+
+def test_compare_repeat_interleaves_the_pairs_and_reports_each(tmp_path, monkeypatch, capsys):
+    calls = []
+    sol_step = {"timed": 0.5, "timed-2": 0.9, "timed-3": 0.6}
+
+    def fake_run(variant, model, data, out, mode, workload, label=None, cold=False, env=None, sms=None):
+        calls.append((out.name if out.name != "out" else "shipped", variant, mode))
+        return _result(variant, step=sol_step[mode] if variant == "solution" else 1.0)
+
+    monkeypatch.setattr(compare, "run_variant", fake_run)
+    monkeypatch.setattr(compare, "resolve_inputs", lambda args, workload=None: ("model", "d.jsonl", "stand-in (test)"))
+    out = tmp_path / "out"
+    compare.main(["--runs", "shipped,ckpt", "--out", str(out), "--no-profile", "--no-host-split", "--repeat", "3"])
+    assert calls[:6] == [("shipped", v, m) for m in ("timed", "timed-2", "timed-3") for v in ("baseline", "solution")]
+    assert len(calls) == 12
+    summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
+    for name in ("shipped", "ckpt"):
+        run = summary["runs"][name]
+        assert run["repeats"]["chosen"] == 3 and len(run["repeats"]["pairs"]) == 3
+        assert run["solution"]["train_excl_first2_s"] == pytest.approx(2 * 0.6)  # the median pair's (steps 3-4)
+    md = (out / "report.md").read_text(encoding="utf-8")
+    assert "## Repeated pairs (--repeat)" in md and "| shipped | 3 |" in md and "0.500-0.900" in md
+
+
+@pytest.mark.parametrize("n", ["0", "6"])
+def test_compare_refuses_a_repeat_out_of_range(tmp_path, capsys, n):
+    assert compare.main(["--runs", "shipped", "--out", str(tmp_path / "o"), "--repeat", n]) == 2
+    assert "--repeat" in capsys.readouterr().err and not (tmp_path / "o").exists()
+
+
+def test_rebuild_takes_the_same_pair_from_the_repeated_folders(tmp_path):
+    a, into = tmp_path / "a", tmp_path / "all"
+    for i, s in ((1, 0.5), (2, 0.9), (3, 0.6)):
+        suffix = "" if i == 1 else f"-timed-{i}"
+        _put(a, f"baseline{suffix}", _result("baseline"))
+        _put(a, f"solution{suffix}", _result("solution", step=s))
+    _machine(a, ["shipped"], argv=["--runs", "shipped", "--repeat", "3"])
+    assert rebuild_report.main([str(a), "--into", str(into)]) in (0, 1)
+    run = json.loads((into / "summary.json").read_text(encoding="utf-8"))["runs"]["shipped"]
+    assert run["repeats"]["chosen"] == 3
+    assert run["solution"]["train_excl_first2_s"] == pytest.approx(2 * 0.6)
