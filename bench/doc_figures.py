@@ -39,6 +39,8 @@ TEXT = {
         "partition": "{run}: {sms} of the GPU's {gpu_sms} SMs, matmul {part:.0f} of {whole:.0f} TFLOP/s; held on every "
                      "path: {held}",
         "prediction": "; the model predicted solution / baseline {pred:.3f}, measured {meas}",
+        "repeats": "{run}: {n} interleaved pairs (--repeat), steps 3-{steps} ratio {lo:.3f} to {hi:.3f}; the table "
+                   "shows pair {chosen}, the median",
         "yes": "yes", "no": "NO",
         "t4": "T4 projection (a model, not a measurement): 64-step training, baseline {b:.1f} s, solution {s:.1f} s "
               "(calibrated on the official 80 s).",
@@ -55,6 +57,8 @@ TEXT = {
         "partition": "{run}: {sms} из {gpu_sms} SM GPU, matmul {part:.0f} из {whole:.0f} TFLOP/s; раздел удержан "
                      "на всех путях: {held}",
         "prediction": "; модель предсказала решение / базовый {pred:.3f}, измерено {meas}",
+        "repeats": "{run}: пар вперемешку (--repeat) — {n}, отношение шагов 3-{steps} от {lo:.3f} до {hi:.3f}; в "
+                   "таблице пара {chosen}, медианная",
         "yes": "да", "no": "НЕТ",
         "t4": "Проекция на T4 (модель, не измерение): обучение за 64 шага, базовый {b:.1f} с, решение {s:.1f} с "
               "(калибровка по официальным 80 с).",
@@ -129,6 +133,10 @@ def render(summary: dict, lang: str, src: str = str(SUMMARY), steps: int | str |
         line = _partition_line(name, run, t)
         if line:
             out.append(line)
+        rp = run.get("repeats") or {}
+        if rp.get("steps_ratio_min") is not None:
+            out.append("- " + t["repeats"].format(run=name, n=len(rp["pairs"]), steps=n, lo=rp["steps_ratio_min"],
+                                                  hi=rp["steps_ratio_max"], chosen=rp["chosen"]))
     calls = {name: run.get("call") for name, run in runs.items() if run.get("call")}
     if len({(c.get("commit"), c.get("date")) for c in calls.values()}) > 1:
         out += ["", t["calls"]]

@@ -52,6 +52,18 @@ def test_runs_of_several_calls_name_their_calls():
     assert "- gpu-bound-sm16: 2026-12-02T11:30, abc1234, `python -m bench.compare --runs shipped`" in en
 
 
+def test_a_repeated_run_states_its_pairs_and_spread():
+    summary = _summary()
+    summary["runs"]["gpu-bound-sm16"]["repeats"] = {"pairs": [{}, {}, {}], "chosen": 2, "steps_ratio_min": 0.39,
+                                                    "steps_ratio_max": 0.431}
+    en = df.render(summary, "en", steps=64)
+    assert ("- gpu-bound-sm16: 3 interleaved pairs (--repeat), steps 3-64 ratio 0.390 to 0.431; the table shows "
+            "pair 2, the median") in en
+    assert "пар вперемешку (--repeat) — 3, отношение шагов 3-64 от 0.390 до 0.431; в таблице пара 2" in df.render(
+        summary, "ru", steps=64)
+    assert "interleaved pairs" not in df.render(_summary(), "en", steps=64)
+
+
 @pytest.mark.parametrize("text", ["no markers", f"{df.BEGIN}\n{df.BEGIN}\n{df.END}", f"{df.END}\n{df.BEGIN}",
                                   f"{df.BEGIN} only"])
 def test_a_file_without_one_pair_of_markers_is_refused(text):
