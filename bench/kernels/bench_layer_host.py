@@ -9,9 +9,11 @@ bnb NF4 double-quant weights, prepare_model_for_kbit_training, peft LoRA r=16 on
 the workload's mean). Variants, in the same process: stock; ours with the layers as modules
 (``SOLUTION_SKIP_PATCHES=qwen2_layer_node``); ours with each layer as one node (the default),
 all three eager (CUDA graphs off: this measures the eager step):
-- wall ms of forward + loss + backward, median of 15 (the GPU work of 4 layers is ~1 ms, so the
-  wall time is the host's), and the same with 2 * LAYERS layers: the difference over LAYERS is the
-  host time of one decoder layer, forward + backward, without the embedding and LM head;
+- wall ms of forward + loss + backward (the GPU work of 4 layers is ~1 ms, so the wall time is the
+  host's) with LAYERS and with 2 * LAYERS layers, both models built first and their steps timed back
+  to back, REPS times: the median of the paired differences over LAYERS is the host time of one
+  decoder layer, forward + backward, without the embedding and LM head (two medians taken minutes
+  apart, as before 2026-12-02, carried the host's drift: 4.6 to 8.0 ms for stock's layer);
 - then (the node only) a cProfile of 10 steps: the functions with the most own time, to show which
   Python code the per-layer time is made of (cProfile inflates Python-heavy code ~3x: read the
   ranking, not the absolute figures).
@@ -35,6 +37,7 @@ import torch  # noqa: E402
 from bench.kernels._common import bench_args  # noqa: E402
 
 LAYERS = 4
+REPS = 31  # pairs of steps (LAYERS and 2 * LAYERS layers), timed back to back
 LENGTHS = (300, 120, 512, 80)
 SEQLEN = 512
 
@@ -85,17 +88,27 @@ def step_fn(model, ids, mask, labels):
     return step
 
 
-def wall_ms(step, reps: int = 15) -> float:
-    for _ in range(3):
-        step()
+def _timed_ms(step) -> float:
+    t0 = time.perf_counter()
+    step()
     torch.cuda.synchronize()
-    times = []
+    return (time.perf_counter() - t0) * 1e3
+
+
+def paired_ms(short, long, reps: int = REPS) -> tuple[float, float, float]:
+    """Median wall ms of the ``short`` and the ``long`` model's step, and the median of their
+    differences, the two steps timed back to back in each repetition (the host's speed drifts over
+    seconds on the lent machine: a difference of two medians taken apart in time carried it)."""
+    for _ in range(3):
+        short(), long()
+    torch.cuda.synchronize()
+    a, b, d = [], [], []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        ta, tb = _timed_ms(short), _timed_ms(long)
+        a.append(ta)
+        b.append(tb)
+        d.append(tb - ta)
+    return statistics.median(a), statistics.median(b), statistics.median(d)
 
 
 def main() -> None:
@@ -118,24 +131,22 @@ def main() -> None:
             solution.revert()
             if settings is not None:
                 solution.apply(verbose=False, settings=settings)
-            per = {}
-            for layers in (LAYERS, 2 * LAYERS):
-                model = build(tmp, layers)
-                step = step_fn(model, ids, mask, labels)
-                per[layers] = wall_ms(step)
-                if variant == "node" and layers == LAYERS:
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    for _ in range(10):
-                        step()
-                    torch.cuda.synchronize()
-                    prof.disable()
-                    buf = io.StringIO()
-                    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
-                    profile_text = buf.getvalue()
-                del model, step
-                torch.cuda.empty_cache()
-            rows[variant] = {"step_ms": per, "per_layer_ms": (per[2 * LAYERS] - per[LAYERS]) / LAYERS}
+            models = {layers: build(tmp, layers) for layers in (LAYERS, 2 * LAYERS)}
+            steps = {layers: step_fn(m, ids, mask, labels) for layers, m in models.items()}
+            short_ms, long_ms, diff_ms = paired_ms(steps[LAYERS], steps[2 * LAYERS])
+            if variant == "node":
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(10):
+                    steps[LAYERS]()
+                torch.cuda.synchronize()
+                prof.disable()
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(35)
+                profile_text = buf.getvalue()
+            del models, steps
+            torch.cuda.empty_cache()
+            rows[variant] = {"step_ms": {LAYERS: short_ms, 2 * LAYERS: long_ms}, "per_layer_ms": diff_ms / LAYERS}
         solution.revert()
     print(f"| variant | step ms, {LAYERS} layers | step ms, {2 * LAYERS} layers | host ms per layer (fwd+bwd) |")
     print("| --- | ---: | ---: | ---: |")
