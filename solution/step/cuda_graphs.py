@@ -605,8 +605,9 @@ class DecoderGraphs:
 
     def _capture_ahead(self, layers, binfo, h, cos, dropouts: int) -> None:
         """Capture the buckets that lengths.py predicts for this run (``self.ahead``) and that are
-        not captured yet, in this (untimed) step, after this step's own bucket, so that they are
-        not captured inside the timed steps. Largest first: all graphs share one memory pool, and
+        not captured yet, in this step (one of steps 1-2: Soup's duration counts them, the steps 3-N
+        figure does not), after this step's own bucket, so that no capture falls in a later step.
+        Largest first: all graphs share one memory pool, and
         a smaller bucket's capture can reuse the blocks a larger one freed, where ascending order
         grows the pool at every larger capture. (This step's own bucket stays first: the first
         capture's eager warm-up runs at its size: with the largest bucket captured first, and so
