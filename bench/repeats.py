@@ -18,14 +18,9 @@ from __future__ import annotations
 import statistics
 
 from bench.report import soup_duration
-from bench.runs import TIMED
+from bench.runs import timed_mode
 
 MAX_REPEAT = 5
-
-
-def timed_mode(i: int) -> str:
-    """The mode of the i-th (1-based) timed pass: "timed", then "timed-2", "timed-3", ..."""
-    return TIMED if i == 1 else f"{TIMED}-{i}"
 
 
 def folder(variant: str, i: int) -> str:

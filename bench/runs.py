@@ -128,6 +128,12 @@ def with_sms(spec: RunSpec, sms: int | None) -> RunSpec:
                                about_ru=f"{spec.about_ru}; оба варианта в разделе из {sms} SM")
 
 
+def timed_mode(i: int) -> str:
+    """The mode of a run's i-th (1-based) timed pass: "timed", then "timed-2", "timed-3", ...
+    (bench.compare --repeat; bench/repeats.py)."""
+    return TIMED if i == 1 else f"{TIMED}-{i}"
+
+
 def plan(specs: list[RunSpec], cuda: bool, profile: bool = True, host_split: bool = True,
          profile_only: list[str] | None = None, repeat: int = 1) -> list[tuple[str, str, str]]:
     """The passes, in order, as (run name, variant, mode): each run timed (both variants;
@@ -138,8 +144,7 @@ def plan(specs: list[RunSpec], cuda: bool, profile: bool = True, host_split: boo
     for spec in specs:
         profiled = (cuda and profile and spec.profiled
                     and (profile_only is None or spec.name in profile_only))
-        timed = [TIMED if i == 1 else f"{TIMED}-{i}" for i in range(1, repeat + 1)]
-        modes = timed + ([PROFILED] if profiled else [])
+        modes = [timed_mode(i) for i in range(1, repeat + 1)] + ([PROFILED] if profiled else [])
         out += [(spec.name, v, m) for m in modes for v in VARIANTS]
         if profiled and spec.eager_profile:
             out.append((spec.name, "solution", EAGER_PROFILED))

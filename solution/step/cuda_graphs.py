@@ -607,14 +607,13 @@ class DecoderGraphs:
         """Capture the buckets that lengths.py predicts for this run (``self.ahead``) and that are
         not captured yet, in this step (one of steps 1-2: Soup's duration counts them, the steps 3-N
         figure does not), after this step's own bucket, so that no capture falls in a later step.
-        Largest first: all graphs share one memory pool, and
-        a smaller bucket's capture can reuse the blocks a larger one freed, where ascending order
-        grows the pool at every larger capture. (This step's own bucket stays first: the first
-        capture's eager warm-up runs at its size: with the largest bucket captured first, and so
-        warmed up, peak reserved memory was measured higher than with this step's bucket first:
-        docs/cuda_graphs.md, section 5a.) A bucket's graphs depend
-        only on its token count, its number of rows and dtypes: they are recorded from zeros
-        shaped like a batch of ``binfo.batch`` rows (a capture runs no kernel; the values the
+        Largest first: all graphs share one memory pool, and a smaller bucket's capture can reuse
+        the blocks a larger one freed, where ascending order grows the pool at every larger capture.
+        (This step's own bucket stays first: the first capture's eager warm-up runs at its size:
+        with the largest bucket captured first, and so warmed up, peak reserved memory was measured
+        higher than with this step's bucket first: docs/cuda_graphs.md, section 5a.) A bucket's
+        graphs depend only on its token count, its number of rows and dtypes: they are recorded from
+        zeros shaped like a batch of ``binfo.batch`` rows (a capture runs no kernel; the values the
         replays use are loaded before each replay)."""
         for nb in sorted(self.ahead or [], reverse=True):
             if nb == h.shape[1] or nb > self.arena.capacity:
