@@ -1,4 +1,5 @@
 """solution/kernels/_launches.py: the launch wrapper, its counter and cdiv."""
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -40,3 +41,135 @@ def test_records_of_other_kernels_are_marked_not_ours():
     _launches.record("ours")
     assert _launches.LAUNCHES["torch_kernel_counted_for_a_test"] == 1
     assert "torch_kernel_counted_for_a_test" in _launches.NOT_OURS and "ours" not in _launches.NOT_OURS
+
+
+# -- the direct launch (kernels/_launches.py, module docstring) ----------------------------------
+
+class _FakeCompiled:
+    function, packed_metadata = "fn-handle", "meta"
+
+    def __init__(self, runs):
+        self.runs = runs
+
+    def run(self, *a):
+        self.runs.append(a)
+
+
+class _FakeKernel:
+    """Stands for a JITFunction: Triton's binder (bound args, specialization, options) and
+    ``kernel[grid]`` (the slow path, which returns the compiled kernel it launched)."""
+
+    def __init__(self):
+        self.pre_run_hooks, self.slow, self.runs = [], [], []
+        self.device_caches = {0: ({}, {}, None, None, self._binder)}
+
+    @staticmethod
+    def _binder(x, n, BLOCK=8, **options):
+        spec = [("*fp32", "D"), ("i32", "D" if n % 16 == 0 else None), ("constexpr", BLOCK)]
+        return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
+
+    def __getitem__(self, grid):
+        def runner(*args, **kwargs):
+            self.slow.append((grid, args, kwargs))
+            return _FakeCompiled(self.runs)
+        return runner
+
+
+class _Hooks:
+    def __init__(self):
+        self.calls = []
+
+
+class _Knobs:
+    class runtime:
+        launch_enter_hook, launch_exit_hook = _Hooks(), _Hooks()
+
+
+def _fake_direct(monkeypatch):
+    d = _launches._Direct(_FakeKernel, _Knobs)
+    d.device, d.stream = (lambda: 0), (lambda dev: 1234)
+    monkeypatch.setitem(_launches._state, "direct", d)
+    monkeypatch.setattr(_launches, "_COMPILED", {})
+    _launches.reset()
+    return d
+
+
+def test_direct_launch_takes_kernel_grid_once_per_specialization_then_the_launcher(monkeypatch):
+    _fake_direct(monkeypatch)
+    k = _FakeKernel()
+    _launches.launch(k, (5,), "fake", "X", 32, BLOCK=8, num_warps=4)
+    assert len(k.slow) == 1 and k.runs == [] and _launches.DIRECT["fake"] == 0
+    _launches.launch(k, (5,), "fake", "X2", 48, BLOCK=8, num_warps=4)  # same specialization
+    assert len(k.slow) == 1 and _launches.DIRECT["fake"] == 1
+    # the very call JITFunction.run makes: grid padded to 3, the current stream, no hooks, every
+    # bound argument (constexprs included) in the kernel's order
+    assert k.runs == [(5, 1, 1, 1234, "fn-handle", "meta", None, None, None, "X2", 48, 8)]
+    _launches.launch(k, (5, 2), "fake", "X", 33, BLOCK=8, num_warps=4)  # n % 16 != 0: new key
+    assert len(k.slow) == 2 and len(k.runs) == 1
+    _launches.launch(k, (5,), "fake", "X", 32, BLOCK=16, num_warps=4)  # another constexpr
+    _launches.launch(k, (5,), "fake", "X", 32, BLOCK=8, num_warps=8)  # another option
+    assert len(k.slow) == 4 and _launches.LAUNCHES["fake"] == 5 and _launches.DIRECT["fake"] == 1
+
+
+def test_direct_launch_steps_aside_for_hooks_callable_grids_and_other_kernels(monkeypatch):
+    d = _fake_direct(monkeypatch)
+    k = _FakeKernel()
+    for _ in range(2):
+        _launches.launch(k, (5,), "fake", "X", 32)
+    assert _launches.DIRECT["fake"] == 1
+    monkeypatch.setattr(d.knobs.runtime.launch_enter_hook, "calls", [print])  # a profiler's hook
+    _launches.launch(k, (5,), "fake", "X", 32)
+    monkeypatch.setattr(d.knobs.runtime.launch_enter_hook, "calls", [])
+    k.pre_run_hooks.append(print)
+    _launches.launch(k, (5,), "fake", "X", 32)
+    k.pre_run_hooks.clear()
+    _launches.launch(k, lambda meta: (5,), "fake", "X", 32)  # a callable grid
+    assert _launches.DIRECT["fake"] == 1 and len(k.slow) == 4
+
+    class Other(_FakeKernel):  # not the JIT class (the interpreter's kernels)
+        pass
+    o = Other()
+    for _ in range(2):
+        _launches.launch(o, (5,), "other", "X", 32)
+    assert len(o.slow) == 2 and _launches.DIRECT["other"] == 0
+
+
+def test_direct_launch_only_on_the_reviewed_triton(monkeypatch):
+    import triton
+
+    digest = _launches.triton_launch_digest()
+    assert digest is not None  # every Triton we support has these functions
+    if triton.__version__ == "3.6.0":  # the version reviewed: the digest is the accepted one
+        assert _launches.ACCEPTED_TRITON.get(digest) == "3.6.0"
+    monkeypatch.setattr(_launches, "ACCEPTED_TRITON", {})
+    assert "not the reviewed one" in _launches.direct_reason()
+    monkeypatch.setitem(_launches._state, "enabled", False)
+    assert _launches.direct_reason() == "turned off"
+
+
+@pytest.mark.gpu
+def test_direct_launch_gives_the_same_bits_and_is_taken():
+    _launches.set_direct(True)
+    if _launches.direct_reason() is not None:
+        pytest.skip(_launches.direct_reason())
+    _launches.reset()
+    for n in (1000, 1024, 1, 1000, 4099, 1024):  # specializations change (n % 16, n == 1) and return
+        x = torch.randn(n, device="cuda", dtype=torch.float16)
+        y = torch.randn(n, device="cuda", dtype=torch.float16)
+        ref = torch.empty_like(x)
+        _axpy_kernel[(_launches.cdiv(n, 256),)](x, y, ref, n, 1.5, BLOCK=256)
+        for _ in range(3):
+            out = torch.full_like(x, float("nan"))
+            _launches.launch(_axpy_kernel, (_launches.cdiv(n, 256),), "axpy", x, y, out, n, 1.5, BLOCK=256)
+            assert torch.equal(out, ref)
+        out = torch.full_like(x, float("nan"))
+        _launches.launch(_axpy_kernel, (_launches.cdiv(n, 256), 1, 1), "axpy", x, y, out, n, 1.5, BLOCK=256,
+                         ADD=False)
+        torch.testing.assert_close(out, (x.float() * 1.5 - y.float()).half())
+    torch.cuda.synchronize()
+    assert _launches.DIRECT["axpy"] >= 10  # all but the first launch of each specialization
+    _launches.set_direct(False)
+    _launches.reset()
+    _launches.launch(_axpy_kernel, (4,), "axpy", x, y, out, 1024, 1.5, BLOCK=256)
+    assert _launches.DIRECT["axpy"] == 0
+    _launches.set_direct(True)

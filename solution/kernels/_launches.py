@@ -2,19 +2,123 @@
 counts it, so the rule 'at least one solution/ kernel ran during training' can be checked even on
 the CPU interpreter, where no GPU profiler sees kernels (counting is one Counter increment).
 
-Measured and dropped (bench/kernels/bench_launch.py): calling the compiled kernel's launcher
-directly instead of ``kernel[grid](...)``. Without a profiler a Triton launch costs far less than
-cProfile had said, so little of a step could be saved, and the first version never reached its
-direct path on the GPU (its test showed every launch still going through Triton, plus its cache
-key), so it was dropped rather than debugged. The measurement: docs/PERFORMANCE.md ("Host time per
-operation") and docs/NOTES.md.
+The direct launch (the eager step's host time, docs/kernels/direct_launch.md):
+1. What it replaces. ``kernel[grid](*args)``, i.e. Triton's ``JITFunction.run``, at every launch:
+   it binds the arguments and computes their specialization (Triton's generated binder, native
+   code per argument), turns the compile options into a string for its cache key, looks the key
+   up, checks the kernel's global values, builds the launch metadata for its launch hooks, and
+   only then calls the compiled kernel's launcher.
+2. Why that was slow. Measured in the decoder-layer node (bench/kernels/bench_node_sections.py,
+   H200, Triton 3.6): 37 launches a layer cost 1.68 ms of host time, ~45 us each, a third of the
+   layer's 5 ms; one of them timed alone: 25.6 us through ``kernel[grid]``, 8.8 us through the
+   launcher called directly.
+3. What it does instead. The same binder (so the same specialization: argument types, 16-byte
+   alignment of pointers, integers equal to 1 or divisible by 16, constexpr values) gives the
+   key; the first launch of each key goes through ``kernel[grid]`` (Triton compiles or finds the
+   kernel, checks everything, launches) and its compiled kernel is kept; later launches of that
+   key call the compiled kernel's launcher directly, on the current device's current stream, with
+   the very arguments ``JITFunction.run`` passes it. The kernel that runs and its arguments are
+   the same; the values are the same bits.
+4. Correctness risks. (a) Triton's internals: the direct path is taken only when the sources of
+   ``JITFunction.run``, of its binder, of ``CompiledKernel.launch_metadata`` / ``run`` and of the
+   launch hooks' ``HookChain`` are the ones reviewed (sha256 in ``ACCEPTED_TRITON``); any other Triton, the interpreter, a launch hook
+   (a profiler such as proton), a pre-run hook or a callable grid: ``kernel[grid]`` as before.
+   (b) What a later launch no longer re-checks: the kernel's global values (ours are module
+   constants) and Triton's debug / instrumentation knobs (read by the first launch of a key only).
+   (c) Tests: tests/test_launches.py (the plumbing on the CPU; on a GPU the same bits through both
+   paths, a specialization change taking ``kernel[grid]`` again, the direct path really taken).
+5. How it was measured: docs/kernels/direct_launch.md.
 """
+from __future__ import annotations
+
+import hashlib
 from collections import Counter
 
 LAUNCHES: Counter = Counter()
 # Names counted in LAUNCHES that are not our Triton kernels (PyTorch's own kernels or reference
 # code run by our wiring): counted for the tests, never reported as our kernels.
 NOT_OURS: set = set()
+# Launches (by name) that took the direct path; the rest of LAUNCHES went through kernel[grid].
+DIRECT: Counter = Counter()
+
+# sha256 of the reviewed sources of Triton's launch path (``_triton_launch_source``) -> version.
+ACCEPTED_TRITON = {
+    "879d3f2d1472d12c61d004f98beafe512ece99c5ffff9bc8aa08dffb532649ba": "3.6.0",
+}
+
+
+class _Direct:
+    """What the direct path needs from Triton: the JIT class and the runtime knobs (launch hooks),
+    read once; the current device and stream getters of Triton's driver, read at the first direct
+    launch (the driver exists only with a GPU: the interpreter never gets there)."""
+
+    __slots__ = ("jit_cls", "knobs", "device", "stream")
+
+    def __init__(self, jit_cls, knobs):
+        self.jit_cls, self.knobs, self.device, self.stream = jit_cls, knobs, None, None
+
+    def bind_driver(self) -> None:
+        from triton.runtime import driver
+
+        active = driver.active
+        self.device, self.stream = active.get_current_device, active.get_current_stream
+
+
+_state: dict = {"direct": None, "enabled": True}  # direct: None (not decided) | False | _Direct
+_COMPILED: dict = {}  # (id(kernel), device, specialization, options) -> Triton's compiled kernel
+
+
+def _triton_launch_source() -> str:
+    """The sources of the functions whose behaviour the direct path reproduces or relies on."""
+    import inspect
+
+    from triton import knobs
+    from triton.compiler import compiler
+    from triton.runtime import jit
+
+    parts = (jit.JITFunction.run, jit.JITFunction.create_binder, jit.create_function_from_signature,
+             compiler.CompiledKernel.launch_metadata, compiler.CompiledKernel.run.fget, knobs.HookChain)
+    return "".join(inspect.getsource(f) for f in parts)
+
+
+def triton_launch_digest() -> str | None:
+    """sha256 of ``_triton_launch_source`` (None when Triton lacks one of those functions)."""
+    try:
+        return hashlib.sha256(_triton_launch_source().encode()).hexdigest()
+    except (ImportError, AttributeError, OSError, TypeError):
+        return None
+
+
+def direct_reason() -> str | None:
+    """Why launches cannot take the direct path here (None: they can, on a compiled GPU kernel)."""
+    if not _state["enabled"]:
+        return "turned off"
+    digest = triton_launch_digest()
+    if digest is None:
+        return "this Triton has no JITFunction.run / CompiledKernel of the reviewed shape"
+    if digest not in ACCEPTED_TRITON:
+        import triton
+
+        return f"Triton {triton.__version__}'s launch path is not the reviewed one ({', '.join(sorted(set(ACCEPTED_TRITON.values())))})"
+    return None
+
+
+def _decide():
+    direct = False
+    if direct_reason() is None:
+        from triton import knobs
+        from triton.runtime import jit
+
+        direct = _Direct(jit.JITFunction, knobs)
+    _state["direct"] = direct
+    return direct
+
+
+def set_direct(enabled: bool) -> None:
+    """Turn the direct path on (the default, where ``direct_reason`` allows it) or off (the kept
+    compiled kernels stay valid: they are what Triton itself launches for those keys)."""
+    _state["enabled"] = bool(enabled)
+    _state["direct"] = None
 
 
 def record(kernel_name: str, ours: bool = True) -> None:
@@ -25,12 +129,38 @@ def record(kernel_name: str, ours: bool = True) -> None:
 
 def reset() -> None:
     LAUNCHES.clear()
+    DIRECT.clear()
 
 
 def launch(kernel, grid, name: str, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, counted under ``name``."""
+    """``kernel[grid](*args, **kwargs)``, counted under ``name``; where this Triton's launch path
+    is the reviewed one, a repeated launch (same specialization) calls the compiled kernel's
+    launcher directly (module docstring)."""
     LAUNCHES[name] += 1
-    kernel[grid](*args, **kwargs)
+    d = _state["direct"]
+    if d is None:
+        d = _decide()
+    if (d is False or type(kernel) is not d.jit_cls or type(grid) is not tuple or kernel.pre_run_hooks
+            or d.knobs.runtime.launch_enter_hook.calls or d.knobs.runtime.launch_exit_hook.calls):
+        kernel[grid](*args, **kwargs)
+        return
+    if d.device is None:
+        d.bind_driver()
+    device = d.device()
+    bound, spec, options = kernel.device_caches[device][4](*args, **kwargs)  # Triton's binder
+    key = (id(kernel), device, tuple(spec), tuple(options.items()))
+    compiled = _COMPILED.get(key)
+    if compiled is None:  # Triton binds, compiles or finds, checks and launches; keep what ran
+        compiled = kernel[grid](*args, **kwargs)
+        if hasattr(compiled, "result"):
+            compiled = compiled.result()
+        if compiled is not None:
+            _COMPILED[key] = compiled
+        return
+    DIRECT[name] += 1
+    n = len(grid)
+    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device), compiled.function,
+                 compiled.packed_metadata, None, None, None, *bound.values())
 
 
 def cdiv(a: int, b: int) -> int:

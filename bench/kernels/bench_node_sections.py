@@ -1,0 +1,240 @@
+"""GPU benchmark: where the decoder-layer node's host time goes, call by call (one level below
+bench_layer_host.py, which times whole layers).
+
+    python bench/kernels/bench_node_sections.py --out node_sections.json
+
+The node variant of bench_layer_host.py (4 layers, graphs off, the same batch). Each function in
+``TARGETS`` is wrapped by a timer (two ``perf_counter_ns`` reads and a list append a call, ~0.5 us)
+that keeps its inclusive time and its own time (inclusive minus the wrapped calls under it); 20
+steps are timed that way (launches through the direct path, kernels/_launches.py). Before that,
+the step timed with the direct path on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
+inclusive and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how
+much the timers themselves add. Then a launch table: one of the node's real launches
+(``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
+and through the compiled kernel's launcher directly (what a launcher that skips Triton's per-call
+binding would cost), with the GPU kept busy so that only host time is timed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+from bench.kernels._common import bench_args  # noqa: E402
+from bench.kernels.bench_layer_host import LAYERS, batch, build, step_fn  # noqa: E402
+
+STEPS = 20
+
+
+def targets():
+    """(owner, attribute, label): what is wrapped. Functions imported by name into step/layer.py
+    are wrapped there (that is where the node looks them up)."""
+    import torch.nn.functional as F
+    import triton.runtime.jit as jit
+
+    from solution.kernels import (add_rmsnorm, attn_layout, attn_varlen, fp32_add, lora_nf4, nf4_dequant,
+                                  nf4_mlp, rmsnorm, rope)
+    from solution.step import layer
+    return [
+        (jit.JITFunction, "run", "triton JITFunction.run"),
+        (F, "linear", "F.linear"), (torch, "matmul", "torch.matmul"), (torch, "mm", "torch.mm"),
+        (torch, "empty", "torch.empty"), (torch, "empty_like", "torch.empty_like"),
+        (torch, "empty_strided", "torch.empty_strided"),
+        (torch.Tensor, "to", "Tensor.to"), (torch.Tensor, "view", "Tensor.view"),
+        (torch.Tensor, "reshape", "Tensor.reshape"), (torch.Tensor, "transpose", "Tensor.transpose"),
+        (torch.Tensor, "contiguous", "Tensor.contiguous"), (torch.Tensor, "t", "Tensor.t"),
+        (layer, "_node_forward", "node forward (ours)"), (layer, "_node_backward", "node backward (ours)"),
+        (layer, "_lora_forward", "_lora_forward"), (layer, "lora_dropout", "lora_dropout"),
+        (layer, "lora_forward_parts", "lora_forward_parts"), (layer, "lora_backward_parts", "lora_backward_parts"),
+        (layer, "_attention_forward", "_attention_forward"), (layer, "_attention_backward", "_attention_backward"),
+        (layer, "qkv_grad_sum", "qkv_grad_sum"),
+        (attn_varlen, "varlen_forward", "varlen_forward"), (attn_varlen, "varlen_backward", "varlen_backward"),
+        (attn_layout, "_launch_pad", "attn_layout pad"), (attn_layout, "_launch_unpad", "attn_layout unpad"),
+        (rope, "_launch", "rope"), (rmsnorm, "_launch_forward", "rmsnorm fwd"),
+        (rmsnorm, "_launch_backward_dx", "rmsnorm bwd"), (add_rmsnorm, "_launch_forward", "add_rmsnorm fwd"),
+        (add_rmsnorm, "_launch_backward", "add_rmsnorm bwd"), (fp32_add, "add_as_fp32", "add_as_fp32"),
+        (nf4_mlp, "mlp_forward", "mlp_forward"), (nf4_mlp, "mlp_backward", "mlp_backward"),
+        (nf4_dequant.DequantPlan, "launch", "DequantPlan.launch"),
+        (lora_nf4, "lora_combine", "lora_combine"), (lora_nf4, "lora_grad_sum", "lora_grad_sum"),
+        (lora_nf4, "cast_pair", "cast_pair"),
+    ]
+
+
+class Timers:
+    """Inclusive and own nanoseconds and calls per label, for wrapped callables."""
+
+    def __init__(self):
+        self.incl, self.own, self.calls, self.stack, self.saved = {}, {}, {}, [], []
+
+    def wrap(self, owner, name, label):
+        orig = owner.__dict__[name] if name in getattr(owner, "__dict__", {}) else getattr(owner, name)
+        self.saved.append((owner, name, orig))
+        fn = orig.__func__ if isinstance(orig, staticmethod) else orig
+        incl, own, calls, stack = self.incl, self.own, self.calls, self.stack
+        incl[label] = own[label] = calls[label] = 0
+        clock = time.perf_counter_ns
+
+        def timed(*a, **k):
+            stack.append(0)
+            t0 = clock()
+            try:
+                return fn(*a, **k)
+            finally:
+                dt = clock() - t0
+                inner = stack.pop()
+                incl[label] += dt
+                own[label] += dt - inner
+                calls[label] += 1
+                if stack:
+                    stack[-1] += dt
+
+        setattr(owner, name, staticmethod(timed) if isinstance(orig, staticmethod) else timed)
+
+    def unwrap(self):
+        for owner, name, orig in reversed(self.saved):
+            setattr(owner, name, orig)
+        self.saved.clear()
+
+
+def time_launches(cap: dict, reps: int = 2000) -> dict:
+    """The launch of ``cap`` (captured from a real node call) timed both ways, host only."""
+    from triton import knobs
+    from triton.runtime import driver
+
+    jitf, args, kwargs, grid, kernel = cap["jit"], cap["args"], cap["kwargs"], cap["grid"], cap["k"]
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+
+    def busy():
+        for _ in range(6):
+            a @ a  # ~ms of GPU work: launches below only queue
+
+    grid3 = tuple(grid) + (1,) * (3 - len(grid))
+    bound = list(args) + [kwargs[p.name] for p in jitf.params[len(args):] if p.name in kwargs]
+    dev = driver.active.get_current_device()
+    rows = {}
+    from solution.kernels import _launches
+
+    for label in ("kernel[grid]", "direct launcher", "launch(), direct path", "kernel[grid]"):
+        ts = []
+        for _ in range(5):
+            busy()
+            t0 = time.perf_counter_ns()
+            if label == "kernel[grid]":
+                for _ in range(reps // 5):
+                    jitf[grid](*args, **kwargs)
+            elif label == "launch(), direct path":
+                for _ in range(reps // 5):
+                    _launches.launch(jitf, grid, "bench", *args, **kwargs)
+            else:
+                run, fnc, meta = kernel.run, kernel.function, kernel.packed_metadata
+                for _ in range(reps // 5):
+                    stream = driver.active.get_current_stream(dev)
+                    run(*grid3, stream, fnc, meta, None, knobs.runtime.launch_enter_hook,
+                        knobs.runtime.launch_exit_hook, *bound)
+            ts.append((time.perf_counter_ns() - t0) / (reps // 5) / 1e3)
+            torch.cuda.synchronize()
+        rows.setdefault(label, []).append(statistics.median(ts))
+    return {k: statistics.median(v) for k, v in rows.items()}
+
+
+def main() -> None:
+    args = bench_args(__doc__)
+    if args is None:
+        return
+    import triton.runtime.jit as jit
+
+    import solution
+    from bench.run_one import emulate_t4_paths
+    from solution.settings import Settings
+
+    emulate_t4_paths()
+    ids, mask, labels = batch()
+    solution.revert()
+    solution.apply(verbose=False, settings=Settings(cuda_graphs="0"))
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build(tmp, LAYERS)
+        step = step_fn(model, ids, mask, labels)
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+
+        def timed_steps():
+            ts = []
+            for _ in range(STEPS):
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                ts.append((time.perf_counter() - t0) * 1e3)
+            return statistics.median(ts)
+
+        from solution.kernels import _launches
+
+        pairs = {"direct": [], "kernel[grid]": []}
+        for _ in range(STEPS):
+            for label, on in (("direct", True), ("kernel[grid]", False)):
+                _launches.set_direct(on)
+                t0 = time.perf_counter()
+                step()
+                torch.cuda.synchronize()
+                pairs[label].append((time.perf_counter() - t0) * 1e3)
+        _launches.set_direct(True)
+        diffs = [a - b for a, b in zip(pairs["direct"], pairs["kernel[grid]"])]
+        direct_rows = {k: statistics.median(v) for k, v in pairs.items()}
+        direct_rows["direct - kernel[grid], median of pairs"] = statistics.median(diffs)
+        plain_ms = timed_steps()
+        timers = Timers()
+        for owner, name, label in targets():
+            timers.wrap(owner, name, label)
+        for _ in range(2):
+            step()
+        for d in (timers.incl, timers.own, timers.calls):
+            for k in d:
+                d[k] = 0
+        wrapped_ms = timed_steps()
+        timers.unwrap()
+        # one real launch of the node, captured, then timed both ways
+        cap = {}
+        orig = jit.JITFunction.run
+
+        def grab(self, *a, grid, warmup, **kw):
+            kernel = orig(self, *a, grid=grid, warmup=warmup, **kw)
+            if self.fn.__name__ == "nf4_dequant_cast_kernel" and "k" not in cap:
+                cap.update(k=kernel, jit=self, args=a, kwargs=dict(kw), grid=grid)
+            return kernel
+        jit.JITFunction.run = grab
+        step()
+        jit.JITFunction.run = orig
+        torch.cuda.synchronize()
+        launches = time_launches(cap) if cap else {}
+    solution.revert()
+    per = STEPS * LAYERS
+    rows = sorted(((lab, timers.calls[lab] / per, timers.incl[lab] / per / 1e3, timers.own[lab] / per / 1e3)
+                   for lab in timers.calls), key=lambda r: -r[3])
+    print(f"step ms ({LAYERS} layers, median of {STEPS}): unwrapped {plain_ms:.2f}, wrapped {wrapped_ms:.2f}")
+    print("| target | calls / layer | inclusive us / layer | own us / layer |")
+    print("| --- | ---: | ---: | ---: |")
+    for lab, c, inc, own in rows:
+        print(f"| {lab} | {c:.1f} | {inc:.1f} | {own:.1f} |")
+    print(f"\n| step ({LAYERS} layers), launches | ms, median of {STEPS} |")
+    print("| --- | ---: |")
+    for k, v in direct_rows.items():
+        print(f"| {k} | {v:.2f} |")
+    print("\n| launch of nf4_dequant_cast_kernel | host us / call |")
+    print("| --- | ---: |")
+    for k, v in launches.items():
+        print(f"| {k} | {v:.2f} |")
+    with open(args.out, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "plain_ms": plain_ms, "wrapped_ms": wrapped_ms,
+                   "rows": rows, "launches": launches,
+                   "direct_steps": direct_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
