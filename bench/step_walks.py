@@ -12,6 +12,11 @@ parameter). Now: one walk over the modules' own dicts. The model: the workload's
 the module and parameter counts of each layer are the full model's) with ``--layers`` decoder
 layers, bnb NF4 on the CPU, peft LoRA on q/v with dropout 0.05. Prints the median microseconds of
 each, per step, and checks that both find the same hooks, dropouts and parameters.
+
+Then the Trainer's own per-step walks over the whole peft model (solution/patches/
+peft_model_walks.py): ``model.train()``, ``model.zero_grad()`` (after gradients were set on the
+trainable parameters) and ``list(model.parameters())`` (what ``clip_grad_norm_`` gets), torch's
+against the patch's, with a check that both give the same parameters.
 """
 from __future__ import annotations
 
@@ -98,7 +103,39 @@ def main(argv=None) -> int:
     print("| walk | host us a step (median) |\n| --- | ---: |")
     print(f"| modules() + parameters() (before) | {before:.0f} |\n| `_scan`, one walk (now) | {after:.0f} |")
     print(f"ratio {after / before:.2f}")
-    return 0 if same else 1
+    return 0 if same and trainer_walks(model, args.reps) else 1
+
+
+def trainer_walks(model, reps: int) -> bool:
+    """The table of the Trainer's walks, stock against patches/peft_model_walks.py."""
+    from solution.patches import peft_model_walks
+    from solution.patches._base import Swaps
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+
+    def zero_grad():
+        for p in trainable:
+            p.grad = p.data
+        model.zero_grad()
+
+    calls = {"model.train()": lambda: model.train(), "model.zero_grad() (grads set first)": zero_grad,
+             "list(model.parameters())": lambda: list(model.parameters())}
+    stock = {k: _median_us(f, reps) for k, f in calls.items()}
+    stock_params = list(model.parameters())
+    swaps = Swaps()
+    peft_model_walks.install(swaps)
+    try:
+        ours = {k: _median_us(f, reps) for k, f in calls.items()}
+        ours_params = list(model.parameters())
+    finally:
+        swaps.restore()
+    same = len(ours_params) == len(stock_params) and all(a is b for a, b in zip(ours_params, stock_params))
+    print(f"\nthe Trainer's walks over the whole model (same parameters: {'yes' if same else 'NO'})")
+    print("| call | torch, host us | patched, host us |\n| --- | ---: | ---: |")
+    for k in calls:
+        print(f"| {k} | {stock[k]:.0f} | {ours[k]:.0f} |")
+    print(f"| all three | {sum(stock.values()):.0f} | {sum(ours.values()):.0f} |")
+    return same
 
 
 if __name__ == "__main__":

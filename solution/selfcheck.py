@@ -53,7 +53,7 @@ TOLERANCE = 2e-3
 LIBRARIES = (
     ("transformers", "transformers", ("qwen2_rmsnorm", "qwen2_decoder_layer", "qwen2_rope", "qwen2_mlp",
                                       "qwen2_unpad", "trainer_lengths", "trainer_flops")),
-    ("peft", "peft", ("peft_lora_bnb",)),
+    ("peft", "peft", ("peft_lora_bnb", "peft_model_walks")),
     ("bitsandbytes", "bitsandbytes", ("bnb_linear4bit",)),
     ("trl", "trl", ("qwen2_lm_head_loss",)),
 )

@@ -14,4 +14,5 @@ PATCHES = [
     "solution.patches.qwen2_unpad",
     "solution.patches.trainer_lengths",
     "solution.patches.trainer_flops",
+    "solution.patches.peft_model_walks",
 ]

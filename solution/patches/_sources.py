@@ -57,6 +57,10 @@ ACCEPTED: dict[str, dict[str, str]] = {
         "e3d016070b6ac957cd7b419a9f3572c8caafa0c0e1d135e70afb80e9c495eb8d": "5.23.0",
         "9be3d6b1f79abc00ee3a03325c51d1d09127d3155af6cb7bbdf59a49a8aaa412": "5.24.0",
     },
+    # peft_model_walks: with the mode unchanged it is Module.train (read in 5.16.1, 5.17.0, 5.20.2, 5.24.0)
+    "transformers.PreTrainedModel.train": {
+        "9b2adf55d0b3d6b87a64e46cb18330839ba51c45b7ae06dec3ff9cbd60765c5b": "5.16.1-5.24.0",
+    },
     "trl.SFTTrainer.compute_loss": {
         "949aa5ebf4ec1e6a69c59a958effc389963427174d4fdb5bac6fc02606dc4fb0": "0.29.0-0.29.1",
     },

@@ -1,0 +1,189 @@
+"""``PeftModel.parameters()``, ``zero_grad()`` and ``train()``: the Trainer's per-step walks over
+the whole model, made in one pass over the modules' own dicts.
+
+What it replaces: every training step the Trainer calls ``model.train()`` (``training_step``),
+``model.zero_grad()`` and ``clip_grad_norm_(model.parameters(), ...)`` on the peft model. Each is
+torch's generic walk: ``train`` calls itself on every one of the ~1,000 modules, ``parameters``
+goes through ``named_modules`` (a prefix string built for every module and parameter) and
+``zero_grad`` reads ``.grad`` of every parameter, which for bitsandbytes' 4-bit weights goes
+through their ``__torch_function__``. The same answer every step: measured by
+``python -m bench.step_walks`` (docs/NOTES.md; H200 figures in docs/PERFORMANCE.md).
+
+What it does instead, on ``PeftModel`` only:
+- ``parameters(recurse=True)``: one walk over the modules' ``_modules`` and ``_parameters`` dicts,
+  in torch's order (pre-order, children in insertion order, a module or a parameter met twice
+  taken once, None slots skipped): the same parameter objects in the same order as torch's.
+- ``zero_grad(set_to_none=True)``: that walk, then ``p.grad = None`` where a gradient is set, with
+  tensor-subclass overrides off for the ``.grad`` reads (bitsandbytes' ``__torch_function__``
+  hands ``.grad`` to torch unchanged: the same tensor). ``set_to_none=False`` or a replica: stock.
+- ``train(mode)``: returns at once when every module already has ``training == mode`` and each
+  module's class takes torch's plain ``Module.train`` or transformers' ``PreTrainedModel.train``
+  (reviewed: its extra work runs only when the mode changes); otherwise stock's walk.
+Any module class with its own ``named_modules`` / ``named_parameters`` / ``_named_members`` /
+``parameters`` (none in the workload): stock for all three.
+
+Risk: a walk that differs from torch's (order, duplicates) would change which gradients are
+clipped or cleared, not their values; the tests compare objects and order with torch's on shared
+modules, tied weights, None slots and the workload's stack, and every compared run checks
+grad_norm, loss and total_flos against the baseline (bench/rules.py).
+"""
+from __future__ import annotations
+
+import functools
+
+NAME = "peft_model_walks"
+
+_WALK_METHODS = ("named_modules", "named_parameters", "_named_members", "parameters")
+_PLAIN_WALK: dict = {}  # module class -> it walks as torch's Module does
+_PLAIN_TRAIN: dict = {}  # module class -> its train() is a no-op when the mode does not change
+
+
+def check() -> str | None:
+    try:
+        import peft  # noqa: F401
+        import torch  # noqa: F401
+        from peft import PeftModel
+    except Exception as exc:  # noqa: BLE001 - peft missing or broken
+        return f"peft not importable ({type(exc).__name__}: {exc})"
+    for name in ("parameters", "zero_grad", "train"):
+        if name in PeftModel.__dict__:
+            return f"peft.PeftModel defines its own {name}()"
+    return None
+
+
+def _walks_plainly(cls, root_cls) -> bool:
+    ok = _PLAIN_WALK.get(cls)
+    if ok is None:
+        import torch
+
+        module = torch.nn.Module
+        ok = all(getattr(cls, m) is getattr(module, m) or (cls is root_cls and m == "parameters")
+                 for m in _WALK_METHODS)
+        _PLAIN_WALK[cls] = ok
+    return ok
+
+
+def _collect(m, seen: set, out: list) -> None:
+    out.append(m)
+    for c in m._modules.values():
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            _collect(c, seen, out)
+
+
+def _modules(root) -> list | None:
+    """Every module under ``root`` (itself first), in torch's ``named_modules`` order (pre-order,
+    children in insertion order, a module met again skipped), each once; None when a module's
+    class walks in its own way."""
+    out: list = []
+    _collect(root, {id(root)}, out)
+    root_cls = type(root)
+    for cls in {type(m) for m in out}:
+        if not _walks_plainly(cls, root_cls):
+            return None
+    return out
+
+
+def _collect_parameters(m, seen: set, seen_p: set, out: list, classes: set) -> None:
+    classes.add(type(m))
+    for p in m._parameters.values():
+        if p is not None and id(p) not in seen_p:
+            seen_p.add(id(p))
+            out.append(p)
+    for c in m._modules.values():
+        if c is not None and id(c) not in seen:
+            seen.add(id(c))
+            _collect_parameters(c, seen, seen_p, out, classes)
+
+
+def walk_parameters(root) -> list | None:
+    """``list(root.parameters())`` as torch's ``Module.parameters`` gives it: the modules in
+    ``_modules``' order, each module's own parameters in registration order, None slots skipped,
+    a parameter met again skipped (None: a module walks in its own way; the caller asks torch)."""
+    out: list = []
+    classes: set = set()
+    _collect_parameters(root, {id(root)}, set(), out, classes)
+    root_cls = type(root)
+    for cls in classes:
+        if not _walks_plainly(cls, root_cls):
+            return None
+    return out
+
+
+def _plain_train(cls) -> bool:
+    ok = _PLAIN_TRAIN.get(cls)
+    if ok is None:
+        import torch
+
+        train = cls.train
+        ok = train is torch.nn.Module.train or getattr(train, "_solution_walks", False) or _reviewed_train(train)
+        _PLAIN_TRAIN[cls] = ok
+    return ok
+
+
+def _reviewed_train(train) -> bool:
+    """transformers' ``PreTrainedModel.train``, reviewed: with the mode unchanged it is
+    ``Module.train`` (its kernel re-setup runs only on a change)."""
+    try:
+        from transformers.modeling_utils import PreTrainedModel
+    except Exception:  # noqa: BLE001
+        return False
+    if train is not PreTrainedModel.__dict__.get("train"):
+        return False
+    from solution.patches._sources import unexpected_source
+
+    return unexpected_source("transformers.PreTrainedModel.train", train) is None
+
+
+def _make_parameters(stock):
+    def parameters(self, recurse: bool = True):
+        params = walk_parameters(self) if recurse else None
+        return stock(self, recurse) if params is None else iter(params)
+
+    functools.update_wrapper(parameters, stock)
+    parameters._solution_walks = True
+    return parameters
+
+
+def _make_zero_grad(stock):
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none or getattr(self, "_is_replica", False):
+            return stock(self, set_to_none)
+        params = walk_parameters(self)
+        if params is None:
+            return stock(self, set_to_none)
+        import torch
+
+        with torch._C.DisableTorchFunctionSubclass():
+            for p in params:
+                if p.grad is not None:
+                    p.grad = None
+        return None
+
+    functools.update_wrapper(zero_grad, stock)
+    zero_grad._solution_walks = True
+    return zero_grad
+
+
+def _make_train(stock):
+    def train(self, mode: bool = True):
+        if type(mode) is bool:
+            modules = _modules(self)
+            if modules is not None and all(m.training is mode for m in modules) \
+                    and all(_plain_train(cls) for cls in {type(m) for m in modules}):
+                return self
+        return stock(self, mode)
+
+    functools.update_wrapper(train, stock)
+    train._solution_walks = True
+    return train
+
+
+def install(swaps) -> str:
+    from peft import PeftModel
+
+    swaps.set(PeftModel, "parameters", _make_parameters(PeftModel.parameters))
+    swaps.set(PeftModel, "zero_grad", _make_zero_grad(PeftModel.zero_grad))
+    swaps.set(PeftModel, "train", _make_train(PeftModel.train))
+    return ("PeftModel.parameters / zero_grad / train: the Trainer's per-step walks in one pass over the "
+            "modules' dicts (the same parameters, order and flags as torch's)")
