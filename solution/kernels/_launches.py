@@ -82,11 +82,14 @@ def _triton_launch_source() -> str:
 
 
 def triton_launch_digest() -> str | None:
-    """sha256 of ``_triton_launch_source`` (None when Triton lacks one of those functions)."""
-    try:
-        return hashlib.sha256(_triton_launch_source().encode()).hexdigest()
-    except (ImportError, AttributeError, OSError, TypeError):
-        return None
+    """sha256 of ``_triton_launch_source`` (None when Triton lacks one of those functions); read
+    once per process (reading the sources takes milliseconds)."""
+    if "digest" not in _state:
+        try:
+            _state["digest"] = hashlib.sha256(_triton_launch_source().encode()).hexdigest()
+        except (ImportError, AttributeError, OSError, TypeError):
+            _state["digest"] = None
+    return _state["digest"]
 
 
 def direct_reason() -> str | None:
