@@ -23,6 +23,7 @@ FLAGS = {
     "SOLUTION_PRECOMPILE": ("precompile", True),
     "SOLUTION_ATTN_VARLEN": ("attn_varlen", True),
     "SOLUTION_ATTN_LAYOUT_KERNELS": ("attn_layout_kernels", True),
+    "SOLUTION_DIRECT_LAUNCH": ("direct_launch", True),
 }
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
 MEMORY_POLICIES = ("speed", "balanced", "memory")
@@ -73,6 +74,7 @@ class Settings:
     precompile: bool = True  # $SOLUTION_PRECOMPILE (solution/precompile.py)
     attn_varlen: bool = True  # $SOLUTION_ATTN_VARLEN (step/attention.py)
     attn_layout_kernels: bool = True  # $SOLUTION_ATTN_LAYOUT_KERNELS (step/attention.py)
+    direct_launch: bool = True  # $SOLUTION_DIRECT_LAUNCH (kernels/_launches.py: repeated launches skip kernel[grid])
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
     skip_patches: frozenset[str] = field(default_factory=frozenset)  # $SOLUTION_SKIP_PATCHES

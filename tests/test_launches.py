@@ -120,11 +120,14 @@ def test_direct_launch_steps_aside_for_hooks_callable_grids_and_other_kernels(mo
     monkeypatch.setattr(d.knobs.runtime.launch_enter_hook, "calls", [print])  # a profiler's hook
     _launches.launch(k, (5,), "fake", "X", 32)
     monkeypatch.setattr(d.knobs.runtime.launch_enter_hook, "calls", [])
+    monkeypatch.setattr(d.knobs.runtime, "add_stages_inspection_hook", lambda: ("k", "h"), raising=False)
+    _launches.launch(k, (5,), "fake", "X", 32)  # Triton >= 3.7 would add to the specialization
+    monkeypatch.setattr(d.knobs.runtime, "add_stages_inspection_hook", None)
     k.pre_run_hooks.append(print)
     _launches.launch(k, (5,), "fake", "X", 32)
     k.pre_run_hooks.clear()
     _launches.launch(k, lambda meta: (5,), "fake", "X", 32)  # a callable grid
-    assert _launches.DIRECT["fake"] == 1 and len(k.slow) == 4
+    assert _launches.DIRECT["fake"] == 1 and len(k.slow) == 5
 
     class Other(_FakeKernel):  # not the JIT class (the interpreter's kernels)
         pass
@@ -139,8 +142,8 @@ def test_direct_launch_only_on_the_reviewed_triton(monkeypatch):
 
     digest = _launches.triton_launch_digest()
     assert digest is not None  # every Triton we support has these functions
-    if triton.__version__ == "3.6.0":  # the version reviewed: the digest is the accepted one
-        assert _launches.ACCEPTED_TRITON.get(digest) == "3.6.0"
+    if triton.__version__ in set(_launches.ACCEPTED_TRITON.values()):  # a reviewed version: its digest
+        assert _launches.ACCEPTED_TRITON.get(digest) == triton.__version__
     monkeypatch.setattr(_launches, "ACCEPTED_TRITON", {})
     assert "not the reviewed one" in _launches.direct_reason()
     monkeypatch.setitem(_launches._state, "enabled", False)
@@ -173,3 +176,19 @@ def test_direct_launch_gives_the_same_bits_and_is_taken():
     _launches.launch(_axpy_kernel, (4,), "axpy", x, y, out, 1024, 1.5, BLOCK=256)
     assert _launches.DIRECT["axpy"] == 0
     _launches.set_direct(True)
+
+
+def test_apply_sets_the_direct_launch_from_the_settings():
+    import solution
+    from solution.settings import Settings
+
+    solution.revert()
+    try:
+        solution.apply(verbose=False, settings=Settings(direct_launch=False))
+        assert _launches.direct_reason() == "turned off"
+        solution.revert()
+        assert _launches._state["enabled"] is True
+        solution.apply(verbose=False, settings=Settings())
+        assert _launches._state["enabled"] is True
+    finally:
+        solution.revert()

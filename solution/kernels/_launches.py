@@ -21,8 +21,9 @@ The direct launch (the eager step's host time, docs/kernels/direct_launch.md):
    the same; the values are the same bits.
 4. Correctness risks. (a) Triton's internals: the direct path is taken only when the sources of
    ``JITFunction.run``, of its binder, of ``CompiledKernel.launch_metadata`` / ``run`` and of the
-   launch hooks' ``HookChain`` are the ones reviewed (sha256 in ``ACCEPTED_TRITON``); any other Triton, the interpreter, a launch hook
-   (a profiler such as proton), a pre-run hook or a callable grid: ``kernel[grid]`` as before.
+   launch hooks' ``HookChain`` are the ones reviewed (sha256 in ``ACCEPTED_TRITON``: 3.6.0 run on a
+   GPU, 3.7.0-3.9.0 read); any other Triton, the interpreter, a launch hook (a profiler such as
+   proton), a stage-inspection hook, a pre-run hook or a callable grid: ``kernel[grid]`` as before.
    (b) What a later launch no longer re-checks: the kernel's global values (ours are module
    constants) and Triton's debug / instrumentation knobs (read by the first launch of a key only).
    (c) Tests: tests/test_launches.py (the plumbing on the CPU; on a GPU the same bits through both
@@ -42,8 +43,16 @@ NOT_OURS: set = set()
 DIRECT: Counter = Counter()
 
 # sha256 of the reviewed sources of Triton's launch path (``_triton_launch_source``) -> version.
+# Reviewed by reading the sources; run on a GPU: 3.6.0 (the H200's and Kaggle's Triton). 3.7.0 to 3.9.0
+# differ from 3.6.0 only where the direct path does not go or steps aside: a stage-inspection hook
+# that adds to the specialization (``add_stages_inspection_hook``: set, the launch takes
+# kernel[grid]), an fpsan option (like debug: part of Triton's key only), the binder's handling of
+# *args / keyword-only parameters (none in our kernels), no async-compile ``result()`` any more.
 ACCEPTED_TRITON = {
     "879d3f2d1472d12c61d004f98beafe512ece99c5ffff9bc8aa08dffb532649ba": "3.6.0",
+    "9c9031cd09d45bbfcd4f8ffaa3db89ea479137230d3f35032ed9cc38c2752faf": "3.7.0",
+    "17f6fcbc5e88eb9839904f54c9f8807efa8df1a260d73917709bf1e24b776000": "3.8.0",
+    "65985677219584f3fdfdc6c1850237803ede8396e5b7b8ada5696e0337f306cc": "3.9.0",
 }
 
 
@@ -143,8 +152,11 @@ def launch(kernel, grid, name: str, *args, **kwargs) -> None:
     d = _state["direct"]
     if d is None:
         d = _decide()
-    if (d is False or type(kernel) is not d.jit_cls or type(grid) is not tuple or kernel.pre_run_hooks
-            or d.knobs.runtime.launch_enter_hook.calls or d.knobs.runtime.launch_exit_hook.calls):
+    if d is False or type(kernel) is not d.jit_cls or type(grid) is not tuple or kernel.pre_run_hooks:
+        kernel[grid](*args, **kwargs)
+        return
+    rt = d.knobs.runtime
+    if rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or getattr(rt, "add_stages_inspection_hook", None):
         kernel[grid](*args, **kwargs)
         return
     if d.device is None:
