@@ -12,7 +12,9 @@ inclusive and the own microseconds of each target; "step, unwrapped" and "step, 
 much the timers themselves add. Then a launch table: one of the node's real launches
 (``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
 and through the compiled kernel's launcher directly (what a launcher that skips Triton's per-call
-binding would cost), with the GPU kept busy so that only host time is timed.
+binding would cost), with the GPU kept busy so that only host time is timed; and a table of the
+GEMM calls' host cost as torch is asked for them (F.linear with and without autocast, 3-D / 2-D,
+bias or not; torch.matmul, mm, addmm): F.linear costs more than torch.matmul in the step.
 """
 from __future__ import annotations
 
@@ -144,6 +146,43 @@ def time_launches(cap: dict, reps: int = 2000) -> dict:
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
+def time_gemm_calls(n: int = 1000, reps: int = 2000) -> dict:
+    """Host us per call of the node's GEMM calls as torch is asked for them (q_proj's shape,
+    [1, n, 1536] x [1536, 1536] fp16, bias), under fp16 autocast (the node's forward) and without
+    (its backward), 3-D and 2-D: is it autocast, the 3-D input or the bias that makes F.linear cost
+    more than torch.matmul in the step? The GPU kept busy, so that only host time is timed."""
+    import torch.nn.functional as F
+
+    x = torch.randn(1, n, 1536, device="cuda", dtype=torch.float16)
+    w = torch.randn(1536, 1536, device="cuda", dtype=torch.float16)
+    b = torch.randn(1536, device="cuda", dtype=torch.float16)
+    x2, wt = x.view(n, 1536), w.t()
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
+    calls = {
+        "F.linear 3-D + bias, autocast": (True, lambda: F.linear(x, w, b)),
+        "F.linear 3-D + bias": (False, lambda: F.linear(x, w, b)),
+        "F.linear 3-D, no bias, autocast": (True, lambda: F.linear(x, w)),
+        "F.linear 2-D + bias": (False, lambda: F.linear(x2, w, b)),
+        "torch.matmul 3-D": (False, lambda: torch.matmul(x, wt)),
+        "torch.mm 2-D": (False, lambda: torch.mm(x2, wt)),
+        "torch.addmm 2-D": (False, lambda: torch.addmm(b, x2, wt)),
+    }
+    rows = {}
+    for label, (autocast, call) in calls.items():
+        ts = []
+        for _ in range(5):
+            for _ in range(6):
+                a @ a  # the GPU busy: the calls below only queue
+            with torch.autocast("cuda", dtype=torch.float16, enabled=autocast):
+                t0 = time.perf_counter_ns()
+                for _ in range(reps // 5):
+                    call()
+                ts.append((time.perf_counter_ns() - t0) / (reps // 5) / 1e3)
+            torch.cuda.synchronize()
+        rows[label] = statistics.median(ts)
+    return rows
+
+
 def main() -> None:
     args = bench_args(__doc__)
     if args is None:
@@ -215,6 +254,7 @@ def main() -> None:
         jit.JITFunction.run = orig
         torch.cuda.synchronize()
         launches = time_launches(cap) if cap else {}
+        gemms = time_gemm_calls()
     solution.revert()
     per = STEPS * LAYERS
     rows = sorted(((lab, timers.calls[lab] / per, timers.incl[lab] / per / 1e3, timers.own[lab] / per / 1e3)
@@ -232,10 +272,14 @@ def main() -> None:
     print("| --- | ---: |")
     for k, v in launches.items():
         print(f"| {k} | {v:.2f} |")
+    print("\n| GEMM call (q_proj's shape, 1000 tokens) | host us / call |")
+    print("| --- | ---: |")
+    for k, v in gemms.items():
+        print(f"| {k} | {v:.2f} |")
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "plain_ms": plain_ms, "wrapped_ms": wrapped_ms,
                    "rows": rows, "launches": launches,
-                   "direct_steps": direct_rows}, f, indent=1)
+                   "direct_steps": direct_rows, "gemm_calls": gemms}, f, indent=1)
 
 
 if __name__ == "__main__":
