@@ -6,8 +6,9 @@ What it replaces: every training step the Trainer calls ``model.train()`` (``tra
 torch's generic walk: ``train`` calls itself on every one of the ~1,000 modules, ``parameters``
 goes through ``named_modules`` (a prefix string built for every module and parameter) and
 ``zero_grad`` reads ``.grad`` of every parameter, which for bitsandbytes' 4-bit weights goes
-through their ``__torch_function__``. The same answer every step: measured by
-``python -m bench.step_walks`` (docs/NOTES.md; H200 figures in docs/PERFORMANCE.md).
+through their ``__torch_function__``. The same answer every step. Measured by
+``python -m bench.step_walks`` (on the CPU: docs/NOTES.md, seventeenth session); the whole runs
+with it: docs/PERFORMANCE.md.
 
 What it does instead, on ``PeftModel`` only:
 - ``parameters(recurse=True)``: one walk over the modules' ``_modules`` and ``_parameters`` dicts,
@@ -34,7 +35,7 @@ import functools
 NAME = "peft_model_walks"
 
 _WALK_METHODS = ("named_modules", "named_parameters", "_named_members", "parameters")
-_PLAIN_WALK: dict = {}  # module class -> it walks as torch's Module does
+_PLAIN_WALK: dict = {}  # module class -> it walks as torch's Module does (or through this patch)
 _PLAIN_TRAIN: dict = {}  # module class -> its train() is a no-op when the mode does not change
 
 
@@ -51,16 +52,21 @@ def check() -> str | None:
     return None
 
 
-def _walks_plainly(cls, root_cls) -> bool:
-    ok = _PLAIN_WALK.get(cls)
-    if ok is None:
-        import torch
+def _walks_plainly(classes) -> bool:
+    """Every class in ``classes`` walks its modules and parameters as torch's Module does: torch's
+    own methods, or this patch's ``parameters`` (the same objects in the same order)."""
+    for cls in classes:
+        ok = _PLAIN_WALK.get(cls)
+        if ok is None:
+            import torch
 
-        module = torch.nn.Module
-        ok = all(getattr(cls, m) is getattr(module, m) or (cls is root_cls and m == "parameters")
-                 for m in _WALK_METHODS)
-        _PLAIN_WALK[cls] = ok
-    return ok
+            module = torch.nn.Module
+            ok = _PLAIN_WALK[cls] = all(getattr(cls, m) is getattr(module, m)
+                                        or getattr(getattr(cls, m), "_solution_walks", False)
+                                        for m in _WALK_METHODS)
+        if not ok:
+            return False
+    return True
 
 
 def _collect(m, seen: set, out: list) -> None:
@@ -77,11 +83,7 @@ def _modules(root) -> list | None:
     class walks in its own way."""
     out: list = []
     _collect(root, {id(root)}, out)
-    root_cls = type(root)
-    for cls in {type(m) for m in out}:
-        if not _walks_plainly(cls, root_cls):
-            return None
-    return out
+    return out if _walks_plainly({type(m) for m in out}) else None
 
 
 def _collect_parameters(m, seen: set, seen_p: set, out: list, classes: set) -> None:
@@ -103,11 +105,7 @@ def walk_parameters(root) -> list | None:
     out: list = []
     classes: set = set()
     _collect_parameters(root, {id(root)}, set(), out, classes)
-    root_cls = type(root)
-    for cls in classes:
-        if not _walks_plainly(cls, root_cls):
-            return None
-    return out
+    return out if _walks_plainly(classes) else None
 
 
 def _plain_train(cls) -> bool:
