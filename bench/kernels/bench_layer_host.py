@@ -111,15 +111,25 @@ def paired_ms(short, long, reps: int = REPS) -> tuple[float, float, float]:
     return statistics.median(a), statistics.median(b), statistics.median(d)
 
 
-def main() -> None:
-    args = bench_args(__doc__)
+def setup(doc: str):
+    """What a layer bench starts with: its command line (``bench_args``: None without CUDA), the
+    T4's code paths, the batch. Returns (args, (ids, mask, labels)) or None."""
+    args = bench_args(doc)
     if args is None:
-        return
-    import solution
+        return None
     from bench.run_one import emulate_t4_paths
 
     emulate_t4_paths()
-    ids, mask, labels = batch()
+    return args, batch()
+
+
+def main() -> None:
+    ready = setup(__doc__)
+    if ready is None:
+        return
+    args, (ids, mask, labels) = ready
+    import solution
+
     rows, profile_text = {}, ""
     from solution.settings import Settings
 

@@ -29,8 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch  # noqa: E402
 
-from bench.kernels._common import bench_args  # noqa: E402
-from bench.kernels.bench_layer_host import LAYERS, batch, build, step_fn  # noqa: E402
+from bench.kernels.bench_layer_host import LAYERS, _timed_ms, build, setup, step_fn  # noqa: E402
 
 STEPS = 20
 
@@ -184,17 +183,16 @@ def time_gemm_calls(n: int = 1000, reps: int = 2000) -> dict:
 
 
 def main() -> None:
-    args = bench_args(__doc__)
-    if args is None:
+    ready = setup(__doc__)
+    if ready is None:
         return
+    args, (ids, mask, labels) = ready
     import triton.runtime.jit as jit
 
     import solution
-    from bench.run_one import emulate_t4_paths
+    from solution.kernels import _launches
     from solution.settings import Settings
 
-    emulate_t4_paths()
-    ids, mask, labels = batch()
     solution.revert()
     solution.apply(verbose=False, settings=Settings(cuda_graphs="0"))
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,24 +203,13 @@ def main() -> None:
         torch.cuda.synchronize()
 
         def timed_steps():
-            ts = []
-            for _ in range(STEPS):
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                ts.append((time.perf_counter() - t0) * 1e3)
-            return statistics.median(ts)
-
-        from solution.kernels import _launches
+            return statistics.median(_timed_ms(step) for _ in range(STEPS))
 
         pairs = {"direct": [], "kernel[grid]": []}
         for _ in range(STEPS):
             for label, on in (("direct", True), ("kernel[grid]", False)):
                 _launches.set_direct(on)
-                t0 = time.perf_counter()
-                step()
-                torch.cuda.synchronize()
-                pairs[label].append((time.perf_counter() - t0) * 1e3)
+                pairs[label].append(_timed_ms(step))
         _launches.set_direct(True)
         diffs = [a - b for a, b in zip(pairs["direct"], pairs["kernel[grid]"])]
         direct_rows = {k: statistics.median(v) for k, v in pairs.items()}
