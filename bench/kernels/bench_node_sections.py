@@ -122,7 +122,15 @@ def time_launches(cap: dict, reps: int = 2000) -> dict:
     rows = {}
     from solution.kernels import _launches
 
-    for label in ("kernel[grid]", "direct launcher", "launch(), direct path", "kernel[grid]"):
+    binder = jitf.device_caches[dev][4]
+    cache = {}
+
+    def key_of():
+        bound_, spec, options = binder(*args, **kwargs)
+        return (id(jitf), dev, tuple(spec), tuple(options.items()))
+
+    for label in ("kernel[grid]", "direct launcher", "launch(), direct path", "binder only",
+                  "binder + key + lookup", "kernel[grid]"):
         ts = []
         for _ in range(5):
             busy()
@@ -133,6 +141,12 @@ def time_launches(cap: dict, reps: int = 2000) -> dict:
             elif label == "launch(), direct path":
                 for _ in range(reps // 5):
                     _launches.launch(jitf, grid, "bench", *args, **kwargs)
+            elif label == "binder only":
+                for _ in range(reps // 5):
+                    binder(*args, **kwargs)
+            elif label == "binder + key + lookup":
+                for _ in range(reps // 5):
+                    cache.get(key_of())
             else:
                 run, fnc, meta = kernel.run, kernel.function, kernel.packed_metadata
                 for _ in range(reps // 5):
@@ -251,7 +265,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for lab, c, inc, own in rows:
         print(f"| {lab} | {c:.1f} | {inc:.1f} | {own:.1f} |")
-    print(f"\n| step ({LAYERS} layers), launches | ms, median of {STEPS} |")
+    print(f"\n| step ({LAYERS} layers), paired arms | ms, median of {STEPS} |")
     print("| --- | ---: |")
     for k, v in direct_rows.items():
         print(f"| {k} | {v:.2f} |")
