@@ -32,6 +32,10 @@ CUDA_GRAPHS_MODES = ("auto", "0", "1")
 GRAPH_BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
 DEFAULT_BUCKET = 256  # the trade-off (captures against filler tokens) measured in docs/cuda_graphs.md
 MAX_BUCKET = 4096
+# The eager packed step's token bucket (solution/step/decoder.py): 0 = off (the shipped default: on a
+# GPU-bound machine the filler row is GPU work for nothing); N: the layers run on the packed tokens
+# rounded up to a multiple of N, so cuBLAS meets fewer new GEMM shapes (docs/layer_node.md).
+EAGER_BUCKET_ENV = "SOLUTION_EAGER_BUCKET"
 SKIP_ENV = "SOLUTION_SKIP_PATCHES"
 PRECOMPILE_MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurements: a scratch one)
 AUTO_APPLY_ENV = "SOLUTION_AUTO_APPLY"  # solution/autoapply.py: apply() in Soup's process, started by someone else
@@ -77,6 +81,7 @@ class Settings:
     direct_launch: bool = True  # $SOLUTION_DIRECT_LAUNCH (kernels/_launches.py: repeated launches skip kernel[grid])
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
+    eager_bucket: int = 0  # $SOLUTION_EAGER_BUCKET: tokens, 0 (off) or 1..MAX_BUCKET
     skip_patches: frozenset[str] = field(default_factory=frozenset)  # $SOLUTION_SKIP_PATCHES
     precompile_manifest: Path | None = None  # $SOLUTION_PRECOMPILE_MANIFEST; None: the shipped one
 
@@ -89,6 +94,9 @@ class Settings:
         if not (type(self.graph_bucket) is int and 1 <= self.graph_bucket <= MAX_BUCKET):
             raise ValueError(f"Settings.graph_bucket={self.graph_bucket!r}: expected an integer from 1 "
                              f"to {MAX_BUCKET} tokens")
+        if not (type(self.eager_bucket) is int and 0 <= self.eager_bucket <= MAX_BUCKET):
+            raise ValueError(f"Settings.eager_bucket={self.eager_bucket!r}: expected 0 (off) or an integer "
+                             f"from 1 to {MAX_BUCKET} tokens")
         object.__setattr__(self, "skip_patches", frozenset(self.skip_patches))
 
     @classmethod
@@ -97,7 +105,7 @@ class Settings:
         """The settings named by ``environ`` (default: os.environ, read now). ValueError, one line
         naming the variable and what it accepts, for the first invalid value, in the order memory
         policy, on/off settings (FLAGS order), $SOLUTION_CUDA_GRAPHS, $SOLUTION_GRAPH_BUCKET,
-        $SOLUTION_SKIP_PATCHES (its names checked only when ``known_patches`` is given)."""
+        $SOLUTION_EAGER_BUCKET, $SOLUTION_SKIP_PATCHES (its names checked only when ``known_patches`` is given)."""
         env = os.environ if environ is None else environ
         raw = env.get(MEMORY_POLICY_ENV, "")
         memory_policy = raw.strip().lower() or "speed"
@@ -109,25 +117,30 @@ class Settings:
         if cuda_graphs not in CUDA_GRAPHS_MODES:
             raise ValueError(f"${CUDA_GRAPHS_ENV} must be auto, 0 or 1, got {env.get(CUDA_GRAPHS_ENV)!r}")
         graph_bucket = _bucket(env.get(GRAPH_BUCKET_ENV, "").strip())
+        eager_bucket = _bucket(env.get(EAGER_BUCKET_ENV, "").strip(), EAGER_BUCKET_ENV, 0)
         raw_skip = env.get(SKIP_ENV)
         skip = frozenset(name.strip() for name in (raw_skip or "").split(",") if name.strip())
         if known_patches is not None:
             check_skip_patches(skip, known_patches, raw_skip)
         manifest = env.get(PRECOMPILE_MANIFEST_ENV)
         return cls(memory_policy=memory_policy, cuda_graphs=cuda_graphs, graph_bucket=graph_bucket,
+                   eager_bucket=eager_bucket,
                    skip_patches=skip, precompile_manifest=Path(manifest) if manifest else None, **flags)
 
 
-def _bucket(raw: str) -> int:
-    """$SOLUTION_GRAPH_BUCKET's text (stripped) as a token count; empty: DEFAULT_BUCKET."""
+def _bucket(raw: str, name: str = GRAPH_BUCKET_ENV, off: int | None = None) -> int:
+    """A bucket variable's text (stripped) as a token count; empty: DEFAULT_BUCKET, or ``off``
+    where the variable has an off value (0: $SOLUTION_EAGER_BUCKET)."""
     if not raw:
-        return DEFAULT_BUCKET
+        return DEFAULT_BUCKET if off is None else off
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value < 1 or value > MAX_BUCKET:
-        raise ValueError(f"${GRAPH_BUCKET_ENV} must be an integer from 1 to {MAX_BUCKET} tokens, got {raw!r}")
+        value = -1
+    low = 1 if off is None else 0
+    if value < low or value > MAX_BUCKET:
+        what = "an integer from 1" if off is None else "0 (off) or an integer from 1"
+        raise ValueError(f"${name} must be {what} to {MAX_BUCKET} tokens, got {raw!r}")
     return value
 
 

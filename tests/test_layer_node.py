@@ -19,7 +19,7 @@ from solution.step.layer import NODE_COUNT as NODE
 from tests.test_unpad import _right_padded_batch, qlora_tiny_model
 
 
-def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1):
+def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1, **settings_kw):
     """``steps`` training forwards + backwards (no optimizer: the same weights) on the tiny QLoRA
     model after solution.apply() with or without the node: (losses, LoRA grads of the last step,
     generator offset or CPU RNG state, our launches by name)."""
@@ -29,7 +29,8 @@ def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt
 
     solution.revert()
     skip = frozenset() if node else frozenset({"qwen2_layer_node"})
-    installed = solution.apply(verbose=False, settings=Settings(skip_patches=skip, cuda_graphs="0", precompile=False))
+    installed = solution.apply(verbose=False, settings=Settings(skip_patches=skip, cuda_graphs="0", precompile=False,
+                                                                **settings_kw))
     assert ("qwen2_layer_node" in installed) == node
     try:
         model = qlora_tiny_model(model_dir, device)
@@ -278,3 +279,33 @@ def test_checkpointed_node_takes_its_masks_again_from_a_source(device, tiny_dir,
     assert set(ckpt[2]) == set(plain[2]) and any("lora_B" in n for n in plain[2])
     for name, g in plain[2].items():
         assert torch.equal(ckpt[2][name], g), name
+
+
+@pytest.mark.parametrize("node", [True, False])
+def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, monkeypatch):
+    """$SOLUTION_EAGER_BUCKET: the eager layers run on the packed tokens plus a filler row (the
+    token count rounded up to a multiple of the bucket; step/decoder.py, ``eager_bucketed``). The
+    filler attends only to itself and its outputs are dropped, so the loss and the LoRA gradients
+    are the unbucketed run's (to fp16 GEMM rounding: cuBLAS may pick other kernels for the other
+    row count; on the CPU the same bits) and the generator ends where it did (the same draws)."""
+    from solution.step import decoder
+
+    rows = []
+    bucketed_fn = decoder.eager_bucketed
+    monkeypatch.setattr(decoder, "eager_bucketed", lambda info, dev: rows.append(
+        (info.n_tokens, bucketed_fn(info, dev).n_tokens)) or bucketed_fn(info, dev))
+    batch = _batch(device, [40, 17, 64, 9])
+    plain = _step(tiny_dir, device, batch, node, autocast_ctx, steps=2)
+    assert rows and all(a == b for a, b in rows)  # off by default: the rows as they are
+    rows.clear()
+    bucketed = _step(tiny_dir, device, batch, node, autocast_ctx, steps=2, eager_bucket=16)
+    assert rows and all(b > a and b % 16 == 0 for a, b in rows), rows
+    (loss_p, grads_p, rng_p, _), (loss_b, grads_b, rng_b, _) = plain, bucketed
+    assert (rng_p == rng_b) if isinstance(rng_p, int) else torch.equal(rng_p, rng_b)
+    assert (bucketed[3].get(NODE, 0) > 0) == node
+    if device == "cpu":
+        assert torch.equal(loss_p, loss_b)
+    torch.testing.assert_close(loss_b, loss_p, rtol=2e-3, atol=0)
+    assert set(grads_p) == set(grads_b)
+    for name, g in grads_p.items():
+        torch.testing.assert_close(grads_b[name], g, rtol=2e-2, atol=1e-5, msg=name)

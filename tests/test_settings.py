@@ -16,17 +16,19 @@ SOLUTION_DIR = Path(solution.__file__).resolve().parent
 
 def test_defaults_are_an_empty_environment():
     assert Settings.from_env({}) == Settings()
-    assert Settings() == Settings(memory_policy="speed", cuda_graphs="auto", graph_bucket=256,
+    assert Settings() == Settings(memory_policy="speed", cuda_graphs="auto", graph_bucket=256, eager_bucket=0,
                                   skip_patches=frozenset(), precompile_manifest=None,
                                   **{field: default for field, default in FLAGS.values()})
 
 
 def test_from_env_reads_every_value():
     env = {"SOLUTION_MEMORY_POLICY": " Balanced ", "SOLUTION_CUDA_GRAPHS": " 1 ", "SOLUTION_GRAPH_BUCKET": "64",
+           "SOLUTION_EAGER_BUCKET": " 128 ",
            "SOLUTION_SKIP_PATCHES": " qwen2_mlp, cuda_allocator ,", "SOLUTION_PRECOMPILE_MANIFEST": "/tmp/m.json",
            **{name: "off" if default else "yes" for name, (_, default) in FLAGS.items()}}
     s = Settings.from_env(env)
-    assert (s.memory_policy, s.cuda_graphs, s.graph_bucket) == ("balanced", "1", 64)
+    assert (s.memory_policy, s.cuda_graphs, s.graph_bucket, s.eager_bucket) == ("balanced", "1", 64, 128)
+    assert Settings.from_env({"SOLUTION_EAGER_BUCKET": "0"}).eager_bucket == 0
     assert s.skip_patches == {"qwen2_mlp", "cuda_allocator"} and s.precompile_manifest == Path("/tmp/m.json")
     assert all(getattr(s, field) is not default for field, default in FLAGS.values())
 
@@ -36,6 +38,9 @@ def test_from_env_reads_every_value():
     ("SOLUTION_ATTN_VARLEN", "maybe", r"\$SOLUTION_ATTN_VARLEN='maybe' is not an on/off value"),
     ("SOLUTION_CUDA_GRAPHS", "yes", r"\$SOLUTION_CUDA_GRAPHS must be auto, 0 or 1, got 'yes'"),
     ("SOLUTION_GRAPH_BUCKET", "4097", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
+    ("SOLUTION_GRAPH_BUCKET", "0", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
+    ("SOLUTION_EAGER_BUCKET", "-1", r"\$SOLUTION_EAGER_BUCKET must be 0 \(off\) or an integer from 1 to 4096"),
+    ("SOLUTION_EAGER_BUCKET", "some", r"\$SOLUTION_EAGER_BUCKET must be 0 \(off\) or an integer from 1 to 4096"),
 ])
 def test_from_env_refuses_a_bad_value_naming_it(name, value, message):
     with pytest.raises(ValueError, match=message):

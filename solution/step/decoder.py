@@ -25,10 +25,11 @@ import weakref
 
 import torch
 
+from solution import settings
 from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import cache_given, checkpointing_body
-from solution.step import cuda_graphs, packing
+from solution.step import attention, cuda_graphs, packing
 from solution.step import layer as layer_node
 
 # Set by the LM-head patch around its call of the decoder: a list that receives
@@ -174,6 +175,27 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
     return packing.make_unpadded(lengths, input_ids.shape[1], input_ids.device)
 
 
+def eager_bucketed(info, device):
+    """The packed rows the eager layers run on: ``info`` with one filler row that rounds the token
+    count up to the next multiple of $SOLUTION_EAGER_BUCKET (packing.make_unpadded(extra=...), the
+    CUDA graphs' filler: copies of real tokens in an attention row of their own, zero gradient),
+    or ``info`` itself when that is 0 (the default) or attention would not keep the filler row
+    apart (the padded layout).
+
+    What it is for: cuBLAS spends ~0.3-1 ms of host time choosing its kernel the first time it
+    sees a GEMM shape, ~20-40 us after; the packed token count is new at almost every step, so
+    every step's ~20 GEMM shapes are new (bench/kernels/bench_gemm_shapes.py, bench/gemm_probe.py:
+    docs/layer_node.md). Rounded up, the shapes repeat from step to step. The cost is the filler's
+    GPU work (half a bucket a step on average), so it is off by default: it pays only where the
+    eager step waits for the host."""
+    bucket = settings.current().eager_bucket
+    if not bucket or not (attention.layout_kernels_enabled() and attention.varlen_enabled()):
+        return info
+    n = info.n_tokens
+    return packing.make_unpadded(list(info.lengths), info.seqlen, device,
+                                 extra=cuda_graphs.bucketed_tokens(n, bucket) - n)
+
+
 def unpadded_forward(model, input_ids, info, kwargs):
     """Stock Qwen2Model.forward's body on the packed real tokens (no cache, no masks to build)."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -181,6 +203,8 @@ def unpadded_forward(model, input_ids, info, kwargs):
     # the layers replayed from CUDA graphs (solution/step/cuda_graphs.py), or eagerly
     hidden_states = cuda_graphs.decoder_forward(model, input_ids, info, kwargs)
     if hidden_states is None:
+        n_real, real_info = info.n_tokens, info
+        info = eager_bucketed(info, input_ids.device)  # the layers' rows: with a filler row, or as they are
         ids = packing.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
         hidden_states = model.embed_tokens(ids)
         position_ids = info.positions.unsqueeze(0)
@@ -207,6 +231,8 @@ def unpadded_forward(model, input_ids, info, kwargs):
                     hidden_states = decoder_layer(hidden_states, **layer_kwargs)
         if timer is not None:
             timer.stop()
+        if info is not real_info:  # the filler row's outputs dropped: its gradient is zero
+            hidden_states, info = hidden_states[:, :n_real], real_info
     hidden_states = model.norm(hidden_states)
     sink = _PACKED_SINK.get()
     if sink is not None:
