@@ -281,13 +281,14 @@ def test_checkpointed_node_takes_its_masks_again_from_a_source(device, tiny_dir,
         assert torch.equal(ckpt[2][name], g), name
 
 
-@pytest.mark.parametrize("node", [True, False])
-def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, monkeypatch):
+@pytest.mark.parametrize("node, ckpt", [(True, None), (False, None), (True, False)])
+def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, ckpt, monkeypatch):
     """$SOLUTION_EAGER_BUCKET: the eager layers run on the packed tokens plus a filler row (the
     token count rounded up to a multiple of the bucket; step/decoder.py, ``eager_bucketed``). The
     filler attends only to itself and its outputs are dropped, so the loss and the LoRA gradients
     are the unbucketed run's (to fp16 GEMM rounding: cuBLAS may pick other kernels for the other
-    row count; on the CPU the same bits) and the generator ends where it did (the same draws)."""
+    row count; on the CPU the same bits) and the generator ends where it did (the same draws), with
+    the node's own gradient checkpointing too (its recompute runs on the same filler row)."""
     from solution.step import decoder
 
     rows = []
@@ -295,10 +296,10 @@ def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, mon
     monkeypatch.setattr(decoder, "eager_bucketed", lambda info, dev: rows.append(
         (info.n_tokens, bucketed_fn(info, dev).n_tokens)) or bucketed_fn(info, dev))
     batch = _batch(device, [40, 17, 64, 9])
-    plain = _step(tiny_dir, device, batch, node, autocast_ctx, steps=2)
+    plain = _step(tiny_dir, device, batch, node, autocast_ctx, ckpt=ckpt, steps=2)
     assert rows and all(a == b for a, b in rows)  # off by default: the rows as they are
     rows.clear()
-    bucketed = _step(tiny_dir, device, batch, node, autocast_ctx, steps=2, eager_bucket=16)
+    bucketed = _step(tiny_dir, device, batch, node, autocast_ctx, ckpt=ckpt, steps=2, eager_bucket=16)
     assert rows and all(b > a and b % 16 == 0 for a, b in rows), rows
     (loss_p, grads_p, rng_p, _), (loss_b, grads_b, rng_b, _) = plain, bucketed
     assert (rng_p == rng_b) if isinstance(rng_p, int) else torch.equal(rng_p, rng_b)
