@@ -166,6 +166,9 @@ def cross_effects(s: Settings) -> list[str]:
     if not s.attn_varlen:
         lines.append("$SOLUTION_ATTN_VARLEN=0: attention on the padded layout instead of variable-length attention "
                      "on the packed rows" + (f"; this also turns off {GRAPHS_NEED}" if graphs_on else anyway))
+    if s.eager_bucket and not (s.attn_layout_kernels and s.attn_varlen):
+        lines.append(f"${EAGER_BUCKET_ENV}={s.eager_bucket} has no effect: attention runs on the padded layout, "
+                     "where a filler row would share positions with real tokens")
     return lines
 
 

@@ -156,3 +156,13 @@ def test_apply_says_what_a_skipped_patch_turns_off(monkeypatch, capsys):
     assert "decoder CUDA graphs" in said["[solution] skip qwen2_unpad"]
     assert "graphs when LoRA dropout is > 0" in said["[solution] skip peft_lora_bnb4bit"]
     assert said["[solution] skip qwen2_rope"].endswith("(stock path kept)")
+
+
+def test_eager_bucket_said_to_have_no_effect_on_the_padded_layout():
+    from solution.settings import cross_effects
+
+    assert cross_effects(Settings(eager_bucket=128)) == []
+    assert cross_effects(Settings(eager_bucket=0, attn_varlen=False))[-1].startswith("$SOLUTION_ATTN_VARLEN=0")
+    for off in ({"attn_varlen": False}, {"attn_layout_kernels": False}):
+        line = cross_effects(Settings(eager_bucket=128, **off))[-1]
+        assert line.startswith("$SOLUTION_EAGER_BUCKET=128 has no effect: attention runs on the padded layout")
