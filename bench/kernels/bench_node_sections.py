@@ -12,9 +12,11 @@ inclusive and the own microseconds of each target; "step, unwrapped" and "step, 
 much the timers themselves add. Then a launch table: one of the node's real launches
 (``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
 and through the compiled kernel's launcher directly (what a launcher that skips Triton's per-call
-binding would cost), with the GPU kept busy so that only host time is timed; and a table of the
-GEMM calls' host cost as torch is asked for them (F.linear with and without autocast, 3-D / 2-D,
-bias or not; torch.matmul, mm, addmm): F.linear costs more than torch.matmul in the step.
+binding would cost), and Triton's binder alone and with the key and its lookup (the direct path's
+share), with the GPU kept busy so that only host time is timed; and a table of the GEMM calls'
+host cost as torch is asked for them (F.linear with and without autocast, 3-D / 2-D, bias or not;
+torch.matmul, mm, addmm). At one fixed shape they differ by a few us (autocast ~1 us a call); the
+cost of a new shape: bench_gemm_shapes.py.
 """
 from __future__ import annotations
 
