@@ -10,25 +10,18 @@ two timer reads per collection. ``--gen0 N``: first set the youngest generation'
 """
 from __future__ import annotations
 
-import atexit
 import gc
 import json
-import runpy
 import sys
 import time
 
+from bench import module_probe
+
 
 def main() -> None:
-    argv = sys.argv[1:]
-    out = None
-    if argv[:1] == ["--out"]:
-        out, argv = argv[1], argv[2:]
-    if argv[:1] == ["--gen0"]:
-        gc.set_threshold(int(argv[1]), *gc.get_threshold()[1:])
-        argv = argv[2:]
-    if argv[:1] != ["-m"] or len(argv) < 2:
-        raise SystemExit("usage: python -m bench.gc_probe [--out FILE] -m MODULE ARGS...")
-    module, rest = argv[1], argv[2:]
+    opts, module, rest = module_probe.parse(sys.argv[1:], "bench.gc_probe", ("--out", "--gen0"))
+    if "--gen0" in opts:
+        gc.set_threshold(int(opts["--gen0"]), *gc.get_threshold()[1:])
     totals = {g: {"collections": 0, "seconds": 0.0, "collected": 0} for g in (0, 1, 2)}
     start = {}
 
@@ -43,15 +36,11 @@ def main() -> None:
 
     def report():
         text = json.dumps({"module": module, "thresholds": gc.get_threshold(), "by_generation": totals}, indent=1)
-        if out:
-            with open(out, "w") as f:
-                f.write(text)
+        module_probe.write(opts.get("--out"), text)
         print("[gc_probe]", text.replace("\n", " "))
 
     gc.callbacks.append(timer)
-    atexit.register(report)
-    sys.argv = [module, *rest]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    module_probe.run(module, rest, report)
 
 
 if __name__ == "__main__":

@@ -13,11 +13,11 @@ one, and the packed step's row count is new at almost every step. The timer adds
 """
 from __future__ import annotations
 
-import atexit
 import json
-import runpy
 import sys
 import time
+
+from bench import module_probe
 
 
 def _key(args, kwargs):
@@ -75,30 +75,19 @@ def install():
 
 
 def main() -> None:
-    argv = sys.argv[1:]
-    out = None
-    if argv[:1] == ["--out"]:
-        out, argv = argv[1], argv[2:]
-    if argv[:1] != ["-m"] or len(argv) < 2:
-        raise SystemExit("usage: python -m bench.gemm_probe [--out FILE] -m MODULE ARGS...")
-    module, rest = argv[1], argv[2:]
+    opts, module, rest = module_probe.parse(sys.argv[1:], "bench.gemm_probe", ("--out",))
     stats, _ = install()
 
     def report():
         rows = {k: dict(v, new_us_per_call=v["new_ms"] * 1e3 / max(v["new_calls"], 1),
                         seen_us_per_call=v["seen_ms"] * 1e3 / max(v["seen_calls"], 1)) for k, v in stats.items()}
-        text = json.dumps({"module": module, "ops": rows}, indent=1)
-        if out:
-            with open(out, "w") as f:
-                f.write(text)
+        module_probe.write(opts.get("--out"), json.dumps({"module": module, "ops": rows}, indent=1))
         for k, v in rows.items():
             print(f"[gemm_probe] {k}: new shapes {v['new_calls']} calls {v['new_ms']:.1f} ms "
                   f"({v['new_us_per_call']:.0f} us each), seen {v['seen_calls']} calls {v['seen_ms']:.1f} ms "
                   f"({v['seen_us_per_call']:.1f} us each)")
 
-    atexit.register(report)
-    sys.argv = [module, *rest]
-    runpy.run_module(module, run_name="__main__", alter_sys=True)
+    module_probe.run(module, rest, report)
 
 
 if __name__ == "__main__":

@@ -293,8 +293,13 @@ def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, ckp
 
     rows = []
     bucketed_fn = decoder.eager_bucketed
-    monkeypatch.setattr(decoder, "eager_bucketed", lambda info, dev: rows.append(
-        (info.n_tokens, bucketed_fn(info, dev).n_tokens)) or bucketed_fn(info, dev))
+
+    def recorded(info, dev):  # (real tokens, the layers' tokens) of each eager forward
+        out = bucketed_fn(info, dev)
+        rows.append((info.n_tokens, out.n_tokens))
+        return out
+
+    monkeypatch.setattr(decoder, "eager_bucketed", recorded)
     batch = _batch(device, [40, 17, 64, 9])
     plain = _step(tiny_dir, device, batch, node, autocast_ctx, ckpt=ckpt, steps=2)
     assert rows and all(a == b for a, b in rows)  # off by default: the rows as they are

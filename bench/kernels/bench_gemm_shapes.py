@@ -50,42 +50,26 @@ def calls(device):
             t = big[name] = torch.randn(8192, n, device=device, dtype=torch.float16)
         return t[:m]
 
-    def linear_q(m):
-        x = rows(m, H, "h")
-        return lambda: F.linear(x, w_q, b_q)
+    def on_rows(call):  # make(M): ``call`` on M rows of the hidden width
+        def make(m):
+            x = rows(m, H, "h")
+            return lambda: call(x)
+        return make
 
-    def linear_k(m):
-        x = rows(m, H, "h")
-        return lambda: F.linear(x, w_kv)
-
-    def linear_gate(m):
-        x = rows(m, H, "h")
-        return lambda: F.linear(x, w_g)
-
-    def matmul_q_bwd(m):
-        g = rows(m, H, "h")
-        return lambda: torch.matmul(g, w_q)
-
-    def matmul_down_bwd(m):
-        g = rows(m, H, "h")
-        return lambda: torch.matmul(g, w_d)
-
-    def mm_lora_a_grad(m):
-        gh = rows(m, R, "r")
-        x = rows(m, H, "h")
+    def mm_lora_a_grad(m):  # grad_A = grad_h^T x: M is the reduction
+        gh, x = rows(m, R, "r"), rows(m, H, "h")
         return lambda: gh.t().mm(x)
-
-    def lora_a_fwd(m):
-        x = rows(m, H, "h")
-        return lambda: F.linear(x, a16)
 
     def empty(m):
         return lambda: torch.empty((m, H), device=device, dtype=torch.float16)
 
-    return [("F.linear q (+bias)", linear_q), ("F.linear k", linear_k), ("F.linear gate", linear_gate),
-            ("F.linear lora A", lora_a_fwd), ("torch.matmul q backward", matmul_q_bwd),
-            ("torch.matmul down backward", matmul_down_bwd), ("mm lora A grad (K = M)", mm_lora_a_grad),
-            ("torch.empty [M, 1536]", empty)]
+    return [("F.linear q (+bias)", on_rows(lambda x: F.linear(x, w_q, b_q))),
+            ("F.linear k", on_rows(lambda x: F.linear(x, w_kv))),
+            ("F.linear gate", on_rows(lambda x: F.linear(x, w_g))),
+            ("F.linear lora A", on_rows(lambda x: F.linear(x, a16))),
+            ("torch.matmul q backward", on_rows(lambda g: torch.matmul(g, w_q))),
+            ("torch.matmul down backward", on_rows(lambda g: torch.matmul(g, w_d))),
+            ("mm lora A grad (K = M)", mm_lora_a_grad), ("torch.empty [M, 1536]", empty)]
 
 
 def patterns(start: int, n: int):

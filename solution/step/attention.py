@@ -106,6 +106,14 @@ def layout_kernels_enabled() -> bool:
     return settings.current().attn_layout_kernels
 
 
+def rows_kept_apart() -> bool:
+    """Attention reads each packed row's extent from ``cu_seqlens`` (the layout kernels and
+    variable-length attention both on), so an extra packed row (a filler: packing.make_unpadded's
+    ``extra``) attends only to itself. On the padded layout a filler row would share positions
+    with real tokens. Asked by the CUDA graphs and the eager bucket (step/decoder.py)."""
+    return layout_kernels_enabled() and varlen_enabled()
+
+
 def _sdpa_input_dtype(query, key, value):
     """The dtype SDPA computes in for these inputs (autocast's cast, or the inputs' own dtype),
     when our layout kernels handle it (fp16 / fp32 in and out); None -> the torch ops path."""

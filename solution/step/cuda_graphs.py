@@ -714,7 +714,7 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
         return reason
     if torch.cuda.is_current_stream_capturing():
         return "already inside a CUDA graph capture"
-    if not (attention.layout_kernels_enabled() and attention.varlen_enabled()):
+    if not attention.rows_kept_apart():
         return "attention on the padded layout (host-dependent indices)"
     if hooked:
         return "hooks on the decoder layers (they would run only at capture)"

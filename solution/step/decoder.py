@@ -189,7 +189,7 @@ def eager_bucketed(info, device):
     GPU work (half a bucket a step on average), so it is off by default: it pays only where the
     eager step waits for the host."""
     bucket = settings.current().eager_bucket
-    if not bucket or not (attention.layout_kernels_enabled() and attention.varlen_enabled()):
+    if not bucket or not attention.rows_kept_apart():
         return info
     n = info.n_tokens
     return packing.make_unpadded(list(info.lengths), info.seqlen, device,
