@@ -196,14 +196,18 @@ def _cuda_graph_lines(rep: dict) -> list[str]:
     if not g:
         return []
     caps = g.get("captures") or []
-    decided = [f"decoder CUDA graphs {'on' if d['graphs'] else 'off'}: {d['reason']}." for d in g.get("decisions") or []]
+    from solution.step.cuda_graphs import decision_line
+
+    decided = [f"{decision_line(d)}." for d in g.get("decisions") or []]
     if decided:
-        lines_head = ["Measured decision ($SOLUTION_CUDA_GRAPHS=auto): " + " ".join(decided)]
+        lines_head = ["Measured decision (host-bound or GPU-bound eager layers: $SOLUTION_CUDA_GRAPHS=auto, "
+                      "$SOLUTION_EAGER_BUCKET=auto): " + " ".join(decided)]
     else:
         lines_head = []
     if not caps:
         why = "; ".join(g.get("failed") or g.get("refused") or []) or "no packed training forward"
-        if decided and not any(d["graphs"] for d in g.get("decisions") or []):
+        on_graphs = [d for d in g.get("decisions") or [] if d.get("subject", "graphs") == "graphs"]
+        if on_graphs and not any(d["graphs"] for d in on_graphs):  # the decision line says why not
             return lines_head + [""]
         return lines_head + [f"CUDA graphs over the decoder layers: not used ({why}).", ""]
     early = sum(1 for c in caps if c["step"] <= 2)

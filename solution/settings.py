@@ -32,9 +32,10 @@ CUDA_GRAPHS_MODES = ("auto", "0", "1")
 GRAPH_BUCKET_ENV = "SOLUTION_GRAPH_BUCKET"
 DEFAULT_BUCKET = 256  # the trade-off (captures against filler tokens) measured in docs/cuda_graphs.md
 MAX_BUCKET = 4096
-# The eager packed step's token bucket (solution/step/decoder.py): 0 = off (the shipped default: on a
-# GPU-bound machine the filler row is GPU work for nothing); N: the layers run on the packed tokens
-# rounded up to a multiple of N, so cuBLAS meets fewer new GEMM shapes (docs/layer_node.md).
+# The eager packed step's token bucket (solution/step/decoder.py): N: the layers run on the packed
+# tokens rounded up to a multiple of N, so cuBLAS meets fewer new GEMM shapes (docs/layer_node.md);
+# 0 = off; "auto" (the default): step/cuda_graphs.AUTO_EAGER_BUCKET where the model's eager layers
+# were measured host-bound, off where GPU-bound (there the filler row is GPU work for nothing).
 EAGER_BUCKET_ENV = "SOLUTION_EAGER_BUCKET"
 SKIP_ENV = "SOLUTION_SKIP_PATCHES"
 PRECOMPILE_MANIFEST_ENV = "SOLUTION_PRECOMPILE_MANIFEST"  # another manifest file (measurements: a scratch one)
@@ -81,7 +82,7 @@ class Settings:
     direct_launch: bool = True  # $SOLUTION_DIRECT_LAUNCH (kernels/_launches.py: repeated launches skip kernel[grid])
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
-    eager_bucket: int = 0  # $SOLUTION_EAGER_BUCKET: tokens, 0 (off) or 1..MAX_BUCKET
+    eager_bucket: int | str = "auto"  # $SOLUTION_EAGER_BUCKET: "auto", or tokens: 0 (off) or 1..MAX_BUCKET
     skip_patches: frozenset[str] = field(default_factory=frozenset)  # $SOLUTION_SKIP_PATCHES
     precompile_manifest: Path | None = None  # $SOLUTION_PRECOMPILE_MANIFEST; None: the shipped one
 
@@ -94,9 +95,9 @@ class Settings:
         if not (type(self.graph_bucket) is int and 1 <= self.graph_bucket <= MAX_BUCKET):
             raise ValueError(f"Settings.graph_bucket={self.graph_bucket!r}: expected an integer from 1 "
                              f"to {MAX_BUCKET} tokens")
-        if not (type(self.eager_bucket) is int and 0 <= self.eager_bucket <= MAX_BUCKET):
-            raise ValueError(f"Settings.eager_bucket={self.eager_bucket!r}: expected 0 (off) or an integer "
-                             f"from 1 to {MAX_BUCKET} tokens")
+        if not (self.eager_bucket == "auto" or (type(self.eager_bucket) is int and 0 <= self.eager_bucket <= MAX_BUCKET)):
+            raise ValueError(f"Settings.eager_bucket={self.eager_bucket!r}: expected \"auto\", 0 (off) or an "
+                             f"integer from 1 to {MAX_BUCKET} tokens")
         object.__setattr__(self, "skip_patches", frozenset(self.skip_patches))
 
     @classmethod
@@ -117,7 +118,8 @@ class Settings:
         if cuda_graphs not in CUDA_GRAPHS_MODES:
             raise ValueError(f"${CUDA_GRAPHS_ENV} must be auto, 0 or 1, got {env.get(CUDA_GRAPHS_ENV)!r}")
         graph_bucket = _bucket(env.get(GRAPH_BUCKET_ENV, "").strip())
-        eager_bucket = _bucket(env.get(EAGER_BUCKET_ENV, "").strip(), EAGER_BUCKET_ENV, 0)
+        raw_eager = env.get(EAGER_BUCKET_ENV, "").strip()
+        eager_bucket = "auto" if raw_eager.lower() in ("", "auto") else _bucket(raw_eager, EAGER_BUCKET_ENV, 0)
         raw_skip = env.get(SKIP_ENV)
         skip = frozenset(name.strip() for name in (raw_skip or "").split(",") if name.strip())
         if known_patches is not None:
@@ -130,7 +132,7 @@ class Settings:
 
 def _bucket(raw: str, name: str = GRAPH_BUCKET_ENV, off: int | None = None) -> int:
     """A bucket variable's text (stripped) as a token count; empty: DEFAULT_BUCKET, or ``off``
-    where the variable has an off value (0: $SOLUTION_EAGER_BUCKET)."""
+    where the variable has an off value (0: $SOLUTION_EAGER_BUCKET, whose "auto" its caller reads)."""
     if not raw:
         return DEFAULT_BUCKET if off is None else off
     try:
@@ -139,7 +141,7 @@ def _bucket(raw: str, name: str = GRAPH_BUCKET_ENV, off: int | None = None) -> i
         value = -1
     low = 1 if off is None else 0
     if value < low or value > MAX_BUCKET:
-        what = "an integer from 1" if off is None else "0 (off) or an integer from 1"
+        what = "an integer from 1" if off is None else "auto, 0 (off) or an integer from 1"
         raise ValueError(f"${name} must be {what} to {MAX_BUCKET} tokens, got {raw!r}")
     return value
 
@@ -166,7 +168,7 @@ def cross_effects(s: Settings) -> list[str]:
     if not s.attn_varlen:
         lines.append("$SOLUTION_ATTN_VARLEN=0: attention on the padded layout instead of variable-length attention "
                      "on the packed rows" + (f"; this also turns off {GRAPHS_NEED}" if graphs_on else anyway))
-    if s.eager_bucket and not (s.attn_layout_kernels and s.attn_varlen):
+    if type(s.eager_bucket) is int and s.eager_bucket and not (s.attn_layout_kernels and s.attn_varlen):
         lines.append(f"${EAGER_BUCKET_ENV}={s.eager_bucket} has no effect: attention runs on the padded layout, "
                      "where a filler row would share positions with real tokens")
     return lines

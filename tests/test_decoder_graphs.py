@@ -97,6 +97,78 @@ def test_graph_decision_from_fake_timings(samples, verdict, words):
         assert "ms" in why
 
 
+def test_decision_said_in_the_terms_of_what_it_decides():
+    """The same verdict (host-bound or GPU-bound) reads as graphs on / off, or as the eager token
+    bucket on / off where graphs are not replayed (decision_line: said, and printed by the report)."""
+    _, why = cuda_graphs.decide([(0.100, 0.100)], cuda_graphs.EAGER_BUCKET)
+    assert why.startswith("host-bound") and "GEMM shape" in why
+    _, why = cuda_graphs.decide([(0.100, 0.300)], cuda_graphs.EAGER_BUCKET)
+    assert why.startswith("GPU-bound") and "filler row would add GPU work" in why
+    line = cuda_graphs.decision_line({"subject": cuda_graphs.EAGER_BUCKET, "graphs": False, "eager_bucket": 128,
+                                      "reason": "host-bound (x)"})
+    assert line == "eager token bucket 128 tokens: host-bound (x)"
+    assert cuda_graphs.decision_line({"graphs": False, "reason": "r"}) == "decoder CUDA graphs off: r"  # older runs
+
+
+class _Model:  # a model stand-in: the probes are kept per model object (weakly)
+    pass
+
+
+class _Ids:  # input_ids on a CUDA device, as far as _probe_of looks
+    device = torch.device("cuda", 0)
+
+
+@pytest.mark.parametrize("chosen, verdict, bucket", [
+    ("auto", None, 0), ("auto", True, cuda_graphs.AUTO_EAGER_BUCKET), ("auto", False, 0),
+    (64, None, 64), (64, False, 64), (0, True, 0)])
+def test_eager_bucket_follows_the_setting_and_the_probe(chosen, verdict, bucket, monkeypatch):
+    """$SOLUTION_EAGER_BUCKET=N is N; "auto" (the default) is AUTO_EAGER_BUCKET once the model's
+    probe found its eager layers host-bound, else 0 (measuring, GPU-bound, no probe)."""
+    from solution import settings
+
+    monkeypatch.setattr(settings, "_active", Settings(eager_bucket=chosen))
+    model = _Model()
+    assert cuda_graphs.eager_bucket(model) == (chosen if chosen != "auto" else 0)  # no probe yet
+    assert cuda_graphs.eager_bucket(None) == (chosen if chosen != "auto" else 0)
+    probe = cuda_graphs._PROBES[model] = cuda_graphs._Probe()
+    probe.verdict = verdict
+    assert cuda_graphs.eager_bucket(model) == bucket
+
+
+@pytest.mark.parametrize("graphs, eager, varlen, reason, probed, subject", [
+    ("auto", "auto", True, None, True, "graphs"),  # graphs decide from it
+    ("1", "auto", True, None, False, None),  # graphs always: nothing to decide
+    ("0", "auto", True, "$SOLUTION_CUDA_GRAPHS is 0", True, "eager bucket"),  # the eager bucket decides from it
+    ("auto", "auto", True, "hooks on the decoder layers", True, "eager bucket"),  # graphs refused
+    ("0", 0, True, "$SOLUTION_CUDA_GRAPHS is 0", False, None),  # the bucket set by hand
+    ("0", 128, True, "$SOLUTION_CUDA_GRAPHS is 0", False, None),
+    ("0", "auto", False, "$SOLUTION_CUDA_GRAPHS is 0", False, None),  # padded layout: no filler row
+    ("auto", "auto", True, cuda_graphs.NOT_CUDA, False, None),
+])
+def test_probe_made_where_its_verdict_is_used(graphs, eager, varlen, reason, probed, subject, monkeypatch):
+    """A model's eager layers are timed (the probe) only where the verdict decides something:
+    graphs in "auto" mode, or the eager bucket in "auto" mode for the eager steps that remain."""
+    from solution import settings
+
+    monkeypatch.setattr(settings, "_active", Settings(cuda_graphs=graphs, eager_bucket=eager, attn_varlen=varlen))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU-only torch has no answer
+    said = []
+    monkeypatch.setattr(cuda_graphs, "say", said.append)
+    monkeypatch.setattr(cuda_graphs, "DECISIONS", [])
+    model = _Model()
+    probe = cuda_graphs._probe_of(model, _Ids(), reason)
+    assert (probe is not None) == probed
+    if probe is None:
+        return
+    assert cuda_graphs._probe_of(model, _Ids(), reason) is probe  # one per model
+    probe.samples = [(0.100, 0.101)]  # host-bound
+    probe.collect(cuda_graphs.GRAPHS if reason is None else cuda_graphs.EAGER_BUCKET)
+    (d,) = cuda_graphs.DECISIONS
+    assert d["subject"] == subject and d["graphs"] is (subject == "graphs")
+    assert d["eager_bucket"] == cuda_graphs.AUTO_EAGER_BUCKET and said == [cuda_graphs.decision_line(d)]
+    assert said[0].startswith("decoder CUDA graphs on" if subject == "graphs" else "eager token bucket 128 tokens")
+
+
 def test_probe_decides_once_from_completed_events():
     """_Probe.collect reads only completed events (no sync), decides once, and records it."""
     class Ev:

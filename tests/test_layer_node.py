@@ -29,6 +29,7 @@ def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt
 
     solution.revert()
     skip = frozenset() if node else frozenset({"qwen2_layer_node"})
+    settings_kw.setdefault("eager_bucket", 0)  # the rows as they are (auto would bucket from step 2 on a GPU)
     installed = solution.apply(verbose=False, settings=Settings(skip_patches=skip, cuda_graphs="0", precompile=False,
                                                                 **settings_kw))
     assert ("qwen2_layer_node" in installed) == node
@@ -281,6 +282,43 @@ def test_checkpointed_node_takes_its_masks_again_from_a_source(device, tiny_dir,
         assert torch.equal(ckpt[2][name], g), name
 
 
+def test_eager_bucket_only_where_attention_keeps_the_filler_apart(device, tiny_dir, autocast_ctx, monkeypatch):
+    """On the padded layout a filler row would share positions with the real tokens it copies and
+    take their gradients in backward (a GPU run of test_unpad's SFT test showed grad_norm 1.62
+    against stock's 0.33 before this guard): the eager bucket is not applied there
+    (``attention.filler_row_apart``), and the padded layout refuses a filler row outright."""
+    from solution.settings import Settings
+    from solution.step import attention, decoder, packing
+
+    assert attention.filler_row_apart(128, torch.float16) and attention.filler_row_apart(64, torch.float32)
+    assert not attention.filler_row_apart(20, torch.float16)  # heads variable-length attention does not take
+    assert not attention.filler_row_apart(128, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="filler row"):
+        attention._refuse_padded_layout(packing.make_unpadded([3, 5], 5, torch.device("cpu"), extra=2))
+    attention._refuse_padded_layout(packing.make_unpadded([3, 5], 5, torch.device("cpu")))  # no filler: fine
+    from solution import settings
+    monkeypatch.setattr(settings, "_active", Settings(attn_varlen=False))
+    assert not attention.filler_row_apart(128, torch.float16)
+    monkeypatch.setattr(settings, "_active", None)
+
+    rows = []
+    bucketed_fn = decoder.eager_bucketed
+
+    def recorded(info, dev, model):
+        out = bucketed_fn(info, dev, model)
+        rows.append((info.n_tokens, out.n_tokens))
+        return out
+
+    monkeypatch.setattr(decoder, "eager_bucketed", recorded)
+    batch = _batch(device, [40, 17, 64, 9])
+    plain = _step(tiny_dir, device, batch, False, autocast_ctx, steps=2, attn_varlen=False)
+    asked = _step(tiny_dir, device, batch, False, autocast_ctx, steps=2, attn_varlen=False, eager_bucket=16)
+    assert rows and all(a == b for a, b in rows), rows  # asked for, not applied: the padded layout
+    assert torch.equal(plain[0], asked[0])
+    for name, g in plain[1].items():
+        assert torch.equal(asked[1][name], g), name
+
+
 @pytest.mark.parametrize("node, ckpt", [(True, None), (False, None), (True, False)])
 def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, ckpt, monkeypatch):
     """$SOLUTION_EAGER_BUCKET: the eager layers run on the packed tokens plus a filler row (the
@@ -294,15 +332,15 @@ def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, ckp
     rows = []
     bucketed_fn = decoder.eager_bucketed
 
-    def recorded(info, dev):  # (real tokens, the layers' tokens) of each eager forward
-        out = bucketed_fn(info, dev)
+    def recorded(info, dev, model):  # (real tokens, the layers' tokens) of each eager forward
+        out = bucketed_fn(info, dev, model)
         rows.append((info.n_tokens, out.n_tokens))
         return out
 
     monkeypatch.setattr(decoder, "eager_bucketed", recorded)
     batch = _batch(device, [40, 17, 64, 9])
     plain = _step(tiny_dir, device, batch, node, autocast_ctx, ckpt=ckpt, steps=2)
-    assert rows and all(a == b for a, b in rows)  # off by default: the rows as they are
+    assert rows and all(a == b for a, b in rows)  # eager_bucket=0 (_step's default): the rows as they are
     rows.clear()
     bucketed = _step(tiny_dir, device, batch, node, autocast_ctx, ckpt=ckpt, steps=2, eager_bucket=16)
     assert rows and all(b > a and b % 16 == 0 for a, b in rows), rows

@@ -16,7 +16,7 @@ SOLUTION_DIR = Path(solution.__file__).resolve().parent
 
 def test_defaults_are_an_empty_environment():
     assert Settings.from_env({}) == Settings()
-    assert Settings() == Settings(memory_policy="speed", cuda_graphs="auto", graph_bucket=256, eager_bucket=0,
+    assert Settings() == Settings(memory_policy="speed", cuda_graphs="auto", graph_bucket=256, eager_bucket="auto",
                                   skip_patches=frozenset(), precompile_manifest=None,
                                   **{field: default for field, default in FLAGS.values()})
 
@@ -29,6 +29,9 @@ def test_from_env_reads_every_value():
     s = Settings.from_env(env)
     assert (s.memory_policy, s.cuda_graphs, s.graph_bucket, s.eager_bucket) == ("balanced", "1", 64, 128)
     assert Settings.from_env({"SOLUTION_EAGER_BUCKET": "0"}).eager_bucket == 0
+    assert Settings.from_env({"SOLUTION_EAGER_BUCKET": " Auto "}).eager_bucket == "auto"
+    with pytest.raises(ValueError, match="expected \"auto\", 0 \\(off\\)"):
+        Settings(eager_bucket="128")  # a token count is an int; the only text is "auto"
     assert s.skip_patches == {"qwen2_mlp", "cuda_allocator"} and s.precompile_manifest == Path("/tmp/m.json")
     assert all(getattr(s, field) is not default for field, default in FLAGS.values())
 
@@ -39,8 +42,8 @@ def test_from_env_reads_every_value():
     ("SOLUTION_CUDA_GRAPHS", "yes", r"\$SOLUTION_CUDA_GRAPHS must be auto, 0 or 1, got 'yes'"),
     ("SOLUTION_GRAPH_BUCKET", "4097", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
     ("SOLUTION_GRAPH_BUCKET", "0", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
-    ("SOLUTION_EAGER_BUCKET", "-1", r"\$SOLUTION_EAGER_BUCKET must be 0 \(off\) or an integer from 1 to 4096"),
-    ("SOLUTION_EAGER_BUCKET", "some", r"\$SOLUTION_EAGER_BUCKET must be 0 \(off\) or an integer from 1 to 4096"),
+    ("SOLUTION_EAGER_BUCKET", "-1", r"\$SOLUTION_EAGER_BUCKET must be auto, 0 \(off\) or an integer from 1 to 4096"),
+    ("SOLUTION_EAGER_BUCKET", "some", r"\$SOLUTION_EAGER_BUCKET must be auto, 0 \(off\) or an integer from 1 to 4096"),
 ])
 def test_from_env_refuses_a_bad_value_naming_it(name, value, message):
     with pytest.raises(ValueError, match=message):
@@ -163,6 +166,8 @@ def test_eager_bucket_said_to_have_no_effect_on_the_padded_layout():
 
     assert cross_effects(Settings(eager_bucket=128)) == []
     assert cross_effects(Settings(eager_bucket=0, attn_varlen=False))[-1].startswith("$SOLUTION_ATTN_VARLEN=0")
+    # "auto" (the default) asks for nothing: on the padded layout it simply never buckets, unsaid
+    assert cross_effects(Settings(attn_varlen=False))[-1].startswith("$SOLUTION_ATTN_VARLEN=0")
     for off in ({"attn_varlen": False}, {"attn_layout_kernels": False}):
         line = cross_effects(Settings(eager_bucket=128, **off))[-1]
         assert line.startswith("$SOLUTION_EAGER_BUCKET=128 has no effect: attention runs on the padded layout")

@@ -44,7 +44,7 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
                     _varlen_failed(exc)
             return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
     b, s = info.batch, info.seqlen
-    _refuse_padded_layout_in_graph(info)
+    _refuse_padded_layout(info)
 
     def to_padded(t):  # [1, h, N, D] -> [b, h, s, D] (a transposed view of [b, s, h, D], like stock's)
         rows = packing.pad_rows(t.squeeze(0).transpose(0, 1), info)
@@ -106,6 +106,17 @@ def layout_kernels_enabled() -> bool:
     return settings.current().attn_layout_kernels
 
 
+def filler_row_apart(head_dim: int, dtype: torch.dtype) -> bool:
+    """A filler row would attend only to itself in this model's attention: ``rows_kept_apart`` and
+    ``sdpa_unpadded`` takes its variable-length path for heads of ``head_dim`` in ``dtype`` (the
+    attention's dtype: autocast's, or the hidden states'). Asked before the eager layers run on a
+    token bucket (step/decoder.py); the graphs find out at capture instead (``_refuse_padded_layout``)."""
+    if not rows_kept_apart():
+        return False
+    q = torch.empty((), dtype=dtype).expand(1, 1, 1, head_dim)  # shape and dtype are all the checks read
+    return attn_varlen.supported(q) and attn_layout.supported(q)
+
+
 def rows_kept_apart() -> bool:
     """Attention reads each packed row's extent from ``cu_seqlens`` (the layout kernels and
     variable-length attention both on), so an extra packed row (a filler: packing.make_unpadded's
@@ -146,18 +157,24 @@ def _in_graph(info) -> bool:
     return info.max_len_bound is not None or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
 
-def _refuse_padded_layout_in_graph(info) -> None:
-    """The padded layout's idx / src would be captured once: wrong for the next batch of the bucket.
-    Raising makes the graph runner fall back to the eager layers."""
+def _refuse_padded_layout(info) -> None:
+    """Inside a CUDA graph the padded layout's idx / src would be captured once: wrong for the next
+    batch of the bucket (raising makes the graph runner fall back to the eager layers). A filler
+    row (a token bucket's) would share padded positions with the real tokens it copies, and take
+    their gradients in backward: never computed so (``filler_row_apart`` keeps the eager bucket
+    off wherever this could happen; this is the last guard)."""
     if _in_graph(info):
         raise RuntimeError("attention on the padded layout cannot run inside a decoder CUDA graph")
+    if info.has_filler:
+        raise RuntimeError("attention on the padded layout cannot take a token bucket's filler row "
+                           "(it would share positions with real tokens); set SOLUTION_EAGER_BUCKET=0")
 
 
 def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype):
     """sdpa_unpadded with the layout moves in our kernels: one launch pads q, one pads and repeats
     k, one v (cast in the same pass to ``dtype``, the cast autocast would make for SDPA), one
     gathers the output's real rows."""
-    _refuse_padded_layout_in_graph(info)
+    _refuse_padded_layout(info)
     q, k, v = _layout_qkv(module, query, key, value, info, dtype)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=dropout,
                                                            scale=scaling, is_causal=True)

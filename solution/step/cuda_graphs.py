@@ -121,17 +121,41 @@ def bucketed_tokens(n: int, bucket: int) -> int:
 GPU_BOUND_RATIO = 1.15
 
 
-def decide(samples: list[tuple[float, float]]) -> tuple[bool | None, str]:
-    """(use graphs?, why) from the probe samples so far, (host seconds, GPU seconds) of the eager
-    layers' timed part per step; None while there is none. Pure: tested with fake timings."""
+# What each verdict means for what the probe decides: "graphs" ($SOLUTION_CUDA_GRAPHS=auto) or, for
+# the eager steps that remain where graphs are off or refused, "eager bucket" ($SOLUTION_EAGER_BUCKET=auto:
+# the eager layers' token count rounded up to a multiple of AUTO_EAGER_BUCKET, step/decoder.py).
+GRAPHS, EAGER_BUCKET = "graphs", "eager bucket"
+_MEANING = {
+    (GRAPHS, False): "a replay saves host time only, and its filler tokens add GPU work",
+    (GRAPHS, True): "the GPU waits for the host's launches",
+    (EAGER_BUCKET, False): "a filler row would add GPU work",
+    (EAGER_BUCKET, True): "the GPU waits for the host, and a rounded-up token count spares cuBLAS a new GEMM shape a step",
+}
+# The eager bucket "auto" takes where the eager layers are host-bound: measured on the H200 with
+# graphs off (docs/layer_node.md: ~13% off steps 3-64 at 128; 64 gave no gain in its one run).
+AUTO_EAGER_BUCKET = 128
+
+
+def decide(samples: list[tuple[float, float]], subject: str = GRAPHS) -> tuple[bool | None, str]:
+    """(host-bound?, why) from the probe samples so far, (host seconds, GPU seconds) of the eager
+    layers' timed part per step; None while there is none. Host-bound means graphs on (``subject``
+    GRAPHS) or the eager bucket on (EAGER_BUCKET); ``why`` says it in those terms. Pure: tested
+    with fake timings."""
     if not samples:
         return None, "measuring"
     host, gpu = samples[0]
     ratio = gpu / host if host > 0 else float("inf")
     figures = f"layers' second half: host {host * 1e3:.1f} ms, GPU {gpu * 1e3:.1f} ms ({ratio:.2f}x)"
-    if ratio > GPU_BOUND_RATIO:
-        return False, f"GPU-bound ({figures}): a replay saves host time only, and its filler tokens add GPU work"
-    return True, f"host-bound ({figures}): the GPU waits for the host's launches"
+    verdict = ratio <= GPU_BOUND_RATIO
+    return verdict, f"{'host-bound' if verdict else 'GPU-bound'} ({figures}): {_MEANING[subject, verdict]}"
+
+
+def decision_line(d: dict) -> str:
+    """One line for a DECISIONS entry (said when it is made; bench/report.py prints it too)."""
+    if d.get("subject", GRAPHS) == EAGER_BUCKET:
+        bucket = d.get("eager_bucket") or 0
+        return f"eager token bucket {f'{bucket} tokens' if bucket else 'off'}: {d['reason']}"
+    return f"decoder CUDA graphs {'on' if d['graphs'] else 'off'}: {d['reason']}"
 
 
 PRECOMPILE_WAIT_S = 30.0  # the most the first timed forward waits for the precompile's in-process preload
@@ -183,19 +207,60 @@ class _Probe:
         self.verdict: bool | None = None
         self.reason = "measuring"
 
-    def collect(self) -> None:
-        """Read the events of earlier steps that have completed, then decide if possible."""
+    def collect(self, subject: str = GRAPHS) -> None:
+        """Read the events of earlier steps that have completed, then decide if possible (said and
+        recorded in DECISIONS in the terms of ``subject``: what the caller decides with it)."""
         while self.pending and self.pending[0][2].query():
             host, start, end = self.pending.pop(0)
             self.samples.append((host, start.elapsed_time(end) / 1e3))
         if self.verdict is None:
-            self.verdict, self.reason = decide(self.samples)
+            self.verdict, self.reason = decide(self.samples, subject)
             if self.verdict is not None:
-                DECISIONS.append({"graphs": self.verdict, "reason": self.reason, "samples": list(self.samples)})
-                say(f"decoder CUDA graphs {'on' if self.verdict else 'off'}: {self.reason}")
+                DECISIONS.append({"graphs": bool(self.verdict) and subject == GRAPHS, "subject": subject,
+                                  "eager_bucket": _eager_bucket_after(self.verdict),
+                                  "reason": self.reason, "samples": list(self.samples)})
+                say(decision_line(DECISIONS[-1]))
 
 
 _PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _eager_bucket_after(host_bound: bool | None) -> int:
+    """The eager bucket in force with this verdict: $SOLUTION_EAGER_BUCKET's N, or under "auto"
+    AUTO_EAGER_BUCKET where host-bound, else 0."""
+    chosen = settings.current().eager_bucket
+    if chosen != "auto":
+        return chosen
+    return AUTO_EAGER_BUCKET if host_bound else 0
+
+
+def eager_bucket(model) -> int:
+    """The token bucket of ``model``'s eager packed layers (step/decoder.py, ``eager_bucketed``;
+    0: off): $SOLUTION_EAGER_BUCKET's N, or under "auto" (the default) AUTO_EAGER_BUCKET once the
+    model's probe has measured its eager layers host-bound; 0 while it measures, where it found
+    them GPU-bound, and where no probe runs (no CUDA, $SOLUTION_CUDA_GRAPHS=1 with graphs replayed)."""
+    probe = None if model is None else _PROBES.get(model)
+    return _eager_bucket_after(probe is not None and probe.verdict)
+
+
+def _probe_of(model, input_ids, reason: str | None) -> _Probe | None:
+    """The model's probe when this forward needs its verdict: graphs in "auto" mode and not refused
+    (graphs on or off), or graphs not replayed (off or refused) with $SOLUTION_EAGER_BUCKET=auto
+    and attention on the packed rows (eager bucket on or off). None otherwise, and without CUDA
+    or inside a capture (no timing there)."""
+    if input_ids.device.type != "cuda":
+        return None
+    if reason is None:
+        wanted = mode() == "auto"
+    else:
+        wanted = (reason != NOT_CUDA and settings.current().eager_bucket == "auto" and attention.rows_kept_apart()
+                  and not torch.cuda.is_current_stream_capturing())
+    if not wanted:
+        return None
+    probe = _PROBES.get(model)
+    if probe is None:
+        probe = _PROBES[model] = _Probe()
+    return probe
 
 
 def eager_timer(model, device: torch.device) -> _Timer | None:
@@ -731,12 +796,10 @@ def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
     layers = model.layers[: model.config.num_hidden_layers]
     scan = _scan(layers) if enabled() and input_ids.device.type == "cuda" else None
     reason = refusal(model, input_ids, kwargs, scan is not None and scan.hooked)
-    if reason is None and mode() == "auto":
-        probe = _PROBES.get(model)
-        if probe is None:
-            probe = _PROBES[model] = _Probe()
-        probe.collect()
-        if not probe.verdict:
+    probe = _probe_of(model, input_ids, reason)
+    if probe is not None:
+        probe.collect(GRAPHS if reason is None else EAGER_BUCKET)
+        if reason is None and not probe.verdict:
             return None  # still measuring (the caller's eager loop is timed), or decided off (said once)
     if reason is not None:
         if enabled() and reason not in _REFUSALS_SAID:  # asked for, not possible: say why, once

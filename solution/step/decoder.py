@@ -175,21 +175,28 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
     return packing.make_unpadded(lengths, input_ids.shape[1], input_ids.device)
 
 
-def eager_bucketed(info, device):
+def eager_bucketed(info, device, model):
     """The packed rows the eager layers run on: ``info`` with one filler row that rounds the token
-    count up to the next multiple of $SOLUTION_EAGER_BUCKET (packing.make_unpadded(extra=...), the
-    CUDA graphs' filler: copies of real tokens in an attention row of their own, zero gradient),
-    or ``info`` itself when that is 0 (the default) or attention would not keep the filler row
-    apart (the padded layout).
+    count up to the next multiple of the eager bucket (``cuda_graphs.eager_bucket(model)``:
+    $SOLUTION_EAGER_BUCKET's N, or under "auto", the default, AUTO_EAGER_BUCKET where the model's
+    eager layers were measured host-bound), made by packing.make_unpadded(extra=...) as the CUDA
+    graphs' filler: copies of real tokens in an attention row of their own, zero gradient; or
+    ``info`` itself when the bucket is 0 or attention would not keep the filler row apart
+    (``attention.filler_row_apart``: the padded layout, or heads variable-length attention does
+    not take).
 
     What it is for: cuBLAS spends ~0.3-1 ms of host time choosing its kernel the first time it
     sees a GEMM shape, ~20-40 us after; the packed token count is new at almost every step, so
     every step's ~20 GEMM shapes are new (bench/kernels/bench_gemm_shapes.py, bench/gemm_probe.py:
     docs/layer_node.md). Rounded up, the shapes repeat from step to step. The cost is the filler's
-    GPU work (half a bucket a step on average), so it is off by default: it pays only where the
-    eager step waits for the host."""
-    bucket = settings.current().eager_bucket
-    if not bucket or not attention.rows_kept_apart():
+    GPU work (half a bucket a step on average), so "auto" buckets only where that work is hidden
+    behind the host's."""
+    bucket = cuda_graphs.eager_bucket(model)
+    if not bucket:
+        return info
+    dev = device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else model.embed_tokens.weight.dtype
+    if not attention.filler_row_apart(model.layers[0].self_attn.head_dim, dtype):
         return info
     n = info.n_tokens
     return packing.make_unpadded(list(info.lengths), info.seqlen, device,
@@ -204,7 +211,7 @@ def unpadded_forward(model, input_ids, info, kwargs):
     hidden_states = cuda_graphs.decoder_forward(model, input_ids, info, kwargs)
     if hidden_states is None:
         n_real, real_info = info.n_tokens, info
-        info = eager_bucketed(info, input_ids.device)  # the layers' rows: with a filler row, or as they are
+        info = eager_bucketed(info, input_ids.device, model)  # the layers' rows: with a filler row, or as they are
         ids = packing.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
         hidden_states = model.embed_tokens(ids)
         position_ids = info.positions.unsqueeze(0)

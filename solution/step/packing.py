@@ -63,6 +63,11 @@ class Unpadded:
         return int(sum(self.lengths))
 
     @property
+    def has_filler(self) -> bool:
+        """A filler row follows the real ones (``make_unpadded``'s ``extra``)."""
+        return len(self.lengths) > self.batch
+
+    @property
     def max_len(self) -> int:
         """The longest row, as attention's grid must cover it (see max_len_bound)."""
         return max(self.lengths) if self.max_len_bound is None else self.max_len_bound
