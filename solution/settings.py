@@ -24,6 +24,7 @@ FLAGS = {
     "SOLUTION_ATTN_VARLEN": ("attn_varlen", True),
     "SOLUTION_ATTN_LAYOUT_KERNELS": ("attn_layout_kernels", True),
     "SOLUTION_DIRECT_LAUNCH": ("direct_launch", True),
+    "SOLUTION_GRAPHS_VERIFY": ("graphs_verify", False),
 }
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
 MEMORY_POLICIES = ("speed", "balanced", "memory")
@@ -80,6 +81,9 @@ class Settings:
     attn_varlen: bool = True  # $SOLUTION_ATTN_VARLEN (step/attention.py)
     attn_layout_kernels: bool = True  # $SOLUTION_ATTN_LAYOUT_KERNELS (step/attention.py)
     direct_launch: bool = True  # $SOLUTION_DIRECT_LAUNCH (kernels/_launches.py: repeated launches skip kernel[grid])
+    # $SOLUTION_GRAPHS_VERIFY (step/cuda_graphs.py, ``verify``): "auto" graphs dropped again where the first
+    # replay costs more GPU time than the eager layers' host time; off until measured on a GPU
+    graphs_verify: bool = False
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
     eager_bucket: int | str = "auto"  # $SOLUTION_EAGER_BUCKET: "auto", or tokens: 0 (off) or 1..MAX_BUCKET

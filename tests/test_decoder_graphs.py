@@ -181,18 +181,142 @@ def test_probe_decides_once_from_completed_events():
         def elapsed_time(self, other):
             return (other.t - self.t) * 1e3
 
+    class Timer:  # a _Timer's layer count and backward window, as the eager loop leaves them
+        layers, backward = 28, cuda_graphs.BackwardWindow()
+
+    Timer.backward.layers, Timer.backward.marks = 13, {"start": 5.0, "end": 5.026}
+
     cuda_graphs.DECISIONS.clear()
     probe = cuda_graphs._Probe()
-    probe.pending = [(0.1, Ev(1.0), Ev(1.3, done=False))]
+    probe.pending = [(0.1, Ev(1.0), Ev(1.3, done=False), Timer)]
     probe.collect()
     assert probe.verdict is None and probe.samples == [] and len(probe.pending) == 1  # not complete: not read
     probe.pending[0][2].done = True
     probe.collect()
     assert probe.verdict is False and "GPU-bound" in probe.reason and len(probe.samples) == 1
+    assert probe.layer_host == pytest.approx(28 * (0.1 / 14 + 0.026 / 13))
     assert cuda_graphs.stats()["decisions"][0]["graphs"] is False
     probe.collect()
     assert len(cuda_graphs.DECISIONS) == 1
     cuda_graphs.DECISIONS.clear()
+
+
+@pytest.mark.parametrize("host,replay,keep,words", [
+    (0.200, 0.020, True, "replays pay"),  # the H200: the replay a tenth of the eager host time
+    (0.500, 0.520, True, "replays pay"),  # within the 5% margin: the captures are paid, keep them
+    (0.500, 0.530, False, "cost more"),  # over it: the eager layers' host time is the shorter step
+    (0.0, 0.1, False, "cost more"),  # no host time to compare with cannot say they pay
+])
+def test_replay_check_from_fake_timings(host, replay, keep, words):
+    """verify(): graphs stay while one replay's GPU time (forward + backward graphs, filler
+    included) is within REPLAY_MARGIN of the eager layers' host time for a step."""
+    got, why = cuda_graphs.verify(host, replay)
+    assert got is keep and words in why and "ms" in why
+
+
+def test_backward_window_times_the_layers_between_two_inputs():
+    """BackwardWindow on a chain of four layers (CPU autograd): the hook on the later input fires
+    first, the window spans the layers between, and the gradients are those of the unwatched
+    chain; no window without a layer between or without gradients."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
+    x = torch.randn(3, 8)
+
+    def run(watch: bool):
+        for layer in layers:
+            layer.zero_grad()
+        window = cuda_graphs.BackwardWindow()
+        h = x
+        inputs = []
+        for layer in layers:
+            inputs.append(h)
+            h = torch.tanh(layer(h))
+        if watch:
+            window.watch(inputs[3], inputs[1], 2)
+            assert window.seconds() is None  # nothing ran yet
+        h.sum().backward()
+        return window, [layer.weight.grad.clone() for layer in layers]
+
+    window, grads = run(True)
+    _, ref = run(False)
+    assert window.layers == 2 and window.marks["start"] <= window.marks["end"] and window.seconds() >= 0
+    assert all(torch.equal(g, r) for g, r in zip(grads, ref))
+    for late, early, n in ((torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True), 0),
+                           (torch.ones(2, requires_grad=True), torch.ones(2), 3)):
+        idle = cuda_graphs.BackwardWindow()
+        idle.watch(late, early, n)
+        assert idle.layers == 0 and idle.seconds() is None
+
+
+def test_layer_host_is_per_layer_times_the_layers():
+    window = cuda_graphs.BackwardWindow()
+    assert cuda_graphs.layer_host(28, 0.05, window) is None  # no backward window
+    window.layers, window.marks = 13, {"start": 1.0, "end": 1.039}
+    assert cuda_graphs.layer_host(28, 0.05, window) == pytest.approx(28 * (0.05 / 14 + 0.039 / 13))
+    window.layers, window.marks = 1, {"start": 0.0, "end": 0.002}
+    assert cuda_graphs.layer_host(5, 0.006, window) == pytest.approx(5 * (0.006 / 3 + 0.002))
+
+
+@pytest.mark.parametrize("verify_on", [True, False])
+def test_replay_check_keeps_or_drops_the_graphs(monkeypatch, verify_on):
+    """DecoderGraphs' check in "auto" mode with $SOLUTION_GRAPHS_VERIFY on: the first replay is
+    timed only where the probe gave the eager layers' host time; once its events are complete,
+    verify() decides, is recorded and said; graphs that cost more are dropped (``failed`` says why,
+    once) and the eager bucket stays off after them. With the setting off nothing is timed."""
+    from solution import settings
+
+    class Timing:  # _ReplayTiming's interface, without CUDA events
+        def __init__(self):
+            self.complete, self.gpu = False, 0.0
+
+        def done(self):
+            return self.complete
+
+        def seconds(self):
+            return self.gpu
+
+    class Graph:
+        timing = None
+
+    def runner():
+        r = cuda_graphs.DecoderGraphs.__new__(cuda_graphs.DecoderGraphs)  # no CUDA pool or stream here
+        r.timing, r.checked, r.failed, r.graphs, r.arena = None, False, None, {"bucket": object()}, object()
+        return r
+
+    monkeypatch.setattr(settings, "_active", Settings(graphs_verify=verify_on))
+    monkeypatch.setattr(cuda_graphs, "_ReplayTiming", Timing)
+    said = []
+    monkeypatch.setattr(cuda_graphs, "say", said.append)
+    monkeypatch.setattr(cuda_graphs, "DECISIONS", [])
+    model = torch.nn.Module()
+    probe = cuda_graphs._PROBES[model] = cuda_graphs._Probe()
+    probe.samples, probe.verdict = [(0.05, 0.05)], True
+    try:
+        r = runner()  # no backward window: nothing to compare with, no timing, the graphs stay
+        r._time_replay(model, Graph())
+        assert r.checked and r.timing is None and r._replays_pay(model)
+        for gpu, keep in ((0.010, True), (0.300, False)):
+            probe.layer_host = 0.200
+            r, g = runner(), Graph()
+            r._time_replay(model, g)
+            if not verify_on:
+                assert r.checked and g.timing is None and r._replays_pay(model) and not said
+                continue
+            assert g.timing is r.timing is not None
+            r._time_replay(model, Graph())  # one timed replay only
+            assert r._replays_pay(model) and not r.checked  # events not complete: nothing said yet
+            r.timing.complete, r.timing.gpu = True, gpu
+            assert r._replays_pay(model) is keep and r.checked
+            assert cuda_graphs.DECISIONS[-1]["check"] == "replay" and cuda_graphs.DECISIONS[-1]["graphs"] is keep
+            assert said[-1].startswith("decoder CUDA graphs kept" if keep else "decoder CUDA graphs off")
+            assert bool(r.graphs) is keep and (r.failed is None) is keep
+            assert cuda_graphs.eager_bucket(model) == (cuda_graphs.AUTO_EAGER_BUCKET if keep else 0)
+            if not keep:
+                assert r.failed in cuda_graphs._REFUSALS_SAID and r.arena is None
+                cuda_graphs._REFUSALS_SAID.discard(r.failed)
+            assert r._replays_pay(model) is True  # checked once; a dropped runner is refused by refusal()
+    finally:
+        del cuda_graphs._PROBES[model]
 
 
 def test_mask_slots_record_and_check():
@@ -539,6 +663,45 @@ def test_graphs_under_gradient_checkpointing_gpu(device, tmp_path, monkeypatch, 
     assert state is not None and state[1] is None and state[0] >= 1, state
     assert _launches.LAUNCHES[CHECKPOINT_COUNT] > 0  # the node's own checkpointing ran in the captures
     _assert_trains_like_eager(eager, graphed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("margin", [None, 0.0])
+def test_replay_check_in_auto_mode_gpu(device, tmp_path, monkeypatch, margin):
+    """$SOLUTION_CUDA_GRAPHS=auto with $SOLUTION_GRAPHS_VERIFY=1 on a four-layer tiny QLoRA model
+    (two layers give no backward window), six steps: the probe turns graphs on (a tiny model is
+    host-bound on any GPU), the first replay is timed and checked. With the real margin the check
+    keeps them (a replay of four tiny layers costs far less GPU time than their eager host time);
+    with a margin of 0 it drops them and the later steps run eagerly, without the eager bucket.
+    Either way every step trains as the eager run does (generator offsets equal; losses and
+    gradients within the graphs test's tolerances)."""
+    if device != "cuda":
+        pytest.skip("needs CUDA")
+    from workload import model_standin
+
+    monkeypatch.setitem(model_standin.SIZES, "tiny", {**model_standin.TINY_OVERRIDES, "num_hidden_layers": 4})
+    monkeypatch.setenv("SOLUTION_GRAPHS_VERIFY", "1")
+    if margin is not None:
+        monkeypatch.setattr(cuda_graphs, "REPLAY_MARGIN", margin)
+    model_dir = model_standin.write_standin(tmp_path / "tiny4", size="tiny")
+    batches = _four_batches()
+    plan = [(0, True), (1, True), (2, True), (0, True), (1, True), (2, True)]
+    eager, _ = _train_steps(model_dir, batches, plan, "0", monkeypatch)
+    first = len(cuda_graphs.DECISIONS)
+    auto, state = _train_steps(model_dir, batches, plan, "auto", monkeypatch)
+    decisions = cuda_graphs.DECISIONS[first:]
+    assert [d.get("check") for d in decisions] == [None, "replay"], decisions
+    assert decisions[0]["graphs"] is True
+    keep = margin is None
+    assert decisions[1]["graphs"] is keep, decisions[1]
+    assert state is not None and (state[1] is None) is keep and (state[0] > 0) is keep, state
+    if not keep:
+        assert state[1].startswith("graphs off after the replay check")
+    for i, ((loss_e, grads_e, off_e), (loss_a, grads_a, off_a)) in enumerate(zip(eager, auto)):
+        assert off_a == off_e, f"step {i}: the generator moved differently"
+        assert rel_err(loss_a, loss_e) < 1e-3, i
+        for name, g in grads_e.items():
+            assert rel_err(grads_a[name], g) < 3e-2, (i, name)
 
 
 @pytest.mark.gpu

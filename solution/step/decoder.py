@@ -217,15 +217,23 @@ def unpadded_forward(model, input_ids, info, kwargs):
         position_ids = info.positions.unsqueeze(0)
         position_embeddings = model.rotary_emb(hidden_states, position_ids)
         layers = model.layers[: model.config.num_hidden_layers]
-        # the second half of the layers is timed while $SOLUTION_CUDA_GRAPHS=auto measures whether graphs pay
-        timer = cuda_graphs.eager_timer(model, input_ids.device)
+        # while $SOLUTION_CUDA_GRAPHS=auto measures whether graphs pay: the forward of the second
+        # half of the layers is timed, and with $SOLUTION_GRAPHS_VERIFY the backward of layers
+        # 1 .. L/2 - 1 (between the gradients of their inputs: the first backward launches, in the
+        # last layers, compile)
+        timer = cuda_graphs.eager_timer(model, input_ids.device, len(layers))
+        early = None
         # each layer as one autograd node (step/layer.py) where it mirrors the modules exactly
         node = None if cuda_graphs.arguments_refusal(kwargs) else layer_node.step_context(
             *position_embeddings, info, hidden_states)
         with packing.running_unpadded(info):
             for i, decoder_layer in enumerate(layers):
+                if timer is not None and i == 1:
+                    early = hidden_states
                 if timer is not None and i == len(layers) // 2:
                     timer.start()
+                    if early is not None and timer.backward is not None:
+                        timer.backward.watch(hidden_states, early, i - 1)
                 out = None if node is None else _run_node(decoder_layer, hidden_states, node, info)
                 if out is not None:
                     hidden_states = out
