@@ -151,3 +151,46 @@ def test_varlen_failure_falls_back_to_the_padded_layout_once(device, monkeypatch
     assert not attention.varlen_enabled()
     attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=0.25)
     assert capsys.readouterr().out == ""  # said once
+
+
+def test_varlen_preflight_turns_to_the_padded_layout_once(monkeypatch, capsys):
+    """Before a step depends on the variable-length kernel (the decoder-layer node calls it with no
+    fallback, and a refusal in a backward could not be caught), a tiny forward and backward runs
+    once per device, dtype and head dim (``attention.varlen_works``). A refusal is said once and
+    turns attention to the padded layout for good (no graphs, no eager bucket with it); without
+    CUDA nothing is run (the CPU takes the row-by-row reference)."""
+    from solution.step import attention
+
+    monkeypatch.setattr(attention, "_VARLEN_FAILED", None)
+    monkeypatch.setattr(attention, "_PREFLIGHT", {})
+    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU-only torch has no answer
+    calls = []
+
+    def refuse(device, dtype, head_dim):
+        calls.append((device, dtype, head_dim))
+        return RuntimeError("no varlen on this GPU")
+
+    monkeypatch.setattr(attn_varlen, "preflight", refuse)
+    cuda = torch.device("cuda", 0)
+    assert attention.varlen_works(torch.device("cpu"), torch.float16, 128) and calls == []
+    assert not attention.varlen_works(cuda, torch.float16, 128)
+    assert "variable-length attention failed (RuntimeError: no varlen on this GPU)" in capsys.readouterr().out
+    assert not (attention.varlen_enabled() or attention.rows_kept_apart() or attention.filler_row_apart(128, torch.float16))
+    assert not attention.varlen_works(cuda, torch.float16, 128) and len(calls) == 1
+    assert capsys.readouterr().out == ""  # said once
+    monkeypatch.setattr(attention, "_VARLEN_FAILED", None)
+    monkeypatch.setattr(attn_varlen, "preflight", lambda *a: calls.append(a))  # works: None
+    assert attention.varlen_works(cuda, torch.float32, 64) and attention.varlen_works(cuda, torch.float32, 64)
+    assert len(calls) == 2  # asked once for that key
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_varlen_preflight_passes_and_draws_nothing(dtype):
+    """On this GPU the preflight's forward and backward run (None), and the CUDA generator is where
+    it was (the dropout draws that follow stay stock's)."""
+    gen = torch.cuda.default_generators[torch.cuda.current_device()]
+    before = gen.get_offset()
+    assert attn_varlen.preflight(torch.device("cuda", torch.cuda.current_device()), dtype, 128) is None
+    assert gen.get_offset() == before

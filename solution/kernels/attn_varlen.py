@@ -57,13 +57,18 @@ def supported(q: torch.Tensor) -> bool:
     return q.dtype in (torch.float16, torch.float32) and d <= 128 and d % 8 == 0
 
 
+def _forward(q, k, v, cu_seqlens, max_len, scale):
+    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
+        q, k, v, None, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, CAUSAL_FROM_TOP_LEFT, True, scale=scale)
+    return out, lse, seed, offset
+
+
 def varlen_forward(q, k, v, cu_seqlens, max_len, scale):
     """(out, lse, seed, offset): PyTorch's memory-efficient attention in its variable-length causal
     mode (CUDA). q, k, v [1, N, H, D] contiguous, same heads."""
-    out, lse, seed, offset, _, _ = torch.ops.aten._efficient_attention_forward(
-        q, k, v, None, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, CAUSAL_FROM_TOP_LEFT, True, scale=scale)
+    result = _forward(q, k, v, cu_seqlens, max_len, scale)
     record("efficient_attention_varlen", ours=False)  # PyTorch's kernel, counted for the tests
-    return out, lse, seed, offset
+    return result
 
 
 def varlen_backward(dout, q, k, v, out, lse, cu_seqlens, seed, offset, max_len, scale):
@@ -72,6 +77,27 @@ def varlen_backward(dout, q, k, v, out, lse, cu_seqlens, seed, offset, max_len, 
         dout.contiguous(), q, k, v, None, out, cu_seqlens, cu_seqlens, max_len, max_len, lse, 0.0,
         seed, offset, CAUSAL_FROM_TOP_LEFT, False, scale=scale)
     return dq, dk, dv
+
+
+def preflight(device: torch.device, dtype: torch.dtype, head_dim: int) -> RuntimeError | None:
+    """None when ``varlen_forward`` and ``varlen_backward`` run on ``device`` for heads of
+    ``head_dim`` in ``dtype`` (two packed rows of 8 and 5 tokens, 2 heads, values from sin / cos:
+    nothing random is drawn, and the generator state is restored around the call anyway); else
+    the refusal. Run once per device, dtype and head dim by step/attention.py before
+    a step depends on the kernel (never on the CPU)."""
+    n, heads = 13, 2
+    try:
+        with torch.random.fork_rng(devices=[device]):
+            base = torch.arange(n * heads * head_dim, device=device, dtype=torch.float32).view(1, n, heads, head_dim)
+            q, k, v = ((f(base * s) * 0.5).to(dtype) for f, s in ((torch.sin, 1.0), (torch.cos, 0.7), (torch.sin, 0.3)))
+            cu = torch.tensor([0, 8, n], dtype=torch.int32, device=device)
+            scale = head_dim ** -0.5
+            out, lse, seed, offset = _forward(q, k, v, cu, 8, scale)
+            varlen_backward(torch.ones_like(out), q, k, v, out, lse, cu, seed, offset, 8, scale)
+            torch.cuda.synchronize(device)
+    except RuntimeError as exc:
+        return exc
+    return None
 
 
 class VarlenCausalAttention(torch.autograd.Function):

@@ -33,7 +33,8 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
     if layout_kernels_enabled():
         dtype = _sdpa_input_dtype(query, key, value)
         if dtype is not None:
-            if varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None:
+            if (varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None
+                    and varlen_works(query.device, dtype, query.shape[-1])):
                 try:
                     return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
                 except torch.cuda.OutOfMemoryError:
@@ -74,6 +75,31 @@ def varlen_enabled() -> bool:
 
 
 _VARLEN_FAILED: str | None = None
+
+
+_PREFLIGHT: dict = {}  # (device, dtype, head_dim) -> the kernel ran forward and backward there
+
+
+def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Variable-length attention runs here: ``varlen_enabled`` and, on CUDA, a tiny forward and
+    backward of the kernel once per device, dtype and head dim (``attn_varlen.preflight``). Where
+    PyTorch's kernel refuses (never seen on the H200; a T4 was never measured), this says so once
+    and turns to the padded layout for good (``_varlen_failed``) before any step depends on it: the
+    decoder-layer node calls the kernel with no fallback of its own, and a refusal in a backward
+    could not be caught. Not run inside a CUDA graph capture (a failed capture falls back and the
+    next eager step asks), nor without CUDA (the CPU runs the row-by-row reference)."""
+    if not varlen_enabled():
+        return False
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return True
+    key = (device, dtype, head_dim)
+    ok = _PREFLIGHT.get(key)
+    if ok is None:
+        refusal = attn_varlen.preflight(device, dtype, head_dim)
+        ok = _PREFLIGHT[key] = refusal is None
+        if refusal is not None:
+            _varlen_failed(refusal)
+    return ok
 
 
 def _varlen_failed(exc: Exception) -> None:

@@ -49,6 +49,7 @@ from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 from solution.kernels.lora_nf4 import lora_backward_parts, lora_dropout, lora_forward_parts
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
+from solution.step import attention
 
 _PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> LayerPlan | reason str
 
@@ -154,12 +155,16 @@ class StepContext:
 
     def ok(self, x) -> bool:
         """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
-        SDPA read), packed rows with row offsets, RoPE tables the kernel takes, no global hooks."""
+        SDPA read), packed rows with row offsets, RoPE tables the kernel takes, no global hooks, and
+        variable-length attention working on this device (``attention.varlen_works``: the node
+        calls that kernel with no fallback; where it refuses, the layers run as modules, whose
+        attention turns to the padded layout)."""
         cos = self.cos
         return (PLANNER.step_ok(x) and self.attn_dtype == torch.float16
                 and self.info.cu_seqlens is not None and not global_hooks() and x.shape[1] == self.n
                 and cos.dtype in (torch.float16, torch.float32) and cos.dim() == 3 and cos.shape[0] == 1
-                and cos.shape[1] == self.n and self.sin.shape == cos.shape and self.sin.dtype == cos.dtype)
+                and cos.shape[1] == self.n and self.sin.shape == cos.shape and self.sin.dtype == cos.dtype
+                and attention.varlen_works(x.device, self.attn_dtype, cos.shape[-1]))
 
 
 def takes(layer, h, ctx: StepContext) -> LayerPlan | None:
