@@ -70,6 +70,31 @@ def qkv_grad_sum(aq, bq, mq, ak, av, bv, mv, keep_scale: float) -> torch.Tensor:
     return (v + _f64(ak)) + q
 
 
+def qkv_rope_forward(bq, lq, q_scaling, bk, bv, lv, v_scaling, cos, sin, n_heads, n_kv, head_dim):
+    """Attention's inputs [1, N, heads, D] from the projections' outputs [1, N, heads * D]:
+    q = rope(bq + lq * q_scaling), k = rope(bk), v = bv + lv * v_scaling, k's and v's heads
+    repeated n_heads / n_kv times (repeat_kv: head h from head h // rep)."""
+    n, rep = cos.shape[1], n_heads // n_kv
+    q = (_f64(bq) + _f64(lq) * q_scaling).view(1, n, n_heads, head_dim).transpose(1, 2)
+    k = _f64(bk).view(1, n, n_kv, head_dim).transpose(1, 2)
+    v = (_f64(bv) + _f64(lv) * v_scaling).view(1, n, n_kv, head_dim)
+    q, k = rope(q, k, cos, sin)
+    return (q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2))
+
+
+def qkv_rope_backward(dq, dk, dv, cos, sin, q_scaling, v_scaling, n_kv):
+    """The gradients qkv_rope's backward hands the projections ([1, N, heads * D] each): q's
+    g = rope^T(dq) and g * q_scaling, k's rope^T(sum of dk over each head's repeats), v's
+    g = that sum of dv and g * v_scaling. rope^T is RoPE's transposed map: rope by -angle."""
+    _, n, n_heads, d = dq.shape
+    rep = n_heads // n_kv
+    dk_sum = _f64(dk).view(1, n, n_kv, rep, d).sum(3)
+    dv_sum = _f64(dv).view(1, n, n_kv, rep, d).sum(3)
+    gq, gk = rope(_f64(dq).transpose(1, 2), dk_sum.transpose(1, 2), cos, -_f64(sin))
+    gq, gk, gv = (t.reshape(1, n, -1) for t in (gq.transpose(1, 2), gk.transpose(1, 2), dv_sum))
+    return gq, gq * q_scaling, gk, gv, gv * v_scaling
+
+
 def nf4_dequant(packed: torch.Tensor, quant_state) -> torch.Tensor:
     """bitsandbytes' NF4 storage decoded with torch ops: element 2i is the high nibble of byte i,
     2i+1 the low one, each code an index into the state's 16 NF4 levels; each block of

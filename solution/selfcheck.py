@@ -396,6 +396,30 @@ def _k_qkv_grad(dev):
     return {"forward": rel_err(ours, ref)}, ("qkv_grad_sum",)
 
 
+def _k_qkv_rope(dev):
+    import torch
+
+    from solution import _references as R
+    from solution.kernels import qkv_rope
+
+    n, hq, hk, d = 7, 4, 2, 16
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # Qwen2's rotary frequencies
+    emb = torch.arange(n, dtype=torch.float32)[:, None] * inv_freq[None]
+    emb = torch.cat((emb, emb), -1)[None]
+    cos, sin = emb.cos().contiguous().to(dev), emb.sin().contiguous().to(dev)
+    f16 = torch.float16
+    bq, lq = (_randn(1, n, hq * d, device=dev, dtype=f16, seed=s) for s in (60, 61))
+    bk, bv, lv = (_randn(1, n, hk * d, device=dev, dtype=f16, seed=s) for s in (62, 63, 64))
+    ours = qkv_rope.forward(bq, lq, 2.0, bk, bv, lv, 2.0, cos, sin, hq, hk, d)
+    ref = R.qkv_rope_forward(bq, lq, 2.0, bk, bv, lv, 2.0, cos, sin, hq, hk, d)
+    errs = {"forward": max(rel_err(o, r) for o, r in zip(ours, ref))}
+    dq, dk, dv = (_randn(1, n, hq, d, device=dev, dtype=f16, seed=s) for s in (65, 66, 67))
+    ours = qkv_rope.backward(dq, dk, dv, cos, sin, 2.0, 0.5, hk, True)
+    ref = R.qkv_rope_backward(dq, dk, dv, cos, sin, 2.0, 0.5, hk)
+    errs["backward"] = max(rel_err(o, r) for o, r in zip(ours, ref))
+    return errs, ("qkv_rope_pad", "qkv_rope_unpad")
+
+
 def _k_attn_layout(dev):
     import torch
 
@@ -474,6 +498,7 @@ KERNELS = (
     ("swiglu", _k_swiglu, False),
     ("fp32_add", _k_fp32_add, False),
     ("qkv_grad", _k_qkv_grad, False),
+    ("qkv_rope", _k_qkv_rope, False),
     ("attn_layout", _k_attn_layout, False),
     ("attn_varlen", _k_attn_varlen, True),
     ("lm_head_loss", _k_lm_head_loss, False),

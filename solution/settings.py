@@ -24,6 +24,7 @@ FLAGS = {
     "SOLUTION_ATTN_VARLEN": ("attn_varlen", True),
     "SOLUTION_ATTN_LAYOUT_KERNELS": ("attn_layout_kernels", True),
     "SOLUTION_DIRECT_LAUNCH": ("direct_launch", True),
+    "SOLUTION_QKV_ROPE": ("qkv_rope", True),
     "SOLUTION_GRAPHS_VERIFY": ("graphs_verify", False),
 }
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
@@ -81,6 +82,7 @@ class Settings:
     attn_varlen: bool = True  # $SOLUTION_ATTN_VARLEN (step/attention.py)
     attn_layout_kernels: bool = True  # $SOLUTION_ATTN_LAYOUT_KERNELS (step/attention.py)
     direct_launch: bool = True  # $SOLUTION_DIRECT_LAUNCH (kernels/_launches.py: repeated launches skip kernel[grid])
+    qkv_rope: bool = True  # $SOLUTION_QKV_ROPE (step/layer.py: attention's way in and out through kernels/qkv_rope.py)
     # $SOLUTION_GRAPHS_VERIFY (step/cuda_graphs.py, ``verify``): "auto" graphs dropped again where the first
     # replay costs more GPU time than the eager layers' host time; off until measured on a GPU
     graphs_verify: bool = False

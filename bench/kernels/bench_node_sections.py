@@ -7,7 +7,8 @@ The node variant of bench_layer_host.py (4 layers, graphs off, the same batch). 
 ``TARGETS`` is wrapped by a timer (two ``perf_counter_ns`` reads and a list append a call, ~0.5 us)
 that keeps its inclusive time and its own time (inclusive minus the wrapped calls under it); 20
 steps are timed that way (launches through the direct path, kernels/_launches.py). Before that,
-the step timed with the direct path on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
+the step timed with the direct path on and off, in pairs, and with attention's way in and out
+through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
 inclusive and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how
 much the timers themselves add. Then a launch table: one of the node's real launches
 (``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
@@ -20,6 +21,7 @@ cost of a new shape: bench_gemm_shapes.py.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import statistics
@@ -43,7 +45,7 @@ def targets():
     import triton.runtime.jit as jit
 
     from solution.kernels import (add_rmsnorm, attn_layout, attn_varlen, fp32_add, lora_nf4, nf4_dequant,
-                                  nf4_mlp, rmsnorm, rope)
+                                  nf4_mlp, qkv_rope, rmsnorm, rope)
     from solution.step import layer
     return [
         (jit.JITFunction, "run", "triton JITFunction.run"),
@@ -56,8 +58,11 @@ def targets():
         (layer, "_node_forward", "node forward (ours)"), (layer, "_node_backward", "node backward (ours)"),
         (layer, "_lora_forward", "_lora_forward"), (layer, "lora_dropout", "lora_dropout"),
         (layer, "lora_forward_parts", "lora_forward_parts"), (layer, "lora_backward_parts", "lora_backward_parts"),
+        (layer, "lora_forward_gemms", "lora_forward_gemms"), (layer, "lora_backward_gemms", "lora_backward_gemms"),
+        (layer, "_attention", "_attention"), (layer, "_attention_grads", "_attention_grads"),
         (layer, "_attention_forward", "_attention_forward"), (layer, "_attention_backward", "_attention_backward"),
-        (layer, "qkv_grad_sum", "qkv_grad_sum"),
+        (layer, "qkv_grad_sum", "qkv_grad_sum"), (qkv_rope, "forward", "qkv_rope forward"),
+        (qkv_rope, "backward", "qkv_rope backward"),
         (attn_varlen, "varlen_forward", "varlen_forward"), (attn_varlen, "varlen_backward", "varlen_backward"),
         (attn_layout, "_launch_pad", "attn_layout pad"), (attn_layout, "_launch_unpad", "attn_layout unpad"),
         (rope, "_launch", "rope"), (rmsnorm, "_launch_forward", "rmsnorm fwd"),
@@ -206,6 +211,7 @@ def main() -> None:
     import triton.runtime.jit as jit
 
     import solution
+    from solution import settings as settings_mod
     from solution.kernels import _launches
     from solution.settings import Settings
 
@@ -230,6 +236,18 @@ def main() -> None:
         diffs = [a - b for a, b in zip(pairs["direct"], pairs["kernel[grid]"])]
         direct_rows = {k: statistics.median(v) for k, v in pairs.items()}
         direct_rows["direct - kernel[grid], median of pairs"] = statistics.median(diffs)
+        # attention's way in and out through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) or the launches
+        # it replaces, in pairs (the node reads the setting once per step)
+        on_settings = settings_mod.current()
+        qkv = {"qkv_rope on": [], "qkv_rope off": []}
+        for _ in range(STEPS):
+            for label, on in (("qkv_rope on", True), ("qkv_rope off", False)):
+                settings_mod.activate(dataclasses.replace(on_settings, qkv_rope=on))
+                qkv[label].append(_timed_ms(step))
+        settings_mod.activate(on_settings)
+        direct_rows.update({k: statistics.median(v) for k, v in qkv.items()})
+        direct_rows["qkv_rope on - off, median of pairs"] = statistics.median(
+            [a - b for a, b in zip(qkv["qkv_rope on"], qkv["qkv_rope off"])])
         plain_ms = timed_steps()
         timers = Timers()
         for owner, name, label in targets():

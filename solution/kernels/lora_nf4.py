@@ -332,14 +332,21 @@ def lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling, 
     projection of the same x): then this launch dequantizes W and makes only dropout's fp16 value
     (the same bits: a cast is a cast). Shared by LoraNF4Function and the decoder-layer node
     (solution/step/layer.py)."""
+    base16, lora16, x16, saved = lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16)
+    return lora_combine(base16, lora16, scaling, x.dtype), x16, saved
+
+
+def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None):
+    """``lora_forward_parts`` up to its GEMMs: (base16, lora16, x16, saved), the fp16 base output
+    (bias included) and the fp16 LoRA B output, which ``lora_combine`` sums as peft does (the
+    decoder-layer node sums them in kernels/qkv_rope.py instead, with the same operations)."""
     w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
     base16 = F.linear(x16, w16, bias16)
     a16, b16 = cast_pair(lora_a, lora_b, torch.float16, torch.float16)  # autocast's two casts, one launch
     h16 = F.linear(xd16, a16)
     lora16 = F.linear(h16, b16)
-    out = lora_combine(base16, lora16, scaling, x.dtype)
     # the fp16 casts of A and B are saved (stock autocast saves them too), so backward does not cast again
-    return out, x16, (xd16, h16, a16, b16)
+    return base16, lora16, x16, (xd16, h16, a16, b16)
 
 
 def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, a_dtype, b_dtype):
@@ -348,7 +355,6 @@ def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, 
     gradient (None unless need_x), A's and B's gradients in their dtypes (None unless asked for).
     Both parts of x's gradient are issued before another weight is dequantized into the shared
     scratch buffer (stream order keeps the buffer's reuse safe)."""
-    xd16, h16, a16, b16 = saved
     g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
     # one launch: W again (bnb's backward rounding chain; only when the input gradient is
     # needed), g16 = fp16(g) (autograd's cast of the gradient of the fp16 GEMM outputs) and
@@ -358,6 +364,24 @@ def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, 
     gs16 = torch.empty(g.shape, dtype=torch.float16, device=g.device)
     plan.dq.launch(w16, plan.round_bwd, dequant=need_x, a=g, a16=None if g16 is g else g16,
                    b16=gs16, cast_b=2, scaling=scaling)
+    return (g16, *_lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype))
+
+
+def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype):
+    """``lora_backward_parts`` from the two fp16 gradients the caller made (g16 = fp16(grad_out),
+    gs16 = fp16(g16 * scaling): the decoder-layer node's kernels/qkv_rope.py): W dequantized
+    (only when the input gradient is needed), then the GEMMs and the A / B gradients' casts.
+    Returns (grad_base16, grad_xd16, grad_a, grad_b)."""
+    w16 = plan.weight16()
+    if need_x:
+        plan.dq.launch(w16, plan.round_bwd)
+    return _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype)
+
+
+def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype):
+    """The LoRA projection's backward GEMMs (w16: W dequantized, when need_x): (grad_base16,
+    grad_xd16, grad_a, grad_b)."""
+    xd16, h16, a16, b16 = saved
     n_out, r, n_in = gs16.shape[-1], h16.shape[-1], xd16.shape[-1]
     grad_a = grad_b = grad_base16 = grad_xd16 = None
     if need_b:  # lora_B: grad_weight = gs^T h (fp16, cast to B's dtype below)
@@ -374,7 +398,7 @@ def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, 
     if need_x:
         grad_xd16 = torch.matmul(grad_h16, a16)
         grad_base16 = torch.matmul(g16, w16)
-    return g16, grad_base16, grad_xd16, grad_a, grad_b
+    return grad_base16, grad_xd16, grad_a, grad_b
 
 
 class LoraNF4Function(torch.autograd.Function):

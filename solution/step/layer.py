@@ -42,11 +42,13 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.function import once_differentiable
 
+from solution import settings
 from solution.hooks import global_hooks
-from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, rmsnorm, rope
+from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm, rope
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
-from solution.kernels.lora_nf4 import lora_backward_parts, lora_dropout, lora_forward_parts
+from solution.kernels.lora_nf4 import (lora_backward_gemms, lora_backward_parts, lora_dropout,
+                                       lora_forward_gemms, lora_forward_parts)
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
 from solution.step import attention
@@ -140,7 +142,7 @@ class StepContext:
     batch (``Unpadded``), its one-row layout for attention's layout kernels, the attention dtype,
     and where the dropout masks come from (a CUDA graph's slots, or None: draw)."""
 
-    __slots__ = ("cos", "sin", "info", "layout", "mask_source", "attn_dtype", "n", "bnb_fused", "native")
+    __slots__ = ("cos", "sin", "info", "layout", "mask_source", "attn_dtype", "n", "bnb_fused", "native", "qkv_fused")
 
     def __init__(self, cos, sin, info, mask_source=None):
         from solution.step.packing import packed_layout
@@ -152,6 +154,10 @@ class StepContext:
         self.n = info.n_tokens
         self.native = cos.device.type == "cuda"
         self.bnb_fused: dict = {}
+        # attention's way in and out in one launch each (kernels/qkv_rope.py) where it takes the
+        # tables; the head_dim is checked per layer (``_qkv_fused``)
+        self.qkv_fused = (settings.current().qkv_rope and qkv_rope.supported(self.cos.shape[-1], self.cos)
+                          and self.sin.stride(-1) == 1)
 
     def ok(self, x) -> bool:
         """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
@@ -236,6 +242,47 @@ def _lora_forward(side: LoraPlan, x3, ctx: StepContext, source, x16=None):
     return out, x16, saved, mask, mode, drop_scale
 
 
+def _lora_forward16(side: LoraPlan, x3, ctx: StepContext, source, x16=None):
+    """``_lora_forward`` up to the GEMMs: (base16, lora16, x16, saved, mask, mode, drop_scale); the
+    sum of base16 and lora16 is made by kernels/qkv_rope.py."""
+    xd, mask, mode, drop_scale = lora_dropout(side.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
+    base16, lora16, x16, saved = lora_forward_gemms(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, x16)
+    return base16, lora16, x16, saved, mask, mode, drop_scale
+
+
+def _qkv_fused(plan: LayerPlan, ctx: StepContext, x3) -> bool:
+    """q / k / v go to attention through kernels/qkv_rope.py (one launch each way) rather than
+    lora_combine, k's cast, RoPE and the layout kernels: the same values (its tests), where its
+    shapes hold (fp32 projections, the tables' head_dim)."""
+    return ctx.qkv_fused and x3.dtype == torch.float32 and plan.head_dim == ctx.cos.shape[-1]
+
+
+def _attention(plan: LayerPlan, qp, kp, vp, ctx: StepContext):
+    """Variable-length attention on attention's fp16 inputs [1, N, heads, D]: (out [1, N, Hq * D],
+    saved)."""
+    if ctx.native:
+        out, lse, seed, offset = attn_varlen.varlen_forward(qp, kp, vp, ctx.info.cu_seqlens, ctx.info.max_len, plan.scale)
+        saved = (qp, kp, vp, out, lse, seed, offset)
+    else:  # the CPU interpreter: the row-by-row reference (its backward recomputes it with autograd)
+        out = attn_varlen.rows_reference(qp, kp, vp, list(ctx.info.lengths), plan.scale)
+        saved = (qp, kp, vp)
+    return out.reshape(1, ctx.n, -1), saved
+
+
+def _attention_grads(plan: LayerPlan, d_out16, saved, ctx: StepContext):
+    """(dq, dk, dv) [1, N, heads, D] fp16: attention's backward from its output's gradient."""
+    n, d = ctx.n, plan.head_dim
+    dout = d_out16.view(1, n, plan.n_heads, d)
+    if ctx.native:
+        qp, kp, vp, out, lse, seed, offset = saved
+        return attn_varlen.varlen_backward(dout, qp, kp, vp, out, lse, ctx.info.cu_seqlens, seed, offset,
+                                           ctx.info.max_len, plan.scale)
+    qp, kp, vp = (t.detach().requires_grad_(True) for t in saved)
+    with torch.enable_grad():
+        out = attn_varlen.rows_reference(qp, kp, vp, list(ctx.info.lengths), plan.scale)
+    return torch.autograd.grad(out, (qp, kp, vp), dout)
+
+
 def _attention_forward(plan: LayerPlan, q, k, v, ctx: StepContext):
     """stock Qwen2Attention's q / k / v -> attention output [1, N, Hq * D] fp16, through RoPE, our
     layout kernels (KV heads repeated, fp16) and variable-length attention, as the module path
@@ -251,29 +298,14 @@ def _attention_forward(plan: LayerPlan, q, k, v, ctx: StepContext):
     qp = attn_layout._launch_pad(q_e.squeeze(0).transpose(0, 1), ctx.layout, 1, dt).transpose(1, 2)
     kp = attn_layout._launch_pad(k_e.squeeze(0).transpose(0, 1), ctx.layout, plan.groups, dt).transpose(1, 2)
     vp = attn_layout._launch_pad(vt.squeeze(0).transpose(0, 1), ctx.layout, plan.groups, dt).transpose(1, 2)
-    if ctx.native:
-        out, lse, seed, offset = attn_varlen.varlen_forward(qp, kp, vp, ctx.info.cu_seqlens, ctx.info.max_len, plan.scale)
-        saved = (qp, kp, vp, out, lse, seed, offset)
-    else:  # the CPU interpreter: the row-by-row reference (its backward recomputes it with autograd)
-        out = attn_varlen.rows_reference(qp, kp, vp, list(ctx.info.lengths), plan.scale)
-        saved = (qp, kp, vp)
-    return out.reshape(1, n, -1), saved
+    return _attention(plan, qp, kp, vp, ctx)
 
 
 def _attention_backward(plan: LayerPlan, d_out16, saved, ctx: StepContext, need_k: bool):
     """(dq, dk, dv) fp32 [1, N, heads * D] in the projections' layout, from the attention output's
     gradient: attention's backward, the layout kernels' backward (KV head sums), RoPE's backward."""
     n, d = ctx.n, plan.head_dim
-    dout = d_out16.view(1, n, plan.n_heads, d)
-    if ctx.native:
-        qp, kp, vp, out, lse, seed, offset = saved
-        dq, dk, dv = attn_varlen.varlen_backward(dout, qp, kp, vp, out, lse, ctx.info.cu_seqlens, seed, offset,
-                                                 ctx.info.max_len, plan.scale)
-    else:
-        qp, kp, vp = (t.detach().requires_grad_(True) for t in saved)
-        with torch.enable_grad():
-            out = attn_varlen.rows_reference(qp, kp, vp, list(ctx.info.lengths), plan.scale)
-        dq, dk, dv = torch.autograd.grad(out, (qp, kp, vp), dout)
+    dq, dk, dv = _attention_grads(plan, d_out16, saved, ctx)
     # the padded tensors' gradients back to the packed rows (autograd ran v's, then k's, then q's)
     dv_rows = attn_layout._launch_unpad(dv.transpose(1, 2), ctx.layout, plan.groups, torch.float32)
     dk_rows = attn_layout._launch_unpad(dk.transpose(1, 2), ctx.layout, plan.groups, torch.float32) if need_k else None
@@ -302,14 +334,27 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     h2d = h.view(n, hid) if h.is_contiguous() else h.reshape(n, hid).contiguous()
     hn, rstd1 = rmsnorm._launch_forward(h2d, plan.norm1_w, plan.eps1)
     x3 = hn.view(1, n, hid)
+    fused = _qkv_fused(plan, sc, x3)
     # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
-    q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc, source)
-    wk = plan.k.weight16()
-    plan.k.dq.launch(wk)
-    k = F.linear(x16, wk, plan.k_bias16).to(torch.float32)
-    v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, source, x16)
-    attn16, att_saved = _attention_forward(plan, q, k, v, sc)
-    del q, k, v
+    if fused:  # the GEMMs as below; the sums, RoPE and attention's layout in one launch
+        qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, sc, source)
+        wk = plan.k.weight16()
+        plan.k.dq.launch(wk)
+        kb16 = F.linear(x16, wk, plan.k_bias16)
+        vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, sc, source, x16)
+        qp, kp, vp = qkv_rope.forward(qb16, ql16, plan.q.scaling, kb16, vb16, vl16, plan.v.scaling, sc.cos, sc.sin,
+                                      plan.n_heads, plan.n_kv, plan.head_dim)
+        del qb16, ql16, kb16, vb16, vl16
+        attn16, att_saved = _attention(plan, qp, kp, vp, sc)
+        del qp, kp, vp
+    else:
+        q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc, source)
+        wk = plan.k.weight16()
+        plan.k.dq.launch(wk)
+        k = F.linear(x16, wk, plan.k_bias16).to(torch.float32)
+        v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, source, x16)
+        attn16, att_saved = _attention_forward(plan, q, k, v, sc)
+        del q, k, v
     wo, _ = plan.o.dequant_and_cast(attn16)
     o16 = F.linear(attn16, wo)
     h2, y2, rstd2 = add_rmsnorm._launch_forward(h2d, o16.view(n, hid), plan.norm2_w, plan.eps2, (n, hid))
@@ -318,7 +363,7 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16)
     masks = (q_mask, v_mask) if q_mask is not None else ()
     kept = (h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
-    meta = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale)
+    meta = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale, fused)
     return out.view(h.shape), kept, meta
 
 
@@ -327,7 +372,7 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
     list: it is emptied, so each activation is freed as soon as it is used). ``needs``: which of
     (h, q's A, q's B, v's A, v's B) need a gradient; ``dtypes``: the four LoRA weights' dtypes.
     Returns (grad_h, grad_qa, grad_qb, grad_va, grad_vb)."""
-    n_q, n_att, n_mlp, has_masks, mode, drop_scale = meta
+    n_q, n_att, n_mlp, has_masks, mode, drop_scale, fused = meta
     t = kept
     h2d, rstd1 = t[0], t[1]
     i = 2
@@ -359,16 +404,32 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
     d_attn16 = torch.matmul(d_o16, wo)
     # k's input gradient matters only when x needs one (layer 0 without checkpointing: no)
     need_x = need_h
-    dq3, dk3, dv3 = _attention_backward(plan, d_attn16, att_saved, sc, need_x)
-    del att_saved, d_attn16
-    # autograd ran v_proj's backward first, then k_proj's, then q_proj's
-    _, av, bv, grad_va, grad_vb = lora_backward_parts(plan.v.plan, dv3, v_saved, plan.v.scaling, need_x,
-                                                      need_va, need_vb, va_t, vb_t)
-    if need_x:
-        wk, gk16 = plan.k.dequant_and_cast(dk3, plan.k.round_bwd)
-        ak = torch.matmul(gk16, wk)
-    _, aq, bq, grad_qa, grad_qb = lora_backward_parts(plan.q.plan, dq3, q_saved, plan.q.scaling, need_x,
-                                                      need_qa, need_qb, qa_t, qb_t)
+    if fused:  # attention's gradients to the projections' fp16 GEMM inputs in one launch
+        dq, dk, dv = _attention_grads(plan, d_attn16, att_saved, sc)
+        del att_saved, d_attn16
+        gq16, gsq16, gk16, gv16, gsv16 = qkv_rope.backward(dq, dk, dv, sc.cos, sc.sin, plan.q.scaling,
+                                                           plan.v.scaling, plan.n_kv, need_x)
+        del dq, dk, dv
+        # autograd ran v_proj's backward first, then k_proj's, then q_proj's
+        av, bv, grad_va, grad_vb = lora_backward_gemms(plan.v.plan, gv16, gsv16, v_saved, need_x, need_va, need_vb,
+                                                       va_t, vb_t)
+        if need_x:
+            wk = plan.k.weight16()
+            plan.k.dq.launch(wk, plan.k.round_bwd)
+            ak = torch.matmul(gk16, wk)
+        aq, bq, grad_qa, grad_qb = lora_backward_gemms(plan.q.plan, gq16, gsq16, q_saved, need_x, need_qa, need_qb,
+                                                       qa_t, qb_t)
+    else:
+        dq3, dk3, dv3 = _attention_backward(plan, d_attn16, att_saved, sc, need_x)
+        del att_saved, d_attn16
+        # autograd ran v_proj's backward first, then k_proj's, then q_proj's
+        _, av, bv, grad_va, grad_vb = lora_backward_parts(plan.v.plan, dv3, v_saved, plan.v.scaling, need_x,
+                                                          need_va, need_vb, va_t, vb_t)
+        if need_x:
+            wk, gk16 = plan.k.dequant_and_cast(dk3, plan.k.round_bwd)
+            ak = torch.matmul(gk16, wk)
+        _, aq, bq, grad_qa, grad_qb = lora_backward_parts(plan.q.plan, dq3, q_saved, plan.q.scaling, need_x,
+                                                          need_qa, need_qb, qa_t, qb_t)
     grad_h = None
     if need_h:
         d_hn = qkv_grad_sum(aq, bq, q_mask, ak, av, bv, v_mask, mode, drop_scale)
