@@ -569,6 +569,12 @@ def _train_steps(model_dir, batches, plan, graphs: str, monkeypatch, profile=Non
             out.loss.backward()
             grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
             steps.append((out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()))
+            # as the Trainer (its training_step returns loss.detach()): this step's autograd graph is
+            # not kept into the next step. Kept, its AccumulateGrad nodes (made on the eager steps'
+            # stream) would be reused by a capture's backward in the next forward, which must then
+            # wait on the legacy stream: the capture fails (cudaErrorStreamCaptureImplicit), as
+            # test_replay_check_in_auto_mode_gpu found (auto mode captures after eager steps)
+            del out
         runner = cuda_graphs.runner_of(model.base_model.model.model)
         return steps, (None if runner is None else (len(runner.graphs), runner.failed))
     finally:

@@ -178,6 +178,62 @@ def test_direct_launch_gives_the_same_bits_and_is_taken():
     _launches.set_direct(True)
 
 
+def test_prepared_launch_runs_and_counts(device):
+    """launch_prepared on the CPU interpreter (no direct path): kernel[grid] with every parameter
+    positional, counted, nothing kept; the same values as launch()."""
+    x = torch.randn(37, device=device)
+    y = torch.randn(37, device=device)
+    out = torch.empty_like(x)
+    site = {}
+    before = _launches.LAUNCHES["axpy-prepared"]
+    _launches.launch_prepared(site, ("k",), _axpy_kernel, (1,), "axpy-prepared", (x, y, out, 37, 2.0, 64, True), {})
+    assert _launches.LAUNCHES["axpy-prepared"] == before + 1
+    torch.testing.assert_close(out, x * 2.0 + y)
+    if device == "cpu":
+        assert site == {}  # the interpreter: no compiled kernel to keep
+
+
+@pytest.mark.gpu
+def test_prepared_launch_gives_the_same_bits_keeps_one_kernel_per_key_and_steps_aside():
+    """On the GPU: the first call of a key goes through launch() and keeps the compiled kernel,
+    later calls of the key call its launcher with the caller's arguments (the same bits as
+    kernel[grid]); a new key (another specialization) goes through launch() again; with the direct
+    path off, or prepared launches off, every call goes through launch()."""
+    _launches.set_direct(True)
+    if _launches.direct_reason() is not None:
+        pytest.skip(_launches.direct_reason())
+    _launches.reset()
+    site = {}
+    for n in (1000, 1024, 1000, 1, 1024):
+        x = torch.randn(n, device="cuda", dtype=torch.float16)
+        y = torch.randn(n, device="cuda", dtype=torch.float16)
+        ref = torch.empty_like(x)
+        grid = (_launches.cdiv(n, 256),)
+        _axpy_kernel[grid](x, y, ref, n, 1.5, BLOCK=256)
+        key = (n % 16 == 0, n == 1)  # what decides this kernel's specialization here (n is specialized)
+        for _ in range(3):
+            out = torch.full_like(x, float("nan"))
+            _launches.launch_prepared(site, key, _axpy_kernel, grid, "axpy-prepared", (x, y, out, n, 1.5, 256, True), {})
+            assert torch.equal(out, ref)
+    torch.cuda.synchronize()
+    assert len(site) == 3
+    assert _launches.DIRECT["axpy-prepared"] >= 12
+    _launches.reset()
+    _launches._state["prepared"] = False
+    try:
+        _launches.launch_prepared(site, (True, False), _axpy_kernel, (4,), "axpy-prepared",
+                                  (x, y, out, 1024, 1.5, 256, True), {})
+    finally:
+        _launches._state["prepared"] = True
+    assert _launches.DIRECT["axpy-prepared"] == 1  # through launch()'s own direct path
+    _launches.set_direct(False)
+    _launches.reset()
+    _launches.launch_prepared(site, (True, False), _axpy_kernel, (4,), "axpy-prepared",
+                              (x, y, out, 1024, 1.5, 256, True), {})
+    assert _launches.DIRECT["axpy-prepared"] == 0
+    _launches.set_direct(True)
+
+
 def test_apply_sets_the_direct_launch_from_the_settings():
     import solution
     from solution.settings import Settings

@@ -382,6 +382,27 @@ def test_cast_pair_is_torchs_two_casts(device, src, dst, n0, n1):
         assert torch.equal(got[~nan].view(bits), ref[~nan].view(bits))
 
 
+@pytest.mark.parametrize("src,dst", [(torch.float32, torch.float16), (torch.float16, torch.float32)])
+def test_cast_four_is_torchs_four_casts(device, src, dst):
+    """cast_four: the bits of ``.to`` for four tensors (q's and v's LoRA A / B shapes and odd ones),
+    one launch; a mix of dtypes falls back to cast_pair's."""
+    g = torch.Generator().manual_seed(3)
+    shapes = [(16, 1536), (1536, 16), (16, 1536), (256, 16)] if device == "cuda" else [(4, 37), (37, 4), (4, 5), (9, 4)]
+    ts = [(torch.randn(*sh, generator=g) * 3).to(src).to(device) for sh in shapes]
+    ts[0].view(-1)[:3] = torch.tensor([65520.0, -0.0, 6e-8])
+    before = _launches.LAUNCHES["quad_cast"]
+    outs = lora_nf4.cast_four(ts, (dst,) * 4)
+    assert _launches.LAUNCHES["quad_cast"] == before + 1
+    bits = torch.int32 if dst == torch.float32 else torch.int16
+    for got, t in zip(outs, ts):
+        ref = t.to(dst)
+        assert got.dtype == dst and got.shape == ref.shape and torch.equal(got.view(bits), ref.view(bits))
+    mixed = lora_nf4.cast_four([ts[0], ts[1], ts[2].to(torch.bfloat16), ts[3]], (dst,) * 4)
+    assert _launches.LAUNCHES["quad_cast"] == before + 1
+    for got, t in zip(mixed, [ts[0], ts[1], ts[2].to(torch.bfloat16), ts[3]]):
+        assert torch.equal(got, t.to(dst))
+
+
 def test_cast_pair_falls_back_to_torch(device):
     """A tensor already in its dtype, a strided one, bf16: torch's ``.to``, no launch."""
     a = torch.randn(16, 64, device=device)

@@ -8,7 +8,8 @@ The node variant of bench_layer_host.py (4 layers, graphs off, the same batch). 
 that keeps its inclusive time and its own time (inclusive minus the wrapped calls under it); 20
 steps are timed that way (launches through the direct path, kernels/_launches.py). Before that,
 the step timed with the direct path on and off, in pairs, and with attention's way in and out
-through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
+through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) on and off, in pairs, and with prepared launches
+(kernels/_launches.launch_prepared) on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
 inclusive and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how
 much the timers themselves add. Then a launch table: one of the node's real launches
 (``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
@@ -71,7 +72,7 @@ def targets():
         (nf4_mlp, "mlp_forward", "mlp_forward"), (nf4_mlp, "mlp_backward", "mlp_backward"),
         (nf4_dequant.DequantPlan, "launch", "DequantPlan.launch"),
         (lora_nf4, "lora_combine", "lora_combine"), (lora_nf4, "lora_grad_sum", "lora_grad_sum"),
-        (lora_nf4, "cast_pair", "cast_pair"),
+        (lora_nf4, "cast_pair", "cast_pair"), (layer, "cast_four", "cast_four"),
     ]
 
 
@@ -248,6 +249,16 @@ def main() -> None:
         direct_rows.update({k: statistics.median(v) for k, v in qkv.items()})
         direct_rows["qkv_rope on - off, median of pairs"] = statistics.median(
             [a - b for a, b in zip(qkv["qkv_rope on"], qkv["qkv_rope off"])])
+        # prepared launches (kernels/_launches.launch_prepared) on and off, in pairs (off: launch())
+        prep = {"prepared on": [], "prepared off": []}
+        for _ in range(STEPS):
+            for label, on in (("prepared on", True), ("prepared off", False)):
+                _launches._state["prepared"] = on
+                prep[label].append(_timed_ms(step))
+        _launches._state["prepared"] = True
+        direct_rows.update({k: statistics.median(v) for k, v in prep.items()})
+        direct_rows["prepared on - off, median of pairs"] = statistics.median(
+            [a - b for a, b in zip(prep["prepared on"], prep["prepared off"])])
         plain_ms = timed_steps()
         timers = Timers()
         for owner, name, label in targets():

@@ -73,7 +73,9 @@ class _Direct:
         self.device, self.stream = active.get_current_device, active.get_current_stream
 
 
-_state: dict = {"direct": None, "enabled": True}  # direct: None (not decided) | False | _Direct
+# direct: None (not decided) | False | _Direct; prepared: launch_prepared may skip the binder (benchmarks
+# turn it off to compare)
+_state: dict = {"direct": None, "enabled": True, "prepared": True}
 _COMPILED: dict = {}  # (id(kernel), device, specialization, options) -> Triton's compiled kernel
 
 
@@ -144,23 +146,30 @@ def reset() -> None:
     DIRECT.clear()
 
 
-def launch(kernel, grid, name: str, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``, counted under ``name``; where this Triton's launch path
-    is the reviewed one, a repeated launch (same specialization) calls the compiled kernel's
-    launcher directly (module docstring)."""
-    LAUNCHES[name] += 1
+def _direct_ready(kernel, grid):
+    """The direct path's state when ``kernel`` may take it now, else None (``kernel[grid]`` then)."""
     d = _state["direct"]
     if d is None:
         d = _decide()
     if d is False or type(kernel) is not d.jit_cls or type(grid) is not tuple or kernel.pre_run_hooks:
-        kernel[grid](*args, **kwargs)
-        return
+        return None
     rt = d.knobs.runtime
     if rt.launch_enter_hook.calls or rt.launch_exit_hook.calls or getattr(rt, "add_stages_inspection_hook", None):
-        kernel[grid](*args, **kwargs)
-        return
+        return None
     if d.device is None:
         d.bind_driver()
+    return d
+
+
+def _launch(kernel, grid, name: str, args: tuple, kwargs: dict):
+    """``launch``'s work; returns the compiled kernel when the direct path launched it (or kept it
+    at its first launch) and Triton's binder handed its launcher exactly ``args`` (the caller's
+    positional arguments, in order, nothing added), else None."""
+    LAUNCHES[name] += 1
+    d = _direct_ready(kernel, grid)
+    if d is None:
+        kernel[grid](*args, **kwargs)
+        return None
     device = d.device()
     bound, spec, options = kernel.device_caches[device][4](*args, **kwargs)  # Triton's binder
     key = (id(kernel), device, tuple(spec), tuple(options.items()))
@@ -171,11 +180,52 @@ def launch(kernel, grid, name: str, *args, **kwargs) -> None:
             compiled = compiled.result()
         if compiled is not None:
             _COMPILED[key] = compiled
-        return
-    DIRECT[name] += 1
-    n = len(grid)
-    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device), compiled.function,
-                 compiled.packed_metadata, None, None, None, *bound.values())
+    else:
+        DIRECT[name] += 1
+        n = len(grid)
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device), compiled.function,
+                     compiled.packed_metadata, None, None, None, *bound.values())
+    values = list(bound.values())
+    if compiled is None or len(values) != len(args) or any(v is not a for v, a in zip(values, args)):
+        return None
+    return compiled
+
+
+def launch(kernel, grid, name: str, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, counted under ``name``; where this Triton's launch path
+    is the reviewed one, a repeated launch (same specialization) calls the compiled kernel's
+    launcher directly (module docstring)."""
+    _launch(kernel, grid, name, args, kwargs)
+
+
+def launch_prepared(site: dict, key, kernel, grid: tuple, name: str, args: tuple, options: dict) -> None:
+    """``launch(kernel, grid, name, *args, **options)`` for a call site that knows what decides
+    Triton's specialization of its calls. ``args``: every parameter of the kernel, constexprs
+    included, positionally in signature order; ``options``: launch options only (num_warps,
+    enable_fp_fusion). ``key``: the caller's hashable summary that determines every argument's
+    specialization at this site (the dtype and the 16-byte alignment of each pointer that can
+    change, the specialized integers that can change, the constexprs that can change); ``site``:
+    the caller's dict, key -> compiled kernel. The first call of a key goes through ``launch``,
+    whose binder checks that it passes exactly ``args`` to the launcher; after that a call of the
+    key skips the binder and its key and calls the kept compiled kernel's launcher with ``args``
+    (docs/kernels/direct_launch.md, "Prepared launches"). Only while the direct path is allowed
+    (``direct_reason``, no launch hooks); otherwise ``launch``."""
+    kept = site.get(key)
+    if kept is not None and _state["prepared"]:
+        d = _direct_ready(kernel, grid)
+        if d is not None:
+            device = d.device()
+            if kept[0] == device:
+                compiled = kept[1]
+                LAUNCHES[name] += 1
+                DIRECT[name] += 1
+                n = len(grid)
+                compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device),
+                             compiled.function, compiled.packed_metadata, None, None, None, *args)
+                return
+    compiled = _launch(kernel, grid, name, args, options)
+    if compiled is not None:
+        site[key] = (_state["direct"].device(), compiled)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -49,7 +49,7 @@ import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
 from solution.kernels._device import runs_here
-from solution.kernels._launches import cdiv, launch
+from solution.kernels._launches import cdiv, launch, launch_prepared
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
 GPU_BLOCK = 2048
@@ -137,6 +137,33 @@ def pair_cast_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, BLOCK: tl.c
         tl.store(dst1_ptr + offs, tl.load(src1_ptr + offs, mask=mask).to(dst1_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _cast_range(src_ptr, dst_ptr, n, pid, BLOCK: tl.constexpr):
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask).to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["n0", "n1", "n2", "n3"])
+def quad_cast_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, src2_ptr, dst2_ptr, n2,
+                     src3_ptr, dst3_ptr, n3, BLOCK: tl.constexpr):
+    """Four casts in one launch (``pair_cast_kernel``'s, for two pairs): the decoder-layer node's
+    LoRA weights of q and v to fp16 in the forward, their four fp16 gradients to the weights' dtype
+    in the backward. Program ranges in order: cdiv(n0, BLOCK) for the first cast, then the others."""
+    pid = tl.program_id(0)
+    e0 = tl.cdiv(n0, BLOCK)
+    e1 = e0 + tl.cdiv(n1, BLOCK)
+    e2 = e1 + tl.cdiv(n2, BLOCK)
+    if pid < e0:
+        _cast_range(src0_ptr, dst0_ptr, n0, pid, BLOCK)
+    elif pid < e1:
+        _cast_range(src1_ptr, dst1_ptr, n1, pid - e0, BLOCK)
+    elif pid < e2:
+        _cast_range(src2_ptr, dst2_ptr, n2, pid - e1, BLOCK)
+    else:
+        _cast_range(src3_ptr, dst3_ptr, n3, pid - e2, BLOCK)
+
+
 PAIR_CAST_BLOCK = 4096  # the LoRA weights: 16 x 1536 = 24,576 elements (6 programs), v's B 4,096 (1)
 # the casts training makes (fp32 LoRA weights): fp32 -> fp16 forward, fp16 -> fp32 backward.
 # bf16 is left to torch: the interpreter's bf16 conversion did not round as torch does (CPU test).
@@ -156,6 +183,31 @@ def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: t
     launch(pair_cast_kernel, (cdiv(n0, PAIR_CAST_BLOCK) + cdiv(n1, PAIR_CAST_BLOCK),), "pair_cast",
            a, a_out, n0, b, b_out, n1, BLOCK=PAIR_CAST_BLOCK, num_warps=4)
     return a_out, b_out
+
+
+_QUAD_SITE: dict = {}  # launch_prepared's compiled quad_cast_kernel
+
+
+def cast_four(tensors, dtypes):
+    """[t.to(dt) for t, dt in zip(tensors, dtypes)] for four tensors, in one launch where each is a
+    ``cast_pair`` cast (fp32 -> fp16 or fp16 -> fp32) of a contiguous tensor on one device where our
+    kernels run, all the same way; otherwise ``cast_pair`` twice (its own fallbacks)."""
+    a, b, c, d = tensors
+    src, dst = a.dtype, dtypes[0]
+    if ((src, dst) not in _PAIR_CASTS or b.dtype is not src or c.dtype is not src or d.dtype is not src
+            or dtypes[1] is not dst or dtypes[2] is not dst or dtypes[3] is not dst or not runs_here(a.device)
+            or not (b.device == a.device and c.device == a.device and d.device == a.device)
+            or not (a.is_contiguous() and b.is_contiguous() and c.is_contiguous() and d.is_contiguous())):
+        return [*cast_pair(a, b, dtypes[0], dtypes[1]), *cast_pair(c, d, dtypes[2], dtypes[3])]
+    outs = [torch.empty(t.shape, dtype=dst, device=a.device) for t in tensors]
+    ns = [t.numel() for t in tensors]
+    args = []
+    for t, o, n in zip(tensors, outs, ns):
+        args += (t, o, n)
+    key = (src, dst, *(t.data_ptr() & 15 for t in tensors), *(o.data_ptr() & 15 for o in outs))
+    grid = (sum(cdiv(n, PAIR_CAST_BLOCK) for n in ns),)
+    launch_prepared(_QUAD_SITE, key, quad_cast_kernel, grid, "quad_cast", (*args, PAIR_CAST_BLOCK), {"num_warps": 4})
+    return outs
 
 
 def _grid_block(n: int, device: torch.device):
@@ -336,13 +388,15 @@ def lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling, 
     return lora_combine(base16, lora16, scaling, x.dtype), x16, saved
 
 
-def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None):
+def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None, ab16=None):
     """``lora_forward_parts`` up to its GEMMs: (base16, lora16, x16, saved), the fp16 base output
     (bias included) and the fp16 LoRA B output, which ``lora_combine`` sums as peft does (the
-    decoder-layer node sums them in kernels/qkv_rope.py instead, with the same operations)."""
+    decoder-layer node sums them in kernels/qkv_rope.py instead, with the same operations).
+    ``ab16``: (fp16 A, fp16 B) cast by the caller (the node casts q's and v's in one launch)."""
     w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
     base16 = F.linear(x16, w16, bias16)
-    a16, b16 = cast_pair(lora_a, lora_b, torch.float16, torch.float16)  # autocast's two casts, one launch
+    # autocast's two casts, one launch
+    a16, b16 = cast_pair(lora_a, lora_b, torch.float16, torch.float16) if ab16 is None else ab16
     h16 = F.linear(xd16, a16)
     lora16 = F.linear(h16, b16)
     # the fp16 casts of A and B are saved (stock autocast saves them too), so backward does not cast again
@@ -367,18 +421,19 @@ def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, 
     return (g16, *_lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype))
 
 
-def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype):
+def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast=True):
     """``lora_backward_parts`` from the two fp16 gradients the caller made (g16 = fp16(grad_out),
     gs16 = fp16(g16 * scaling): the decoder-layer node's kernels/qkv_rope.py): W dequantized
     (only when the input gradient is needed), then the GEMMs and the A / B gradients' casts.
-    Returns (grad_base16, grad_xd16, grad_a, grad_b)."""
+    Returns (grad_base16, grad_xd16, grad_a, grad_b). ``cast=False``: grad_a and grad_b stay fp16
+    (the node casts q's and v's in one launch)."""
     w16 = plan.weight16()
     if need_x:
         plan.dq.launch(w16, plan.round_bwd)
-    return _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype)
+    return _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast)
 
 
-def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype):
+def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast=True):
     """The LoRA projection's backward GEMMs (w16: W dequantized, when need_x): (grad_base16,
     grad_xd16, grad_a, grad_b)."""
     xd16, h16, a16, b16 = saved
@@ -390,7 +445,9 @@ def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype,
         grad_h16 = torch.matmul(gs16, b16)  # [..., r]
         if need_a:  # lora_A: grad_weight = grad_h^T xd16 (fp16, cast to A's dtype below)
             grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in))
-    if need_a and need_b:  # autograd's two casts of the fp16 weight gradients, one launch
+    if not cast:
+        pass
+    elif need_a and need_b:  # autograd's two casts of the fp16 weight gradients, one launch
         grad_a, grad_b = cast_pair(grad_a, grad_b, a_dtype, b_dtype)
     elif need_a or need_b:
         grad_a = None if grad_a is None else grad_a.to(a_dtype)
@@ -446,6 +503,14 @@ def lora_nf4(x, lora_a, lora_b, bias16, plan, xd=None, drop_mask=None, drop_mode
 def sm75_specs():
     """Launch configurations used in training (x fp32 -> fp32 output, dropout on CUDA: bool mask;
     fp16 for completeness; the A / B casts fp32 -> fp16 forward, fp16 -> fp32 backward)."""
+    for src, dst in (("fp32", "fp16"), ("fp16", "fp32")):
+        sig = {}
+        for i in range(4):
+            sig.update({f"src{i}_ptr": f"*{src}", f"dst{i}_ptr": f"*{dst}", f"n{i}": "i32"})
+        yield {
+            "name": f"quad_cast({src}->{dst})", "fn": quad_cast_kernel,
+            "signature": {**sig, "BLOCK": "constexpr"}, "constexprs": {"BLOCK": PAIR_CAST_BLOCK}, "num_warps": 4,
+        }
     for src, dst in (("fp32", "fp16"), ("fp16", "fp32")):
         yield {
             "name": f"pair_cast({src}->{dst})", "fn": pair_cast_kernel,

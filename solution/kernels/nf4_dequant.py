@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
-from solution.kernels._launches import cdiv, launch
+from solution.kernels._launches import cdiv, launch_prepared
 
 KERNEL_NAME = "nf4_dequant"
 
@@ -282,7 +282,7 @@ class DequantPlan:
 
     __slots__ = ("qs", "absmax_src", "state2", "absmax2_src", "code2_src", "offset_src", "ptr",
                  "shape", "numel", "device", "args", "sizes", "consts", "n_deq_programs",
-                 "cast_block")
+                 "cast_block", "blocks", "options", "sites")
 
     def __init__(self, weight: torch.Tensor, quant_state):
         reason = unsupported_reason(weight, quant_state)
@@ -322,6 +322,10 @@ class DequantPlan:
         self.sizes = (n, (n + 1) // 2, n_blocks)
         self.consts = {"BLOCKSIZE": bs, "NESTED": bool(qs.nested), "NESTED_BS": nested_bs, "NB": nb,
                        "num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
+        # the same, positionally (the kernels' constexprs in signature order) for launch_prepared
+        self.blocks = (bs, bool(qs.nested), nested_bs, nb)
+        self.options = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
+        self.sites: dict = {}  # launch_prepared's compiled kernels, by ``launch``'s key
 
     def matches(self, weight: torch.Tensor, quant_state) -> bool:
         """Is this plan still the one for ``weight`` / ``quant_state``? (identity checks + the
@@ -345,20 +349,29 @@ class DequantPlan:
         cast_b=1: b16 = fp16(b), cast_b=2: b16 = fp16(fp16(a) * scaling). a, b, a16, b16: contiguous,
         same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``: the casts only.
         round_bf16: round the weight through bf16 first (bnb's backward for bf16 states)."""
+        # Prepared launches (kernels/_launches.py): the key holds what can change Triton's
+        # specialization from call to call here; the plan's own tensors, sizes and block
+        # constants are fixed while the plan ``matches``; n_cast is not specialized (int32:
+        # < MAX_CAST_ELEMENTS), scaling is an fp32 scalar.
         if a is None:
-            launch(nf4_dequant_kernel, (self.n_deq_programs,), KERNEL_NAME,
-                   *self.args, out, *self.sizes, ROUND_BF16=round_bf16, **self.consts)
+            launch_prepared(self.sites, (round_bf16, out.dtype, out.data_ptr() & 15), nf4_dequant_kernel,
+                            (self.n_deq_programs,), KERNEL_NAME,
+                            (*self.args, out, *self.sizes, *self.blocks, round_bf16), self.options)
             return
         n_cast = a.numel()
         # unused pointers point at a valid tensor (the kernel never touches them)
-        cast_args = (a, out if a16 is None else a16, a if b is None else b, out if b16 is None else b16,
-                     n_cast, float(scaling))
+        a16_ = out if a16 is None else a16
+        b_ = a if b is None else b
+        b16_ = out if b16 is None else b16
         n_deq = self.n_deq_programs if dequant else 0
         grid = (n_deq + cdiv(n_cast, self.cast_block),)
-        launch(nf4_dequant_cast_kernel, grid, KERNEL_NAME + "_cast" if dequant else "fp16_cast",
-               *self.args, out, *self.sizes, n_deq, *cast_args,
-               ROUND_BF16=round_bf16, CAST_A=a16 is not None, CAST_B=cast_b,
-               CAST_BLOCK=self.cast_block, **self.consts)
+        key = (dequant, round_bf16, a16 is not None, cast_b, out.dtype, a.dtype, a16_.dtype, b_.dtype, b16_.dtype,
+               out.data_ptr() & 15, a.data_ptr() & 15, a16_.data_ptr() & 15, b_.data_ptr() & 15,
+               b16_.data_ptr() & 15)
+        launch_prepared(self.sites, key, nf4_dequant_cast_kernel, grid,
+                        KERNEL_NAME + "_cast" if dequant else "fp16_cast",
+                        (*self.args, out, *self.sizes, n_deq, a, a16_, b_, b16_, n_cast, float(scaling),
+                         *self.blocks, round_bf16, a16 is not None, cast_b, self.cast_block), self.options)
 
 
 def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,

@@ -47,8 +47,8 @@ from solution.hooks import global_hooks
 from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm, rope
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
-from solution.kernels.lora_nf4 import (lora_backward_gemms, lora_backward_parts, lora_dropout,
-                                       lora_forward_gemms, lora_forward_parts)
+from solution.kernels.lora_nf4 import (cast_four, cast_pair, lora_backward_gemms, lora_backward_parts,
+                                       lora_dropout, lora_forward_gemms, lora_forward_parts)
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
 from solution.step import attention
@@ -242,12 +242,28 @@ def _lora_forward(side: LoraPlan, x3, ctx: StepContext, source, x16=None):
     return out, x16, saved, mask, mode, drop_scale
 
 
-def _lora_forward16(side: LoraPlan, x3, ctx: StepContext, source, x16=None):
+def _lora_forward16(side: LoraPlan, x3, ctx: StepContext, source, ab16, x16=None):
     """``_lora_forward`` up to the GEMMs: (base16, lora16, x16, saved, mask, mode, drop_scale); the
-    sum of base16 and lora16 is made by kernels/qkv_rope.py."""
+    sum of base16 and lora16 is made by kernels/qkv_rope.py. ``ab16``: fp16 A and B (``cast_four``)."""
     xd, mask, mode, drop_scale = lora_dropout(side.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
-    base16, lora16, x16, saved = lora_forward_gemms(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, x16)
+    base16, lora16, x16, saved = lora_forward_gemms(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, x16,
+                                                    ab16)
     return base16, lora16, x16, saved, mask, mode, drop_scale
+
+
+def _lora_grads(grads16, dtypes):
+    """The four LoRA weights' fp16 gradients (q's A, B, v's A, B; None where not asked for) in the
+    weights' dtypes: autograd's casts, in one launch when all four are there (``cast_four``), else as
+    ``lora_backward_parts`` casts them per projection."""
+    if all(g is not None for g in grads16):
+        return cast_four(grads16, dtypes)
+    out = []
+    for a, b, a_t, b_t in ((grads16[0], grads16[1], dtypes[0], dtypes[1]), (grads16[2], grads16[3], dtypes[2], dtypes[3])):
+        if a is not None and b is not None:
+            out += cast_pair(a, b, a_t, b_t)
+        else:
+            out += [None if a is None else a.to(a_t), None if b is None else b.to(b_t)]
+    return out
 
 
 def _qkv_fused(plan: LayerPlan, ctx: StepContext, x3) -> bool:
@@ -337,11 +353,13 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     fused = _qkv_fused(plan, sc, x3)
     # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
     if fused:  # the GEMMs as below; the sums, RoPE and attention's layout in one launch
-        qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, sc, source)
+        f16 = torch.float16  # autocast's casts of q's and v's LoRA weights, one launch
+        qa16, qb16_w, va16, vb16_w = cast_four((plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb), (f16, f16, f16, f16))
+        qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, sc, source, (qa16, qb16_w))
         wk = plan.k.weight16()
         plan.k.dq.launch(wk)
         kb16 = F.linear(x16, wk, plan.k_bias16)
-        vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, sc, source, x16)
+        vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, sc, source, (va16, vb16_w), x16)
         qp, kp, vp = qkv_rope.forward(qb16, ql16, plan.q.scaling, kb16, vb16, vl16, plan.v.scaling, sc.cos, sc.sin,
                                       plan.n_heads, plan.n_kv, plan.head_dim)
         del qb16, ql16, kb16, vb16, vl16
@@ -412,13 +430,14 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
         del dq, dk, dv
         # autograd ran v_proj's backward first, then k_proj's, then q_proj's
         av, bv, grad_va, grad_vb = lora_backward_gemms(plan.v.plan, gv16, gsv16, v_saved, need_x, need_va, need_vb,
-                                                       va_t, vb_t)
+                                                       va_t, vb_t, cast=False)
         if need_x:
             wk = plan.k.weight16()
             plan.k.dq.launch(wk, plan.k.round_bwd)
             ak = torch.matmul(gk16, wk)
         aq, bq, grad_qa, grad_qb = lora_backward_gemms(plan.q.plan, gq16, gsq16, q_saved, need_x, need_qa, need_qb,
-                                                       qa_t, qb_t)
+                                                       qa_t, qb_t, cast=False)
+        grad_qa, grad_qb, grad_va, grad_vb = _lora_grads((grad_qa, grad_qb, grad_va, grad_vb), dtypes)
     else:
         dq3, dk3, dv3 = _attention_backward(plan, d_attn16, att_saved, sc, need_x)
         del att_saved, d_attn16
