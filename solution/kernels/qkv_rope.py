@@ -63,6 +63,22 @@ def _rope_bwd(g1, g2, c1, s1, c2, s2):
 
 
 @triton.jit
+def _token_tables(cos_ptr, sin_ptr, n_tokens, cs_row, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """This program's BLOCK_T tokens: (t64 [BLOCK_T, 1, 1] int64, d [1, 1, HALF], the tokens' mask
+    [BLOCK_T, 1, 1], and their cos / sin halves c1, s1, c2, s2 [BLOCK_T, 1, HALF] in fp32)."""
+    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t64 = tok.to(tl.int64)[:, None, None]
+    d = tl.arange(0, HALF)[None, None, :]
+    cs = t64 * cs_row + d
+    cs_ok = (tok < n_tokens)[:, None, None]
+    c1 = tl.load(cos_ptr + cs, mask=cs_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF, mask=cs_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs, mask=cs_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF, mask=cs_ok, other=0.0).to(tl.float32)
+    return t64, d, cs_ok, c1, s1, c2, s2
+
+
+@triton.jit
 def _lora_sum(base_ptr, lora_ptr, offs, mask, scaling):
     """fp32(base) + fp32(fp16(fp32(lora) * scaling)): peft's sum, lora_nf4.lora_combine_kernel's value."""
     base = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -83,16 +99,7 @@ def qkv_rope_pad_kernel(bq_ptr, lq_ptr, bk_ptr, bv_ptr, lv_ptr, cos_ptr, sin_ptr
     2 * HALF values cs_row apart; qp: [N, HQ, 2 * HALF], kp, vp: [N, HK * REP, 2 * HALF] fp16, all
     contiguous."""
     D: tl.constexpr = 2 * HALF
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tok < n_tokens
-    t64 = tok.to(tl.int64)[:, None, None]
-    d = tl.arange(0, HALF)[None, None, :]
-    cs = t64 * cs_row + d
-    cs_ok = t_ok[:, None, None]
-    c1 = tl.load(cos_ptr + cs, mask=cs_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + cs + HALF, mask=cs_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + cs, mask=cs_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + cs + HALF, mask=cs_ok, other=0.0).to(tl.float32)
+    t64, d, cs_ok, c1, s1, c2, s2 = _token_tables(cos_ptr, sin_ptr, n_tokens, cs_row, HALF, BLOCK_T)
 
     # q: [BLOCK_T, HQP2, HALF]
     hq = tl.arange(0, HQP2)[None, :, None]
@@ -165,16 +172,7 @@ def qkv_rope_unpad_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr,
     v: r = the fp32 sum of dv[t, h * REP + g] over g; gv = fp16(r), gsv = fp16(fp32(gv) * v_scaling).
     gq, gsq: [N, HQ * 2 * HALF]; gk, gv, gsv: [N, HK * 2 * HALF]; fp16, contiguous."""
     D: tl.constexpr = 2 * HALF
-    tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_ok = tok < n_tokens
-    t64 = tok.to(tl.int64)[:, None, None]
-    d = tl.arange(0, HALF)[None, None, :]
-    cs = t64 * cs_row + d
-    cs_ok = t_ok[:, None, None]
-    c1 = tl.load(cos_ptr + cs, mask=cs_ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + cs + HALF, mask=cs_ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + cs, mask=cs_ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + cs + HALF, mask=cs_ok, other=0.0).to(tl.float32)
+    t64, d, cs_ok, c1, s1, c2, s2 = _token_tables(cos_ptr, sin_ptr, n_tokens, cs_row, HALF, BLOCK_T)
 
     hq = tl.arange(0, HQP2)[None, :, None]
     q_ok = cs_ok & (hq < HQ)
