@@ -105,6 +105,8 @@ def test_backward_same_bits_as_unpad_rope_casts(device, n, need_k, strided):
     g = torch.Generator().manual_seed(n + 7 * need_k + 3 * strided)
     grads = [_f16((1, n, hq, d), g, s) for s in (1.0, 4.0, 0.5)]
     grads[0][0, 0, 0, :2] = torch.tensor([65504.0, -0.0])
+    for t in grads:  # a head of -0.0 everywhere: the old path's sums from 0.0 gave +0.0
+        t[0, -1, 1] = -0.0
     grads = [t.to(device) for t in grads]
     if strided:  # [1, N, H, D] views of [1, H, N, D] memory (what a BHSD kernel output would give)
         grads = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in grads]

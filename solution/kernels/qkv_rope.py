@@ -176,9 +176,9 @@ def qkv_rope_unpad_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr,
 
     hq = tl.arange(0, HQP2)[None, :, None]
     q_ok = cs_ok & (hq < HQ)
-    src = t64 * dq_row + hq.to(tl.int64) * dq_head + d
-    g1 = tl.load(dq_ptr + src, mask=q_ok, other=0.0).to(tl.float32)
-    g2 = tl.load(dq_ptr + src + HALF, mask=q_ok, other=0.0).to(tl.float32)
+    # q's heads "summed" over one copy from 0.0, as unpad_rows_kernel did for q (REP 1): 0.0 + (-0.0)
+    # is +0.0, so a zero's sign is the old path's too
+    g1, g2 = _head_sums(dq_ptr, t64, dq_row, dq_head, hq, d, q_ok, HALF, 1, BLOCK_T, HQP2)
     r1, r2 = _rope_bwd(g1, g2, c1, s1, c2, s2)
     q_offs = t64 * (HQ * D) + hq * D + d
     _store_pair(gq_ptr, gsq_ptr, q_offs, q_ok, r1, r2, q_scaling, HALF, True)
