@@ -6,7 +6,7 @@ one launch, and attention's input gradients back to the projections' fp16 gradie
    q = fp32(base) + fp32(fp16(lora * scaling)), peft's sum), k's fp16 -> fp32 cast (bnb returns
    x's dtype), RoPE on q and k (rope.py, fp32), then three ``pad_rows_kernel`` launches
    (attn_layout.py) that repeat k's and v's 2 heads to 12 (repeat_kv) and cast q, k, v to fp16
-   (autocast's cast inside SDPA). The backward mirrored it with five: three ``unpad_rows_kernel``
+   (autocast's cast inside SDPA). The backward mirrored it with four: three ``unpad_rows_kernel``
    (fp32, k's and v's 6 head copies summed), RoPE's backward, and the casts of q's, k's and v's
    fp32 gradients to fp16 (autograd's casts for the fp16 GEMMs, and fp16(g16 * scaling) for the
    LoRA B output), which ran inside each weight's dequantization launch.
