@@ -104,6 +104,22 @@ def test_node_gives_the_module_path_bits(device, tiny_dir, autocast_ctx, dropout
     _assert_same_bits(node, mods)
 
 
+def test_node_without_qkv_rope_gives_the_same_bits(device, tiny_dir, autocast_ctx):
+    """$SOLUTION_QKV_ROPE=0: the node's old launches around attention (lora_combine, k's cast, RoPE,
+    the layout kernels; cast_pair) give the module path's bits too, and kernels/qkv_rope.py does
+    not run; on (the default) it runs, once a layer each way."""
+    batch = _batch(device, [40, 17, 64, 9])
+    off = _step(tiny_dir, device, batch, True, autocast_ctx, qkv_rope=False)
+    on = _step(tiny_dir, device, batch, True, autocast_ctx)
+    mods = _step(tiny_dir, device, batch, False, autocast_ctx)
+    _assert_same_bits(off, mods)
+    _assert_same_bits(on, mods)
+    assert off[3].get("qkv_rope_pad", 0) == 0 and off[3].get("lora_combine", 0) > 0, off[3]
+    layers = on[3][NODE]
+    assert on[3].get("qkv_rope_pad", 0) == layers and on[3].get("qkv_rope_unpad", 0) == layers, on[3]
+    assert on[3].get("lora_combine", 0) == 0 and on[3].get("quad_cast", 0) == 2 * layers, on[3]
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reentrant):
     """training.gradient_checkpointing with transformers' checkpoint function (torch's checkpoint,
