@@ -228,37 +228,32 @@ def main() -> None:
         def timed_steps():
             return statistics.median(_timed_ms(step) for _ in range(STEPS))
 
-        pairs = {"direct": [], "kernel[grid]": []}
-        for _ in range(STEPS):
-            for label, on in (("direct", True), ("kernel[grid]", False)):
-                _launches.set_direct(on)
-                pairs[label].append(_timed_ms(step))
-        _launches.set_direct(True)
-        diffs = [a - b for a, b in zip(pairs["direct"], pairs["kernel[grid]"])]
-        direct_rows = {k: statistics.median(v) for k, v in pairs.items()}
-        direct_rows["direct - kernel[grid], median of pairs"] = statistics.median(diffs)
-        # attention's way in and out through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) or the launches
-        # it replaces, in pairs (the node reads the setting once per step)
+        def paired(on: str, off: str, switch, diff_label: str) -> dict:
+            """The step timed with ``switch(True)`` (arm ``on``) and ``switch(False)`` (arm ``off``),
+            alternating, STEPS pairs; the medians of each arm and of the pairs' differences. Leaves
+            the switch on."""
+            arms = {on: [], off: []}
+            for _ in range(STEPS):
+                for label, state in ((on, True), (off, False)):
+                    switch(state)
+                    arms[label].append(_timed_ms(step))
+            switch(True)
+            rows = {k: statistics.median(v) for k, v in arms.items()}
+            rows[diff_label] = statistics.median([a - b for a, b in zip(arms[on], arms[off])])
+            return rows
+
+        def set_prepared(on: bool) -> None:
+            _launches._state["prepared"] = on
+
         on_settings = settings_mod.current()
-        qkv = {"qkv_rope on": [], "qkv_rope off": []}
-        for _ in range(STEPS):
-            for label, on in (("qkv_rope on", True), ("qkv_rope off", False)):
-                settings_mod.activate(dataclasses.replace(on_settings, qkv_rope=on))
-                qkv[label].append(_timed_ms(step))
-        settings_mod.activate(on_settings)
-        direct_rows.update({k: statistics.median(v) for k, v in qkv.items()})
-        direct_rows["qkv_rope on - off, median of pairs"] = statistics.median(
-            [a - b for a, b in zip(qkv["qkv_rope on"], qkv["qkv_rope off"])])
-        # prepared launches (kernels/_launches.launch_prepared) on and off, in pairs (off: launch())
-        prep = {"prepared on": [], "prepared off": []}
-        for _ in range(STEPS):
-            for label, on in (("prepared on", True), ("prepared off", False)):
-                _launches._state["prepared"] = on
-                prep[label].append(_timed_ms(step))
-        _launches._state["prepared"] = True
-        direct_rows.update({k: statistics.median(v) for k, v in prep.items()})
-        direct_rows["prepared on - off, median of pairs"] = statistics.median(
-            [a - b for a, b in zip(prep["prepared on"], prep["prepared off"])])
+        direct_rows = paired("direct", "kernel[grid]", _launches.set_direct, "direct - kernel[grid], median of pairs")
+        # attention's way in and out through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) or the launches
+        # it replaces (the node reads the setting once per step)
+        direct_rows.update(paired("qkv_rope on", "qkv_rope off",
+                                  lambda on: settings_mod.activate(dataclasses.replace(on_settings, qkv_rope=on)),
+                                  "qkv_rope on - off, median of pairs"))
+        # prepared launches (kernels/_launches.launch_prepared) or launch()
+        direct_rows.update(paired("prepared on", "prepared off", set_prepared, "prepared on - off, median of pairs"))
         plain_ms = timed_steps()
         timers = Timers()
         for owner, name, label in targets():

@@ -161,10 +161,11 @@ def _direct_ready(kernel, grid):
     return d
 
 
-def _launch(kernel, grid, name: str, args: tuple, kwargs: dict):
-    """``launch``'s work; returns the compiled kernel when the direct path launched it (or kept it
-    at its first launch) and Triton's binder handed its launcher exactly ``args`` (the caller's
-    positional arguments, in order, nothing added), else None."""
+def _launch(kernel, grid, name: str, args: tuple, kwargs: dict, keep: bool = False):
+    """``launch``'s work. ``keep`` (``launch_prepared``'s first call of a key): return the compiled
+    kernel when the direct path launched it (or kept it at its first launch) and Triton's binder
+    handed its launcher exactly ``args`` (the caller's positional arguments, in order, nothing
+    added); otherwise None."""
     LAUNCHES[name] += 1
     d = _direct_ready(kernel, grid)
     if d is None:
@@ -185,8 +186,10 @@ def _launch(kernel, grid, name: str, args: tuple, kwargs: dict):
         n = len(grid)
         compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device), compiled.function,
                      compiled.packed_metadata, None, None, None, *bound.values())
+    if not keep or compiled is None:
+        return None
     values = list(bound.values())
-    if compiled is None or len(values) != len(args) or any(v is not a for v, a in zip(values, args)):
+    if len(values) != len(args) or any(v is not a for v, a in zip(values, args)):
         return None
     return compiled
 
@@ -223,7 +226,7 @@ def launch_prepared(site: dict, key, kernel, grid: tuple, name: str, args: tuple
                 compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device),
                              compiled.function, compiled.packed_metadata, None, None, None, *args)
                 return
-    compiled = _launch(kernel, grid, name, args, options)
+    compiled = _launch(kernel, grid, name, args, options, keep=True)
     if compiled is not None:
         site[key] = (_state["direct"].device(), compiled)
 

@@ -170,12 +170,24 @@ PAIR_CAST_BLOCK = 4096  # the LoRA weights: 16 x 1536 = 24,576 elements (6 progr
 _PAIR_CASTS = {(torch.float32, torch.float16), (torch.float16, torch.float32)}
 
 
+def _one_launch_casts(tensors, dtypes) -> bool:
+    """Can one of our cast launches make every ``t.to(dt)`` here: all the same ``_PAIR_CASTS`` cast
+    (fp32 -> fp16 or fp16 -> fp32), contiguous tensors, one device where our kernels run."""
+    first = tensors[0]
+    cast = (first.dtype, dtypes[0])
+    if cast not in _PAIR_CASTS or not runs_here(first.device):
+        return False
+    for t, dt in zip(tensors, dtypes):
+        if t.dtype != cast[0] or dt != cast[1] or t.device != first.device or not t.is_contiguous():
+            return False
+    return True
+
+
 def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype):
     """(a.to(a_dtype), b.to(b_dtype)), in one launch where our kernels run and both are fp32 ->
     fp16 or both fp16 -> fp32 casts of contiguous tensors on one device; otherwise torch's ``.to``
     for each (a tensor already in its dtype is returned as it is, as ``.to`` does)."""
-    if ((a.dtype, a_dtype) not in _PAIR_CASTS or (b.dtype, b_dtype) != (a.dtype, a_dtype)
-            or not runs_here(a.device) or a.device != b.device or not (a.is_contiguous() and b.is_contiguous())):
+    if not _one_launch_casts((a, b), (a_dtype, b_dtype)):
         return a.to(a_dtype), b.to(b_dtype)
     a_out = torch.empty(a.shape, dtype=a_dtype, device=a.device)
     b_out = torch.empty(b.shape, dtype=b_dtype, device=b.device)
@@ -194,10 +206,7 @@ def cast_four(tensors, dtypes):
     kernels run, all the same way; otherwise ``cast_pair`` twice (its own fallbacks)."""
     a, b, c, d = tensors
     src, dst = a.dtype, dtypes[0]
-    if ((src, dst) not in _PAIR_CASTS or b.dtype is not src or c.dtype is not src or d.dtype is not src
-            or dtypes[1] is not dst or dtypes[2] is not dst or dtypes[3] is not dst or not runs_here(a.device)
-            or not (b.device == a.device and c.device == a.device and d.device == a.device)
-            or not (a.is_contiguous() and b.is_contiguous() and c.is_contiguous() and d.is_contiguous())):
+    if not _one_launch_casts(tensors, dtypes):
         return [*cast_pair(a, b, dtypes[0], dtypes[1]), *cast_pair(c, d, dtypes[2], dtypes[3])]
     outs = [torch.empty(t.shape, dtype=dst, device=a.device) for t in tensors]
     ns = [t.numel() for t in tensors]
@@ -433,6 +442,14 @@ def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b, a_dtype,
     return _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast)
 
 
+def cast_grads(grad_a, grad_b, a_dtype, b_dtype):
+    """A's and B's fp16 gradients (None where not asked for) in the weights' dtypes: autograd's two
+    casts, in one launch when both are there (``cast_pair``)."""
+    if grad_a is not None and grad_b is not None:
+        return cast_pair(grad_a, grad_b, a_dtype, b_dtype)
+    return None if grad_a is None else grad_a.to(a_dtype), None if grad_b is None else grad_b.to(b_dtype)
+
+
 def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast=True):
     """The LoRA projection's backward GEMMs (w16: W dequantized, when need_x): (grad_base16,
     grad_xd16, grad_a, grad_b)."""
@@ -445,13 +462,8 @@ def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype,
         grad_h16 = torch.matmul(gs16, b16)  # [..., r]
         if need_a:  # lora_A: grad_weight = grad_h^T xd16 (fp16, cast to A's dtype below)
             grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in))
-    if not cast:
-        pass
-    elif need_a and need_b:  # autograd's two casts of the fp16 weight gradients, one launch
-        grad_a, grad_b = cast_pair(grad_a, grad_b, a_dtype, b_dtype)
-    elif need_a or need_b:
-        grad_a = None if grad_a is None else grad_a.to(a_dtype)
-        grad_b = None if grad_b is None else grad_b.to(b_dtype)
+    if cast:
+        grad_a, grad_b = cast_grads(grad_a, grad_b, a_dtype, b_dtype)
     if need_x:
         grad_xd16 = torch.matmul(grad_h16, a16)
         grad_base16 = torch.matmul(g16, w16)

@@ -281,7 +281,7 @@ class DequantPlan:
     QuantState and scale tensors, the weight bytes at the same address) holds."""
 
     __slots__ = ("qs", "absmax_src", "state2", "absmax2_src", "code2_src", "offset_src", "ptr",
-                 "shape", "numel", "device", "args", "sizes", "consts", "n_deq_programs",
+                 "shape", "numel", "device", "args", "sizes", "n_deq_programs",
                  "cast_block", "blocks", "options", "sites")
 
     def __init__(self, weight: torch.Tensor, quant_state):
@@ -320,9 +320,8 @@ class DequantPlan:
         self.n_deq_programs = cdiv(n_blocks, nb)
         self.args = (packed, absmax, code2, absmax2, offset, _nf4_lut(dev))
         self.sizes = (n, (n + 1) // 2, n_blocks)
-        self.consts = {"BLOCKSIZE": bs, "NESTED": bool(qs.nested), "NESTED_BS": nested_bs, "NB": nb,
-                       "num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
-        # the same, positionally (the kernels' constexprs in signature order) for launch_prepared
+        # the kernels' block constexprs, positionally in signature order (BLOCKSIZE, NESTED, NESTED_BS,
+        # NB), for launch_prepared
         self.blocks = (bs, bool(qs.nested), nested_bs, nb)
         self.options = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
         self.sites: dict = {}  # launch_prepared's compiled kernels, by ``launch``'s key

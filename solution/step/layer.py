@@ -47,7 +47,7 @@ from solution.hooks import global_hooks
 from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm, rope
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
-from solution.kernels.lora_nf4 import (cast_four, cast_pair, lora_backward_gemms, lora_backward_parts,
+from solution.kernels.lora_nf4 import (cast_four, cast_grads, lora_backward_gemms, lora_backward_parts,
                                        lora_dropout, lora_forward_gemms, lora_forward_parts)
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
@@ -257,13 +257,8 @@ def _lora_grads(grads16, dtypes):
     ``lora_backward_parts`` casts them per projection."""
     if all(g is not None for g in grads16):
         return cast_four(grads16, dtypes)
-    out = []
-    for a, b, a_t, b_t in ((grads16[0], grads16[1], dtypes[0], dtypes[1]), (grads16[2], grads16[3], dtypes[2], dtypes[3])):
-        if a is not None and b is not None:
-            out += cast_pair(a, b, a_t, b_t)
-        else:
-            out += [None if a is None else a.to(a_t), None if b is None else b.to(b_t)]
-    return out
+    return [*cast_grads(grads16[0], grads16[1], dtypes[0], dtypes[1]),
+            *cast_grads(grads16[2], grads16[3], dtypes[2], dtypes[3])]
 
 
 def _qkv_fused(plan: LayerPlan, ctx: StepContext, x3) -> bool:
