@@ -178,6 +178,17 @@ def test_direct_launch_gives_the_same_bits_and_is_taken():
     _launches.set_direct(True)
 
 
+def test_spec_key_reads_dtype_alignment_and_the_integers_specialization(device):
+    """spec_key: a tensor's dtype and pointer mod 16, an integer's == 1, % 16 == 0 and int64 range:
+    what changes Triton's specialization of an argument."""
+    x = torch.zeros(64, device=device)
+    k = _launches.spec_key((x, x[1:]), (1, 32, 7, 2**31))
+    assert k[0] == k[2] == torch.float32
+    assert k[1] == x.data_ptr() & 15 and k[3] == (x.data_ptr() + 4) & 15 and k[1] != k[3]
+    assert k[4:] == ((True, False, False), (False, True, False), (False, False, False), (False, True, True))
+    assert _launches.spec_key((x.half(),), ()) != _launches.spec_key((x,), ())  # the dtype counts
+
+
 def test_prepared_launch_runs_and_counts(device):
     """launch_prepared on the CPU interpreter (no direct path): kernel[grid] with every parameter
     positional, counted, nothing kept; the same values as launch()."""
@@ -248,3 +259,59 @@ def test_apply_sets_the_direct_launch_from_the_settings():
         assert _launches._state["enabled"] is True
     finally:
         solution.revert()
+
+
+@pytest.mark.gpu
+def test_prepared_launchers_of_the_node_give_the_same_bits_gpu():
+    """Every launcher the decoder-layer node calls through launch_prepared, called three times on the
+    same shapes (the first call through launch(), the others through the kept launcher) and once
+    with prepared launches off: the same bits each time, and the prepared path taken."""
+    _launches.set_direct(True)
+    if _launches.direct_reason() is not None:
+        pytest.skip(_launches.direct_reason())
+    from solution.kernels import add_rmsnorm, fp32_add, qkv_grad, qkv_rope, rmsnorm, swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, dtype=torch.float32):
+        return torch.randn(*shape, generator=g, device="cuda").to(dtype)
+
+    n, h, f = 37, 256, 640
+    x, r, w = rnd(n, h), rnd(n, h), rnd(h)
+    y16, gy = rnd(n, h, dtype=torch.float16), rnd(n, h)
+    g16, u16 = rnd(n, f, dtype=torch.float16), rnd(n, f, dtype=torch.float16)
+    parts = [rnd(n, h, dtype=torch.float16) for _ in range(5)]
+    masks = [rnd(n, h) > 0 for _ in range(2)]
+    cos, sin = rnd(1, n, 16), rnd(1, n, 16)
+    bq, lq = rnd(1, n, 4 * 16, dtype=torch.float16), rnd(1, n, 4 * 16, dtype=torch.float16)
+    bk, bv, lv = (rnd(1, n, 2 * 16, dtype=torch.float16) for _ in range(3))
+    dq, dk, dv = (rnd(1, n, 4, 16, dtype=torch.float16) for _ in range(3))
+
+    def run():
+        out = []
+        out += rmsnorm._launch_forward(x, w, 1e-6)
+        out.append(rmsnorm._launch_backward_dx(x, w, gy, out[1]))
+        hh, yy, rstd = add_rmsnorm._launch_forward(r, x, w, 1e-6, (n, h))
+        out += [hh, yy, rstd, *add_rmsnorm._launch_backward(hh, w, gy, gy, rstd, [torch.float32])]
+        hs = swiglu.swiglu_fp16_of_fp32(g16, u16)
+        dg, du = torch.empty_like(g16), torch.empty_like(u16)
+        swiglu.swiglu_backward_fp16_of_fp32(hs, g16, u16, dg, du)
+        out += [hs, dg, du, fp32_add.add_as_fp32(y16, x)]
+        out.append(qkv_grad.qkv_grad_sum(*parts[:2], masks[0], *parts[2:], masks[1], 1, 1.25))
+        out += qkv_rope.forward(bq, lq, 2.0, bk, bv, lv, 2.0, cos, sin, 4, 2, 16)
+        out += [t for t in qkv_rope.backward(dq, dk, dv, cos, sin, 2.0, 0.5, 2, True) if t is not None]
+        return out
+
+    _launches._state["prepared"] = False
+    try:
+        ref = run()
+    finally:
+        _launches._state["prepared"] = True
+    _launches.reset()
+    for _ in range(3):
+        for a, b in zip(run(), ref):
+            assert torch.equal(a, b) or (a.isnan() == b.isnan()).all() and torch.equal(a[~a.isnan()], b[~b.isnan()])
+    torch.cuda.synchronize()
+    for name in ("_rmsnorm_fwd_kernel", "_rmsnorm_bwd_dx_kernel", "_add_rmsnorm_fwd_kernel", "_add_rmsnorm_bwd_kernel",
+                 "swiglu_fwd", "swiglu_bwd", "fp32_add_kernel", "qkv_grad_sum", "qkv_rope_pad", "qkv_rope_unpad"):
+        assert _launches.DIRECT[name] >= 2, (name, dict(_launches.DIRECT))

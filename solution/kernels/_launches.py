@@ -231,6 +231,19 @@ def launch_prepared(site: dict, key, kernel, grid: tuple, name: str, args: tuple
         site[key] = (_state["direct"].device(), compiled)
 
 
+def spec_key(tensors: tuple, ints: tuple) -> tuple:
+    """What Triton's specialization reads from these arguments, for a ``launch_prepared`` key: each
+    tensor's dtype and its pointer modulo 16 (16-byte alignment), each specialized integer's
+    ``== 1`` and ``% 16 == 0`` (the call site leaves out integers it declared do_not_specialize)."""
+    out = []
+    for t in tensors:  # a plain loop: ~25% cheaper on the host than generator expressions
+        out.append(t.dtype)
+        out.append(t.data_ptr() & 15)
+    for v in ints:
+        out.append((v == 1, v % 16 == 0, v >= 2147483648))
+    return tuple(out)
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids (triton.cdiv is a constexpr_function, with Python overhead per
     call: docs/PERFORMANCE.md, "Host time per operation")."""

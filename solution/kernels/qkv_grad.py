@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
-from solution.kernels._launches import cdiv, launch
+from solution.kernels._launches import cdiv, launch_prepared
 
 GPU_BLOCK = 2048
 GPU_NUM_WARPS = 8
@@ -80,10 +80,19 @@ def qkv_grad_sum(aq, bq, mq, ak, av, bv, mv, drop_mode: int, drop_scale: float) 
     out = torch.empty(aq.shape, dtype=torch.float32, device=aq.device)
     n = out.numel()
     block = GPU_BLOCK if out.device.type == "cuda" else INTERPRETER_BLOCK
-    launch(qkv_grad_sum_kernel, (cdiv(n, block),), "qkv_grad_sum",
-           aq, bq, aq if mq is None else mq, ak, av, bv, av if mv is None else mv, out, n, float(drop_scale),
-           DROP=drop_mode, BLOCK=block, num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
+    mq_ = aq if mq is None else mq
+    mv_ = av if mv is None else mv
+    ptrs = (aq, bq, mq_, ak, av, bv, mv_, out)
+    # prepared launch (kernels/_launches.py): n is not specialized, drop_scale is an fp32 scalar; the
+    # key holds the dtypes and 16-byte alignment of every pointer, and the constexprs
+    key = (drop_mode, block, *(t.dtype for t in ptrs), *(t.data_ptr() & 15 for t in ptrs))
+    launch_prepared(_SITE, key, qkv_grad_sum_kernel, (cdiv(n, block),), "qkv_grad_sum",
+                    (*ptrs, n, float(drop_scale), drop_mode, block),
+                    {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False})
     return out
+
+
+_SITE: dict = {}  # launch_prepared's compiled kernels of qkv_grad_sum
 
 
 def sm75_specs():
