@@ -219,9 +219,9 @@ def forward(bq16, lq16, q_scaling: float, bk16, bv16, lv16, v_scaling: float, co
     n = cos.shape[1]
     dev = bq16.device
     rep = n_heads // n_kv
-    qp = torch.empty((1, n, n_heads, head_dim), dtype=torch.float16, device=dev)
-    kp = torch.empty((1, n, n_heads, head_dim), dtype=torch.float16, device=dev)
-    vp = torch.empty((1, n, n_heads, head_dim), dtype=torch.float16, device=dev)
+    # one allocation for the three outputs (they live as long as each other: attention saves all
+    # three); each is a contiguous slice of it
+    qp, kp, vp = torch.empty((3, n, n_heads, head_dim), dtype=torch.float16, device=dev).split(1)
     if n:
         half = head_dim // 2
         hq2 = pow2_at_least(n_heads)
@@ -247,11 +247,12 @@ def backward(dq, dk, dv, cos, sin, q_scaling: float, v_scaling: float, n_kv: int
     dev = dq.device
     rep = n_heads // n_kv
     f16 = torch.float16
-    gq = torch.empty((1, n, n_heads * head_dim), dtype=f16, device=dev)
-    gsq = torch.empty((1, n, n_heads * head_dim), dtype=f16, device=dev)
-    gk = torch.empty((1, n, n_kv * head_dim), dtype=f16, device=dev) if need_k else None
-    gv = torch.empty((1, n, n_kv * head_dim), dtype=f16, device=dev)
-    gsv = torch.empty((1, n, n_kv * head_dim), dtype=f16, device=dev)
+    # one allocation for the outputs (the GEMMs take them one after another, in one node call);
+    # each is a contiguous [1, N, width] slice of it
+    widths = (n_heads * head_dim,) * 2 + (n_kv * head_dim,) * (3 if need_k else 2)
+    parts = torch.empty(n * sum(widths), dtype=f16, device=dev).split([n * w for w in widths])
+    gq, gsq, *rest = (t.view(1, n, w) for t, w in zip(parts, widths))
+    gk, gv, gsv = rest if need_k else (None, *rest)
     if n:
         half = head_dim // 2
         hq2 = pow2_at_least(n_heads)
