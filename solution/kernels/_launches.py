@@ -234,7 +234,8 @@ def launch_prepared(site: dict, key, kernel, grid: tuple, name: str, args: tuple
 def spec_key(tensors: tuple, ints: tuple) -> tuple:
     """What Triton's specialization reads from these arguments, for a ``launch_prepared`` key: each
     tensor's dtype and its pointer modulo 16 (16-byte alignment), each specialized integer's
-    ``== 1`` and ``% 16 == 0`` (the call site leaves out integers it declared do_not_specialize)."""
+    ``== 1``, ``% 16 == 0`` and ``>= 2**31`` (int64) (the call site leaves out integers it declared
+    do_not_specialize). The one key helper of the call sites that vary only in these."""
     out = []
     for t in tensors:  # a plain loop: ~25% cheaper on the host than generator expressions
         out.append(t.dtype)

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.kernels._launches import cdiv, launch_prepared, pow2_at_least
+from solution.kernels._launches import cdiv, launch_prepared, pow2_at_least, spec_key
 
 GPU_NUM_WARPS = 4
 # Tokens per program: one on the GPU (a token's 12 + 2 + 2 heads are ~2,000 elements, a normal
@@ -230,10 +230,9 @@ def forward(bq16, lq16, q_scaling: float, bk16, bv16, lv16, v_scaling: float, co
         cs_row = cos.stride(1)
         consts = (n_heads, n_kv, rep, half, hq2, pow2_at_least(n_kv), block_t)
         # prepared launch (kernels/_launches.py): n_tokens is not specialized, the scalings are fp32
-        # scalars; the key holds every pointer's dtype and 16-byte alignment, cs_row's
-        # specialization (1, a multiple of 16) and the constexprs
-        key = (*consts, cs_row == 1, cs_row % 16 == 0, *(t.dtype for t in ptrs), *(t.data_ptr() & 15 for t in ptrs))
-        launch_prepared(_PAD_SITE, key, qkv_rope_pad_kernel, (cdiv(n, block_t),), "qkv_rope_pad",
+        # scalars; the key holds the constexprs and spec_key of the pointers and of cs_row
+        launch_prepared(_PAD_SITE, (*consts, *spec_key(ptrs, (cs_row,))), qkv_rope_pad_kernel,
+                        (cdiv(n, block_t),), "qkv_rope_pad",
                         (*ptrs, n, cs_row, float(q_scaling), float(v_scaling), *consts),
                         {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False})
     return qp, kp, vp
@@ -260,10 +259,9 @@ def backward(dq, dk, dv, cos, sin, q_scaling: float, v_scaling: float, n_kv: int
         ptrs = (dq, dk, dv, cos, sin, gq, gsq, gv if gk is None else gk, gv, gsv)
         strides = (dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2), cos.stride(1))
         consts = (n_heads, n_kv, rep, half, hq2, pow2_at_least(n_kv), block_t, need_k)
-        # prepared launch: as in ``forward``, with every stride's specialization in the key
-        key = (*consts, *((st == 1, st % 16 == 0) for st in strides), *(t.dtype for t in ptrs),
-               *(t.data_ptr() & 15 for t in ptrs))
-        launch_prepared(_UNPAD_SITE, key, qkv_rope_unpad_kernel, (cdiv(n, block_t),), "qkv_rope_unpad",
+        # prepared launch: as in ``forward``, with every stride in spec_key
+        launch_prepared(_UNPAD_SITE, (*consts, *spec_key(ptrs, strides)), qkv_rope_unpad_kernel,
+                        (cdiv(n, block_t),), "qkv_rope_unpad",
                         (*ptrs, n, *strides, float(q_scaling), float(v_scaling), *consts),
                         {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False})
     return gq, gsq, gk, gv, gsv
