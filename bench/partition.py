@@ -27,6 +27,11 @@ partition runs near N/SMs of the whole GPU's rate; a path that escaped runs at t
 rates() also measures the partition's and the whole GPU's matmul TFLOP/s and copy GB/s (the
 constants of bench/t4_projection.py's prediction for the partition).
 
+Enter it after the model is loaded, not before: a current stream is per thread, and a model
+loaded in worker threads (transformers') while the main thread quantizes on the partition's
+non-blocking stream races its own copies (bench/run_one.py enters at the Trainer's construction;
+docs/named_runs.md, point 4).
+
 On a CPU, or a torch without green contexts or their Stream(), unsupported() says why in one line
 and nothing is changed.
 """
@@ -125,7 +130,8 @@ class Partition:
 
         torch.cuda.init()  # the primary context first (the driver's advice for green contexts)
         self._prev_stream = torch.cuda.current_stream(self.device)
-        self.ctx = GreenContext.create(num_sms=self.num_sms, device_id=self.device)
+        if self.ctx is None:  # entered again after exit(): the same green context, a new stream
+            self.ctx = GreenContext.create(num_sms=self.num_sms, device_id=self.device)
         self.stream = self.ctx.Stream()
         orig = torch.cuda.Stream
         cls = partition_stream_class(orig, self.ctx.Stream, lambda d: _get_device_index(d, optional=True),
@@ -133,6 +139,10 @@ class Partition:
         self._restore = swap_stream_class((torch.cuda, streams), orig, cls)
         torch.cuda.set_stream(self.stream)
         return self
+
+    @property
+    def entered(self) -> bool:
+        return self._prev_stream is not None
 
     def exit(self) -> None:
         import torch

@@ -20,8 +20,15 @@ written to FILE (bench/memory_peak.py).
 With --profile, torch.profiler records GPU kernels from step 3 to the end (a separate pass:
 the timed runs are never profiled).
 With --sms N, every CUDA stream of this process comes from one green context of N SMs (a GPU-bound
-machine on a big GPU; bench/partition.py), measured before training: the partition's and the whole
-GPU's matmul and copy rates, and a GEMM on every path a step uses (result.json: "partition").
+machine on a big GPU; bench/partition.py) from the moment Soup builds its Trainer (the model is
+loaded and quantized by then) to the end of training, measured when entered: the partition's and
+the whole GPU's matmul and copy rates, and a GEMM on every path a step uses (result.json:
+"partition"). Not earlier: transformers loads the weights in worker threads, whose current stream
+is the default stream, not the partition's (a stream is current per thread), while
+bitsandbytes quantizes them on the main thread's stream; the partition's stream does not wait for
+the default stream (a green context's streams are non-blocking), so the quantization raced the
+copies and the model came out with NaN from its fifth layer on (measured on the H200, 2026-12-03:
+both runs of gpu-bound-sm16's baseline logged loss 0 and grad_norm NaN at every step).
 """
 from __future__ import annotations
 
@@ -217,14 +224,18 @@ def emulate_t4_paths() -> str | None:
             "SDPA memory-efficient/math backends only (flash and cuDNN attention off)")
 
 
-def install_clock(clock: StepClock):
+def install_clock(clock: StepClock, on_trainer=None):
     """Add our callback to every Trainer built from now on (measurement only, both variants).
-    Returns a function that takes it off again (for callers that go on in the same process)."""
+    ``on_trainer``: called with no arguments as each Trainer is about to be built (before its
+    ``__init__``), or None. Returns a function that takes it off again (for callers that go on in
+    the same process)."""
     import transformers
 
     orig_init = transformers.Trainer.__init__
 
     def init_with_clock(self, *a, **kw):
+        if on_trainer is not None:
+            on_trainer()
         orig_init(self, *a, **kw)
         self.add_callback(clock.callback)
         clock.trainer = self
@@ -289,15 +300,19 @@ def partition_unsupported(num_sms: int | None) -> str | None:
     return unsupported(num_sms)
 
 
-def enter_partition(num_sms: int | None):
-    """--sms N: every CUDA stream of this process from one green context of N SMs, entered and
-    measured (rates and held-check, bench/partition.py) before training. None without --sms."""
+def measure_partition(num_sms: int | None):
+    """--sms N: the green context of N SMs (bench/partition.py), entered, measured (rates and
+    held-check) and left again, before Soup starts (so the check's seconds are not in Soup's
+    duration); the run enters it again for training (``Partition.enter``, the same green
+    context) when Soup builds its Trainer, after the model is loaded (the module docstring says
+    why not before). None without --sms."""
     if num_sms is None:
         return None
     from bench.partition import Partition
 
     partition = Partition(num_sms).enter()
     figures = partition.measure()
+    partition.exit()
     hc = figures["held_check"]
     print(f"[run_one] {num_sms}-SM partition: matmul {figures['rates']['partition']['matmul_tflops']:.1f} of "
           f"{figures['rates']['whole']['matmul_tflops']:.0f} TFLOP/s; held on every path: {hc['held']}", flush=True)
@@ -419,7 +434,13 @@ def main(argv=None) -> int:
         # noise from real differences. warn_only: ops without a deterministic version still run.
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    partition = enter_partition(args.sms)  # before apply(): every stream the run makes comes from it
+    partition = measure_partition(args.sms)
+
+    def enter_for_training():
+        # --sms: every stream from the partition as Soup builds its Trainer (the model is loaded;
+        # the module docstring says why not before); the solution's side streams are made later
+        if partition is not None and not partition.entered:
+            partition.enter()
     installed = {}
     t_start = time.perf_counter()
     if args.variant == "solution":
@@ -444,7 +465,7 @@ def main(argv=None) -> int:
 
         compile_log = CompileLog(step_of=lambda: len(clock.step_ends) + 1 if clock.t_begin is not None else None)
         compile_log.install()
-    uninstall_clock = install_clock(clock)
+    uninstall_clock = install_clock(clock, on_trainer=enter_for_training)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     _launches.reset()
@@ -468,7 +489,7 @@ def main(argv=None) -> int:
         if compile_log is not None:
             compile_log.uninstall()
             compile_log.write(args.compile_log)
-    if partition is not None:
+    if partition is not None and partition.entered:
         partition.exit()
     if cprof is not None:
         import io

@@ -126,3 +126,58 @@ def test_a_real_partition_holds_on_every_path_and_is_undone():
         part.exit()
     assert torch.cuda.Stream is orig and torch.cuda.current_stream() == torch.cuda.default_stream()
     assert part.record()["streams_made"] == 1
+
+
+@pytest.mark.gpu
+def test_a_partition_entered_again_keeps_its_green_context_and_holds():
+    """bench/run_one.py measures the partition, leaves it, and enters it again when Soup builds its
+    Trainer (after the model is loaded: the module docstring of run_one says why)."""
+    import torch
+
+    why = partition.unsupported(16)
+    if why:
+        pytest.skip(why)
+    part = partition.Partition(16).enter()
+    try:
+        part.measure()
+    finally:
+        part.exit()
+    ctx, first = part.ctx, part.stream
+    assert not part.entered
+    part.enter()
+    try:
+        assert part.entered and part.ctx is ctx and part.stream is not first
+        assert torch.cuda.current_stream() == part.stream
+        whole = partition.rates(torch.cuda.default_stream())["matmul_tflops"]
+        inside = partition.rates(torch.cuda.current_stream())["matmul_tflops"]
+        assert inside < 0.5 * whole, (inside, whole)
+    finally:
+        part.exit()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+
+
+def test_run_one_enters_the_partition_as_the_trainer_is_built(monkeypatch):
+    """install_clock's ``on_trainer`` runs before each Trainer's __init__ (bench/run_one.py enters
+    the SM partition there, after Soup loaded the model), and install_clock's undo puts __init__ back."""
+    import types
+
+    import transformers
+
+    from bench import run_one
+
+    calls = []
+
+    def fake_init(self, *a, **kw):  # stands for the real __init__ (install_clock wraps what it finds)
+        calls.append("init")
+
+    trainer_cls = transformers.Trainer
+    monkeypatch.setattr(trainer_cls, "__init__", fake_init)
+    clock = types.SimpleNamespace(callback=object(), host_split=None, trainer=None, linear4bit_layers=None)
+    undo = run_one.install_clock(clock, on_trainer=lambda: calls.append("enter"))
+    trainer = types.SimpleNamespace(model=None, add_callback=lambda cb: calls.append("callback"))
+    trainer_cls.__init__(trainer)
+    assert calls == ["enter", "init", "callback"] and clock.trainer is trainer
+    undo()
+    calls.clear()
+    trainer_cls.__init__(trainer)
+    assert calls == ["init"]
