@@ -27,10 +27,9 @@ partition runs near N/SMs of the whole GPU's rate; a path that escaped runs at t
 rates() also measures the partition's and the whole GPU's matmul TFLOP/s and copy GB/s (the
 constants of bench/t4_projection.py's prediction for the partition).
 
-Enter it after the model is loaded, not before: a current stream is per thread, and a model
-loaded in worker threads (transformers') while the main thread quantizes on the partition's
-non-blocking stream races its own copies (bench/run_one.py enters at the Trainer's construction;
-docs/named_runs.md, point 4).
+Enter it after the model is loaded, not before: a model loaded and quantized (bitsandbytes)
+inside the partition came out with NaN on the H200 (2026-12-03; cause not pinned down).
+bench/run_one.py enters at the Trainer's construction (docs/named_runs.md, point 4).
 
 On a CPU, or a torch without green contexts or their Stream(), unsupported() says why in one line
 and nothing is changed.

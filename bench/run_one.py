@@ -21,14 +21,14 @@ With --profile, torch.profiler records GPU kernels from step 3 to the end (a sep
 the timed runs are never profiled).
 With --sms N, every CUDA stream of this process comes from one green context of N SMs (a GPU-bound
 machine on a big GPU; bench/partition.py) from the moment Soup builds its Trainer (the model is
-loaded and quantized by then) to the end of training, measured when entered: the partition's and
-the whole GPU's matmul and copy rates, and a GEMM on every path a step uses (result.json:
-"partition"). Not earlier: transformers loads the weights in worker threads, whose current stream
-is the default stream, not the partition's (a stream is current per thread), while
-bitsandbytes quantizes them on the main thread's stream; the partition's stream does not wait for
-the default stream (a green context's streams are non-blocking), so the quantization raced the
-copies and the model came out with NaN from its fifth layer on (measured on the H200, 2026-12-03:
-both runs of gpu-bound-sm16's baseline logged loss 0 and grad_norm NaN at every step).
+loaded and quantized by then) to the end of Soup's run; measured before Soup starts (entered,
+measured, left): the partition's and the whole GPU's matmul and copy rates, and a GEMM on every
+path a step uses (result.json: "partition"). Not earlier: with the model loaded inside the partition, gpu-bound-sm16's baseline
+logged loss 0 and grad_norm NaN at every step in two calls in a row (H200, 2026-12-03), and a
+model loaded and quantized inside it gave non-finite hidden states from the fourth layer's output
+on, while the same model loaded on the whole GPU and run inside the partition gave the whole GPU's
+loss. Why the load goes wrong there is not pinned down (not transformers' loading threads: it loads
+synchronously when it quantizes on the fly, as here); loading is not part of the steps timed.
 """
 from __future__ import annotations
 
