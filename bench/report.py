@@ -233,7 +233,8 @@ FIGURES = [("soup_duration_s", "Soup's duration (s)"), ("train_excl_first2_s", "
            ("loss_max_rel_diff", "loss max rel diff"),
            ("own_kernel_share", "own-kernel share"),
            ("capture_s_in_timed_steps", "graph captures in steps 3-N (s)"),
-           ("first_step_compiles", "Triton compiles in step 1")]
+           ("first_step_compiles", "Triton compiles in step 1"),
+           ("host_probe_us", "host probe (us a call)")]
 # The ones whose solution / baseline ratio the report gives.
 RATIO_FIGURES = ("soup_duration_s", "train_excl_first2_s", "first_step_s", "gpu_kernel_s",
                  "peak_allocated_gib", "peak_reserved_gib")
@@ -267,7 +268,9 @@ def run_figures(result: dict, split: dict | None = None, base: dict | None = Non
             # our kernels' GPU time (profiled pass) over the timed pass's wall time, steps 3..N
             "own_kernel_share": split["by_category_s"].get(OWN_CATEGORY, 0.0) / wall if split and wall else None,
             "capture_s_in_timed_steps": graphs.get("capture_s_excl_first2") if graphs.get("captures") else None,
-            "first_step_compiles": _first_step_compiles(result)}
+            "first_step_compiles": _first_step_compiles(result),
+            # how fast this pass's host was (bench/host_probe.py; lower is faster; None before it existed)
+            "host_probe_us": (result.get("host_probe") or {}).get("us_per_call")}
 
 
 def graph_pool_gib(result: dict) -> float | None:
@@ -313,7 +316,9 @@ def _shapes_section(rep: dict) -> list[str]:
            "row over max_length tokens (every batch full, no padding); short: every row under "
            f"{SHORT_LIMIT} tokens (workload/data/kazakh.py); shipped-cold: the shipped shape again, each "
            "variant in empty Triton and Inductor caches (no compile of an earlier run is found); the other "
-           "runs: the table \"Runs and the calls they came from\".", "",
+           "runs: the table \"Runs and the calls they came from\". Host probe: how fast the pass's host was, "
+           "timed before Soup started (bench/host_probe.py; microseconds a call, lower is faster): a ratio "
+           "compares like with like only where both variants' probes are close.", "",
            "| run | variant | " + " | ".join(cols) + " |", "| --- | --- |" + " ---: |" * len(cols)]
     for key, entry in _shapes(rep).items():
         for variant in ("baseline", "solution"):

@@ -435,6 +435,9 @@ def main(argv=None) -> int:
         torch.use_deterministic_algorithms(True, warn_only=True)
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     partition = measure_partition(args.sms)
+    from bench.host_probe import probe
+
+    host_probe = probe()  # this pass's host speed, before anything is patched (bench/host_probe.py)
 
     def enter_for_training():
         # --sms: every stream from the partition as Soup builds its Trainer (the model is loaded;
@@ -557,6 +560,7 @@ def main(argv=None) -> int:
         "cuda_graphs": cuda_graph_summary(clock.step_ends) if "qwen2_unpad" in installed else None,
         "precompile": precompile_summary(clock) if installed else None,
         "partition": partition.record() if partition is not None else None,
+        "host_probe": host_probe,
     }
     if args.profile and clock.kernel_times:
         result["profile"] = {

@@ -17,7 +17,7 @@ from workload.data.validate import validate_dataset
 
 F_KEYS = {"soup_duration_s", "train_excl_first2_s", "first_step_s", "gpu_kernel_s", "peak_reserved_gib",
           "peak_allocated_gib", "loss_max_rel_diff", "capture_s_in_timed_steps",
-          "first_step_compiles", "graph_pool_gib", "own_kernel_share", "skipped_steps"}
+          "first_step_compiles", "graph_pool_gib", "own_kernel_share", "skipped_steps", "host_probe_us"}
 
 
 # --- the dataset shapes ---------------------------------------------------------------------------
