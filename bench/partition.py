@@ -128,6 +128,9 @@ class Partition:
         from torch.cuda.green_contexts import GreenContext
 
         torch.cuda.init()  # the primary context first (the driver's advice for green contexts)
+        # the partition's stream does not wait for the default stream (a green context's streams are
+        # non-blocking): whatever was queued before (the model's load) is finished first
+        torch.cuda.synchronize(self.device)
         self._prev_stream = torch.cuda.current_stream(self.device)
         if self.ctx is None:  # entered again after exit(): the same green context, a new stream
             self.ctx = GreenContext.create(num_sms=self.num_sms, device_id=self.device)
@@ -146,6 +149,7 @@ class Partition:
     def exit(self) -> None:
         import torch
 
+        torch.cuda.synchronize(self.device)  # the partition's work done before the default stream goes on
         self._restore()
         self._restore = _nothing
         if self._prev_stream is not None:
