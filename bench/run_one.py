@@ -27,8 +27,12 @@ path a step uses (result.json: "partition"). Not earlier: with the model loaded 
 logged loss 0 and grad_norm NaN at every step in two calls in a row (H200, 2026-12-03), and a
 model loaded and quantized inside it gave non-finite hidden states from the fourth layer's output
 on, while the same model loaded on the whole GPU and run inside the partition gave the whole GPU's
-loss. Why the load goes wrong there is not pinned down (not transformers' loading threads: it loads
-synchronously when it quantizes on the fly, as here); loading is not part of the steps timed.
+loss. The cause, read in bitsandbytes 0.50.2 (backends/cuda/ops.py): its quantize kernels
+(`quantize_4bit`, `quantize_blockwise`) take no stream argument and run on the legacy default
+stream, while the tensors they read and write are made on the current stream, the partition's,
+which does not wait for the default stream (a green context's streams are non-blocking);
+its dequantize kernels take the current stream, so training is not affected. Loading is not part
+of the steps timed.
 """
 from __future__ import annotations
 
