@@ -448,6 +448,7 @@ def main(argv=None) -> int:
         # the module docstring says why not before); the solution's side streams are made later
         if partition is not None and not partition.entered:
             partition.enter()
+
     installed = {}
     t_start = time.perf_counter()
     if args.variant == "solution":
