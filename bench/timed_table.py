@@ -1,5 +1,6 @@
 """One line per timed run (bench.run_one's result.json): the first two steps, steps 3-N, Soup's
-duration, the decoder graphs' captures by where they fell, and peak memory. For quick
+duration, the decoder graphs' captures by where they fell, peak memory, and how fast the run's
+host was (bench/host_probe.py). For quick
 side-by-side settings runs on a GPU (``bash scripts/gpu_run.sh timed``); the comparison with its
 rule checks stays bench.compare's.
 
@@ -28,18 +29,24 @@ def row(label: str, r: dict) -> str:
              f"{(r.get('peak_mem_reserved_bytes') or 0) / GIB:.2f} / {(r.get('peak_mem_allocated_bytes') or 0) / GIB:.2f}"
              f" / {graph_pool_gib(r) or 0:.2f}",
              _seconds(r.get("setup_s")), _seconds(pre.get("training_to_finish_s")),
+             _us((r.get("host_probe") or {}).get("us_per_call")),
              "; ".join(d.get("reason", "")[:60] for d in graphs.get("decisions") or []) or "-"]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = ("| run | step 1 (s) | step 2 (s) | steps 3-N (s) | Soup's duration (s) | captures: n / s in steps 1-2 / s after "
           "| peak reserved / allocated / graph pool at end (GiB) | setup before training (s) "
-          "| precompile finished, s after training began | graphs decision |\n"
-          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+          "| precompile finished, s after training began | host probe (us a call) | graphs decision |\n"
+          "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
 
 
 def _seconds(v) -> str:
     return "-" if v is None else f"{v:.2f}"
+
+
+def _us(v) -> str:
+    """bench/host_probe.py's figure: how fast the run's host was (lower is faster)."""
+    return "-" if v is None else f"{v:.1f}"
 
 
 def main(argv=None) -> int:

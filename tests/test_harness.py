@@ -492,11 +492,11 @@ def test_timed_table_reads_a_result(tmp_path, capsys):
 
     r = {"step_times_s": [1.5, 2.5, 0.1], "train_excl_first2_s": 0.1, "tracker": {"runs": [{"duration_secs": 4.2}]},
          "cuda_graphs": {"captures": [{"seconds": 0.2, "step": 2}], "capture_s_excl_first2": 0.0, "decisions": []},
-         "peak_mem_reserved_bytes": 2**30, "peak_mem_allocated_bytes": 2**29}
+         "peak_mem_reserved_bytes": 2**30, "peak_mem_allocated_bytes": 2**29, "host_probe": {"us_per_call": 6.25}}
     (tmp_path / "r.json").write_text(json.dumps(r), encoding="utf-8")
     timed_table.main([f"a={tmp_path / 'r.json'}", f"b={tmp_path / 'missing.json'}"])
     out = capsys.readouterr().out
-    assert "| a | 1.50 | 2.50 | 0.10 | 4.20 | 1 / 0.20 / 0.00 | 1.00 / 0.50 / 0.00 | - | - |" in out, out
+    assert "| a | 1.50 | 2.50 | 0.10 | 4.20 | 1 / 0.20 / 0.00 | 1.00 / 0.50 / 0.00 | - | - | 6.2 |" in out, out
     assert "| b | no result" in out
 
 
