@@ -73,6 +73,8 @@ def targets():
         (nf4_dequant.DequantPlan, "launch", "DequantPlan.launch"),
         (lora_nf4, "lora_combine", "lora_combine"), (lora_nf4, "lora_grad_sum", "lora_grad_sum"),
         (lora_nf4, "cast_pair", "cast_pair"), (layer, "cast_four", "cast_four"),
+        # inside lora_dropout: stock's padded draw and the real rows kept (its own time, split)
+        (torch, "native_dropout", "torch.native_dropout"), (torch.Tensor, "index_select", "Tensor.index_select"),
     ]
 
 
