@@ -269,8 +269,13 @@ def run_figures(result: dict, split: dict | None = None, base: dict | None = Non
             "own_kernel_share": split["by_category_s"].get(OWN_CATEGORY, 0.0) / wall if split and wall else None,
             "capture_s_in_timed_steps": graphs.get("capture_s_excl_first2") if graphs.get("captures") else None,
             "first_step_compiles": _first_step_compiles(result),
-            # how fast this pass's host was (bench/host_probe.py; lower is faster; None before it existed)
-            "host_probe_us": (result.get("host_probe") or {}).get("us_per_call")}
+            "host_probe_us": host_probe_us(result)}
+
+
+def host_probe_us(result: dict) -> float | None:
+    """How fast a pass's host was (bench/host_probe.py: microseconds a call, lower is faster); None
+    for a result from before the probe."""
+    return (result.get("host_probe") or {}).get("us_per_call")
 
 
 def graph_pool_gib(result: dict) -> float | None:

@@ -23,16 +23,16 @@ With --sms N, every CUDA stream of this process comes from one green context of 
 machine on a big GPU; bench/partition.py) from the moment Soup builds its Trainer (the model is
 loaded and quantized by then) to the end of Soup's run; measured before Soup starts (entered,
 measured, left): the partition's and the whole GPU's matmul and copy rates, and a GEMM on every
-path a step uses (result.json: "partition"). Not earlier: with the model loaded inside the partition, gpu-bound-sm16's baseline
-logged loss 0 and grad_norm NaN at every step in two calls in a row (H200, 2026-12-03), and a
-model loaded and quantized inside it gave non-finite hidden states from the fourth layer's output
-on, while the same model loaded on the whole GPU and run inside the partition gave the whole GPU's
-loss. The cause, read in bitsandbytes 0.50.2 (backends/cuda/ops.py): its quantize kernels
-(`quantize_4bit`, `quantize_blockwise`) take no stream argument and run on the legacy default
-stream, while the tensors they read and write are made on the current stream, the partition's,
-which does not wait for the default stream (a green context's streams are non-blocking);
-its dequantize kernels take the current stream, so training is not affected. Loading is not part
-of the steps timed.
+path a step uses (result.json: "partition"). Not earlier: with the model loaded inside the
+partition, gpu-bound-sm16's baseline logged loss 0 and grad_norm NaN at every step in two calls in
+a row (H200, 2026-12-03), and a model loaded and quantized inside it gave non-finite hidden
+states from the fourth layer's output on, while the same model loaded on the whole GPU and run
+inside the partition gave the whole GPU's loss. The cause, read in bitsandbytes 0.50.2
+(backends/cuda/ops.py): its quantize kernels (`quantize_4bit`, `quantize_blockwise`) take no
+stream argument and run on the legacy default stream, while the tensors they read and write are
+made on the current stream, the partition's, which does not wait for the default stream (a green
+context's streams are non-blocking); its dequantize kernels take the current stream, so training
+is not affected. Loading is not part of the steps timed.
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.report import GIB, graph_pool_gib, soup_duration
+from bench.report import GIB, graph_pool_gib, host_probe_us, soup_duration
 
 
 def row(label: str, r: dict) -> str:
@@ -29,7 +29,7 @@ def row(label: str, r: dict) -> str:
              f"{(r.get('peak_mem_reserved_bytes') or 0) / GIB:.2f} / {(r.get('peak_mem_allocated_bytes') or 0) / GIB:.2f}"
              f" / {graph_pool_gib(r) or 0:.2f}",
              _seconds(r.get("setup_s")), _seconds(pre.get("training_to_finish_s")),
-             _us((r.get("host_probe") or {}).get("us_per_call")),
+             _us(host_probe_us(r)),
              "; ".join(d.get("reason", "")[:60] for d in graphs.get("decisions") or []) or "-"]
     return "| " + " | ".join(cells) + " |"
 
@@ -45,7 +45,6 @@ def _seconds(v) -> str:
 
 
 def _us(v) -> str:
-    """bench/host_probe.py's figure: how fast the run's host was (lower is faster)."""
     return "-" if v is None else f"{v:.1f}"
 
 
