@@ -16,7 +16,8 @@ each, per step, and checks that both find the same hooks, dropouts and parameter
 Then the Trainer's own per-step walks over the whole peft model (solution/patches/
 peft_model_walks.py): ``model.train()``, ``model.zero_grad()`` (after gradients were set on the
 trainable parameters) and ``list(model.parameters())`` (what ``clip_grad_norm_`` gets), torch's
-against the patch's, with a check that both give the same parameters.
+against the patch's, with a check that both give the same parameters; and the Trainer's clip
+(``Trainer._clip_grad_norm``), stock against solution/patches/trainer_clip.py.
 """
 from __future__ import annotations
 
@@ -103,7 +104,8 @@ def main(argv=None) -> int:
     print("| walk | host us a step (median) |\n| --- | ---: |")
     print(f"| modules() + parameters() (before) | {before:.0f} |\n| `_scan`, one walk (now) | {after:.0f} |")
     print(f"ratio {after / before:.2f}")
-    return 0 if same and trainer_walks(model, args.reps) else 1
+    walks_same = trainer_walks(model, args.reps)
+    return 0 if same and walks_same and trainer_clip(model, args.reps) else 1
 
 
 def trainer_walks(model, reps: int) -> bool:
@@ -135,6 +137,40 @@ def trainer_walks(model, reps: int) -> bool:
     for k in calls:
         print(f"| {k} | {stock[k]:.0f} | {ours[k]:.0f} |")
     print(f"| all three | {sum(stock.values()):.0f} | {sum(ours.values()):.0f} |")
+    return same
+
+
+def trainer_clip(model, reps: int) -> bool:
+    """The Trainer's clip (``Trainer._clip_grad_norm``, one process, accelerate on the CPU, no fp16
+    scaler here), stock against patches/trainer_clip.py, with peft_model_walks installed under both
+    (as in training); max_grad_norm large, so the gradients keep their values between calls."""
+    from types import SimpleNamespace
+
+    import transformers
+    from accelerate import Accelerator
+
+    from solution.patches import peft_model_walks, trainer_clip as clip_patch
+    from solution.patches._base import Swaps
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.randn_like(p)
+    trainer = SimpleNamespace(accelerator=Accelerator(cpu=True), args=SimpleNamespace(max_grad_norm=1e9, fp16=False),
+                              _has_mixed_mesh_grads=lambda m: False)
+    stock = transformers.Trainer._clip_grad_norm
+    ours = clip_patch._make_clip_grad_norm(stock)
+    swaps = Swaps()
+    peft_model_walks.install(swaps)
+    try:
+        norms = stock(trainer, model), ours(trainer, model)
+        t_stock = _median_us(lambda: stock(trainer, model), reps)
+        t_ours = _median_us(lambda: ours(trainer, model), reps)
+    finally:
+        swaps.restore()
+    same = torch.equal(*norms)
+    print(f"\nthe Trainer's clip, Trainer._clip_grad_norm (same norm: {'yes' if same else 'NO'})")
+    print("| call | stock, host us | patched, host us |\n| --- | ---: | ---: |")
+    print(f"| clip (unscale, norm, clip) | {t_stock:.0f} | {t_ours:.0f} |")
     return same
 
 

@@ -54,7 +54,7 @@ TOLERANCE = 2e-3
 # (distribution, module that gives __version__, patch modules whose check() decides acceptance)
 LIBRARIES = (
     ("transformers", "transformers", ("qwen2_rmsnorm", "qwen2_decoder_layer", "qwen2_rope", "qwen2_mlp",
-                                      "qwen2_unpad", "trainer_lengths", "trainer_flops")),
+                                      "qwen2_unpad", "trainer_lengths", "trainer_flops", "trainer_clip")),
     ("peft", "peft", ("peft_lora_bnb", "peft_model_walks")),
     ("bitsandbytes", "bitsandbytes", ("bnb_linear4bit",)),
     ("trl", "trl", ("qwen2_lm_head_loss",)),

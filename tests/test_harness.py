@@ -662,3 +662,4 @@ def test_step_walks_bench_runs_and_agrees(capsys):
     assert step_walks.main(["--layers", "2", "--reps", "3"]) == 0
     out = capsys.readouterr().out
     assert "same answers: yes" in out and "`_scan`, one walk (now)" in out
+    assert "same norm: yes" in out  # the Trainer's clip, stock against patches/trainer_clip.py

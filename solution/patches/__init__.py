@@ -14,5 +14,6 @@ PATCHES = [
     "solution.patches.qwen2_unpad",
     "solution.patches.trainer_lengths",
     "solution.patches.trainer_flops",
+    "solution.patches.trainer_clip",
     "solution.patches.peft_model_walks",
 ]

@@ -61,6 +61,17 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "transformers.PreTrainedModel.train": {
         "9b2adf55d0b3d6b87a64e46cb18330839ba51c45b7ae06dec3ff9cbd60765c5b": "5.16.1-5.24.0",
     },
+    # trainer_clip: the clip's uses of the parameter list (read in transformers 5.17.0, accelerate 1.15.0,
+    # the workload's pins)
+    "transformers.Trainer._clip_grad_norm": {
+        "ebfa9dc91d3088aba72171b63dad101b1d91d8470b871394b027302e472487a4": "5.17.0",
+    },
+    "accelerate.Accelerator.clip_grad_norm_": {
+        "07bab36d3993512552617e6f9f1c620137c656fd7de5fe96da56d81d88e59894": "1.15.0",
+    },
+    "accelerate.Accelerator._clip_grad_norm_dtensor_aware": {
+        "3db384a087407c3cd859b5e8fa4d4dfbfe270929721b828d07a5e4ff202189d6": "1.15.0",
+    },
     "trl.SFTTrainer.compute_loss": {
         "949aa5ebf4ec1e6a69c59a958effc389963427174d4fdb5bac6fc02606dc4fb0": "0.29.0-0.29.1",
     },
