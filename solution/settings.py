@@ -26,6 +26,7 @@ FLAGS = {
     "SOLUTION_DIRECT_LAUNCH": ("direct_launch", True),
     "SOLUTION_QKV_ROPE": ("qkv_rope", True),
     "SOLUTION_GRAPHS_VERIFY": ("graphs_verify", False),
+    "SOLUTION_GATE_UP_GEMM": ("gate_up_gemm", False),
 }
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
 MEMORY_POLICIES = ("speed", "balanced", "memory")
@@ -86,6 +87,9 @@ class Settings:
     # $SOLUTION_GRAPHS_VERIFY (step/cuda_graphs.py, ``verify``): "auto" graphs dropped again where the first
     # replay costs more GPU time than the eager layers' host time; off until measured on a GPU
     graphs_verify: bool = False
+    # $SOLUTION_GATE_UP_GEMM (kernels/nf4_mlp.py, ``gate_up``): the MLP's gate and up as one GEMM each way
+    # (changes the backward's order of summation); off until measured on a GPU
+    gate_up_gemm: bool = False
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
     eager_bucket: int | str = "auto"  # $SOLUTION_EAGER_BUCKET: "auto", or tokens: 0 (off) or 1..MAX_BUCKET

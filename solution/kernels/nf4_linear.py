@@ -65,6 +65,14 @@ def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
+def pair_weight16(first: "LinearPlan", second: "LinearPlan") -> torch.Tensor:
+    """A [first.n_out + second.n_out, k] fp16 view of the shared scratch buffer, for two weights of
+    the same input width dequantized one above the other (first's rows, then second's) and
+    multiplied by one GEMM (kernels/nf4_mlp.py, ``gate_up``). Grows the scratch buffer once; the
+    plans' own views (``weight16``) notice and take the new buffer."""
+    return scratch_buffer(first.device, first.dq.numel + second.dq.numel).view(first.n_out + second.n_out, first.k)
+
+
 def release_scratch() -> None:
     """Drop the scratch buffers (a plan still holding a view of one keeps it alive until that
     plan is dropped or next used: solution/patches/_bnb.py's ``release`` drops the layers' plans too)."""
@@ -127,11 +135,12 @@ class LinearPlan:
             self.w16 = flat.view(self.dq.shape)
         return self.w16
 
-    def dequant_and_cast(self, t: torch.Tensor, round_bf16: bool = False):
-        """(w16, t16): dequantize the weight into the scratch buffer and cast ``t`` (activations
-        or a gradient) to fp16 in the same launch when it is fp32 and contiguous; otherwise torch
-        casts it (bf16, strided: torch's own layout rules) and the launch only dequantizes."""
-        w16 = self.weight16()
+    def dequant_and_cast(self, t: torch.Tensor, round_bf16: bool = False, out: torch.Tensor | None = None):
+        """(w16, t16): dequantize the weight into the scratch buffer (or into ``out``, a contiguous
+        fp16 [out, in] tensor) and cast ``t`` (activations or a gradient) to fp16 in the same launch
+        when it is fp32 and contiguous; otherwise torch casts it (bf16, strided: torch's own layout
+        rules) and the launch only dequantizes."""
+        w16 = self.weight16() if out is None else out
         if t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS:
             t16 = torch.empty(t.shape, dtype=torch.float16, device=t.device)
             self.dq.launch(w16, round_bf16, a=t, a16=t16)

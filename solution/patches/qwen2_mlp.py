@@ -78,9 +78,10 @@ def fused_plans(mlp, x: torch.Tensor):
     return gate, up, down
 
 
-def make_forward(stock_forward, policy: str = "speed"):
+def make_forward(stock_forward, policy: str = "speed", gate_up: bool = False):
     """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback).
-    ``policy``: the fused NF4 MLP's memory policy (solution/kernels/nf4_mlp.py)."""
+    ``policy``: the fused NF4 MLP's memory policy; ``gate_up``: gate and up as one GEMM where it
+    applies (solution/kernels/nf4_mlp.py)."""
     from solution.kernels.nf4_mlp import nf4_mlp
     from solution.kernels.swiglu import swiglu, unsupported_reason
 
@@ -92,7 +93,7 @@ def make_forward(stock_forward, policy: str = "speed"):
         if _callable_directly(self):
             plans = fused_plans(self, x)
             if plans is not None:
-                return nf4_mlp(x, *plans, policy=policy)
+                return nf4_mlp(x, *plans, policy=policy, gate_up=gate_up)
         g = self.gate_proj(x)
         u = self.up_proj(x)
         if unsupported_reason(g, u) is not None:
@@ -107,9 +108,11 @@ def make_forward(stock_forward, policy: str = "speed"):
 def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
-    policy = settings.current().memory_policy  # read at install; apply() already checked it
+    cur = settings.current()  # read at install; apply() already checked it
+    policy, gate_up = cur.memory_policy, cur.gate_up_gemm
     cls = modeling_qwen2.Qwen2MLP
-    swaps.set(cls, "forward", make_forward(cls.__dict__["forward"], policy))
+    swaps.set(cls, "forward", make_forward(cls.__dict__["forward"], policy, gate_up))
+    one_gemm = ", gate and up as one GEMM each way" if gate_up and policy == "speed" else ""
     return ("Qwen2MLP.forward: NF4 gate/up/down + SwiGLU as one autograd function with fp16 "
-            f"activations (memory policy {policy!r}) when the projections are bnb NF4 on our path; "
+            f"activations (memory policy {policy!r}{one_gemm}) when the projections are bnb NF4 on our path; "
             "else gate_proj, up_proj, one Triton SwiGLU kernel (backward: one kernel, dg/du in place), down_proj")

@@ -79,13 +79,14 @@ class LayerPlan:
     policy. Made once by the planner (solution/patches/qwen2_layer_node.py, which reads the
     bitsandbytes / peft modules); ``valid`` is the planner's per-step check that it still holds."""
 
-    __slots__ = ("q", "v", "k", "k_bias16", "o", "mlp", "policy", "norm1_w", "norm2_w", "eps1", "eps2",
+    __slots__ = ("q", "v", "k", "k_bias16", "o", "mlp", "policy", "gate_up", "norm1_w", "norm2_w", "eps1", "eps2",
                  "n_heads", "n_kv", "head_dim", "groups", "scale", "valid")
 
     def __init__(self, *, q: LoraPlan, v: LoraPlan, k, k_bias16, o, mlp, policy, norm1_w, norm2_w, eps1, eps2,
-                 n_heads, n_kv, head_dim, scale, valid):
+                 n_heads, n_kv, head_dim, scale, valid, gate_up: bool = False):
         self.q, self.v, self.k, self.k_bias16, self.o, self.mlp = q, v, k, k_bias16, o, tuple(mlp)
         self.policy, self.norm1_w, self.norm2_w, self.eps1, self.eps2 = policy, norm1_w, norm2_w, eps1, eps2
+        self.gate_up = gate_up  # the MLP's gate and up as one GEMM (kernels/nf4_mlp.py)
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
         self.groups = n_heads // n_kv
         self.valid = valid
@@ -371,9 +372,9 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     wo, _ = plan.o.dequant_and_cast(attn16)
     o16 = F.linear(attn16, wo)
     h2, y2, rstd2 = add_rmsnorm._launch_forward(h2d, o16.view(n, hid), plan.norm2_w, plan.eps2, (n, hid))
-    y16, g16, u16, m16 = nf4_mlp.mlp_forward(y2, *plan.mlp)
+    y16, g16, u16, m16 = nf4_mlp.mlp_forward(y2, *plan.mlp, plan.gate_up)
     out = fp32_add.add_as_fp32(h2, y16)
-    mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16)
+    mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16, plan.gate_up)
     masks = (q_mask, v_mask) if q_mask is not None else ()
     kept = (h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
     meta = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale, fused)
@@ -408,7 +409,7 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
         g2 = g2.contiguous()
     # the residual add's backward hands g to h2 as it is and fp16(g) to the MLP: that cast is made
     # in the down weight's dequantization launch (mlp_backward)
-    dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2)
+    dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2, plan.gate_up)
     del mlp_saved
     d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2,
                                                 [torch.float32, torch.float16])
