@@ -144,6 +144,39 @@ def test_node_with_gate_up_as_one_gemm_gives_the_module_path_bits(device, tiny_d
         assert rel_err(node[1][name], g) < 1e-2, name
 
 
+@pytest.mark.parametrize("dropout", [0.05, 0.0])
+def test_node_with_lora_bmm(device, tiny_dir, autocast_ctx, dropout, monkeypatch):
+    """$SOLUTION_LORA_BMM=1: q's and v's LoRA A GEMMs batched (one batched GEMM forward, two
+    backward, a layer). The dropout draws stay stock's (the generator ends where the module path
+    leaves it); the batched GEMMs may sum in another order than the two unbatched ones, so the
+    loss and the LoRA gradients are compared within fp16 rounding (measured on the CPU: printed).
+    Without dropout (p == 0) there is no dropout(x) to batch: the unbatched path, the same bits."""
+    calls = []
+    bmm = torch.bmm
+
+    def counted(*a, **k):
+        calls.append(a[0].shape)
+        return bmm(*a, **k)
+
+    monkeypatch.setattr(torch, "bmm", counted)
+    batch = _batch(device, [40, 17, 64, 9])
+    pair = _step(tiny_dir, device, batch, True, autocast_ctx, dropout=dropout, lora_bmm=True, steps=2)
+    mods = _step(tiny_dir, device, batch, False, autocast_ctx, dropout=dropout, steps=2)
+    if dropout == 0.0:
+        assert not calls
+        _assert_same_bits(pair, mods)
+        return
+    layers = pair[3][NODE]  # layer forwards over the two steps
+    # one batched GEMM forward and two backward a layer; layer 0 (input without a gradient) one backward
+    assert len(calls) == 3 * layers - 2, (len(calls), layers)
+    assert (pair[2] == mods[2]) if isinstance(pair[2], int) else torch.equal(pair[2], mods[2])  # the same draws
+    print("lora_bmm vs modules: loss max rel", ((pair[0] - mods[0]).abs() / mods[0].abs()).max().item(),
+          "LoRA grads max rel err", max(rel_err(pair[1][n], g) for n, g in mods[1].items()))
+    torch.testing.assert_close(pair[0], mods[0], rtol=1e-3, atol=0)
+    for name, g in mods[1].items():
+        assert rel_err(pair[1][name], g) < 1e-2, name
+
+
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reentrant):
     """training.gradient_checkpointing with transformers' checkpoint function (torch's checkpoint,
@@ -158,6 +191,12 @@ def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reent
     # embedding's output requires grad under checkpointing)
     assert node[3][NODE] == 4 and node[3]["qkv_grad_sum"] == 2
     assert node[3][CKPT] == 2  # both layers through the node's own checkpointing
+    if not reentrant:  # the batched LoRA GEMMs recompute under the node's checkpointing too (CPU: the same bits)
+        pair = _step(tiny_dir, device, batch, True, autocast_ctx, ckpt=reentrant, lora_bmm=True)
+        assert pair[3][CKPT] == 2
+        assert (pair[2] == mods[2]) if isinstance(pair[2], int) else torch.equal(pair[2], mods[2])
+        torch.testing.assert_close(pair[0], mods[0], rtol=1e-3, atol=0)
+        assert all(rel_err(pair[1][n], g) < 1e-2 for n, g in mods[1].items())
 
 
 def test_node_inside_another_checkpoint_function(device, tiny_dir, autocast_ctx, monkeypatch):

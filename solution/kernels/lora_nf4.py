@@ -200,15 +200,18 @@ def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: t
 _QUAD_SITE: dict = {}  # launch_prepared's compiled quad_cast_kernel
 
 
-def cast_four(tensors, dtypes):
+def cast_four(tensors, dtypes, outs=None):
     """[t.to(dt) for t, dt in zip(tensors, dtypes)] for four tensors, in one launch where each is a
     ``cast_pair`` cast (fp32 -> fp16 or fp16 -> fp32) of a contiguous tensor on one device where our
-    kernels run, all the same way; otherwise ``cast_pair`` twice (its own fallbacks)."""
+    kernels run, all the same way; otherwise ``cast_pair`` twice (its own fallbacks). ``outs``: for
+    the one launch, a contiguous tensor of the result's shape and dtype to write each cast into, or
+    None (a new one); ignored by the fallbacks."""
     a, b, c, d = tensors
     src, dst = a.dtype, dtypes[0]
     if not _one_launch_casts(tensors, dtypes):
         return [*cast_pair(a, b, dtypes[0], dtypes[1]), *cast_pair(c, d, dtypes[2], dtypes[3])]
-    outs = [torch.empty(t.shape, dtype=dst, device=a.device) for t in tensors]
+    outs = [torch.empty(t.shape, dtype=dst, device=a.device) if o is None else o
+            for t, o in zip(tensors, outs or (None,) * 4)]
     ns = [t.numel() for t in tensors]
     args = []
     for t, o, n in zip(tensors, outs, ns):
@@ -351,14 +354,15 @@ def _fusable(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS
 
 
-def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None):
+def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None, xd16_out=None):
     """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32 and
     contiguous ones; others are cast by torch, with its layout rules). xd a ``_Deferred``: the
     launch computes fp16((x * drop_mask) * scale) itself. ``x16`` given (fp16(x), made by an
-    earlier launch): x is not cast again."""
+    earlier launch): x is not cast again. ``xd16_out``: a contiguous fp16 tensor of x's shape that
+    the launch writes fp16(dropout(x)) into, where the launch casts it (then xd16 is xd16_out)."""
     w16 = plan.weight16()
     if isinstance(xd, _Deferred):  # lora_dropout checked that x is fusable
-        xd16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+        xd16 = torch.empty(x.shape, dtype=torch.float16, device=x.device) if xd16_out is None else xd16_out
         if x16 is None:
             x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
             plan.dq.launch(w16, a=x, a16=x16, b=drop_mask, b16=xd16, cast_b=3, scaling=xd.scale)
@@ -374,7 +378,7 @@ def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None
     if xd is None:
         xd16 = x16
     elif _fusable(xd):
-        xd16 = torch.empty(xd.shape, dtype=torch.float16, device=xd.device)
+        xd16 = torch.empty(xd.shape, dtype=torch.float16, device=xd.device) if xd16_out is None else xd16_out
         jobs.append((xd, xd16))
     else:
         xd16 = xd if xd.dtype == torch.float16 else xd.to(torch.float16)

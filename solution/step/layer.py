@@ -47,8 +47,8 @@ from solution.hooks import global_hooks
 from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm, rope
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
-from solution.kernels.lora_nf4 import (cast_four, cast_grads, lora_backward_gemms, lora_backward_parts,
-                                       lora_dropout, lora_forward_gemms, lora_forward_parts)
+from solution.kernels.lora_nf4 import (_dequant_and_cast_inputs, cast_four, cast_grads, lora_backward_gemms,
+                                       lora_backward_parts, lora_dropout, lora_forward_gemms, lora_forward_parts)
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
 from solution.step import attention
@@ -143,7 +143,8 @@ class StepContext:
     batch (``Unpadded``), its one-row layout for attention's layout kernels, the attention dtype,
     and where the dropout masks come from (a CUDA graph's slots, or None: draw)."""
 
-    __slots__ = ("cos", "sin", "info", "layout", "mask_source", "attn_dtype", "n", "bnb_fused", "native", "qkv_fused")
+    __slots__ = ("cos", "sin", "info", "layout", "mask_source", "attn_dtype", "n", "bnb_fused", "native", "qkv_fused",
+                 "lora_bmm")
 
     def __init__(self, cos, sin, info, mask_source=None):
         from solution.step.packing import packed_layout
@@ -159,6 +160,8 @@ class StepContext:
         # tables; the head_dim is checked per layer (``_qkv_fused``)
         self.qkv_fused = (settings.current().qkv_rope and qkv_rope.supported(self.cos.shape[-1], self.cos)
                           and self.sin.stride(-1) == 1)
+        # q's and v's LoRA A GEMMs as one batched GEMM each (``_lora_pair_forward16``); off by default
+        self.lora_bmm = settings.current().lora_bmm
 
     def ok(self, x) -> bool:
         """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
@@ -262,6 +265,91 @@ def _lora_grads(grads16, dtypes):
             *cast_grads(grads16[2], grads16[3], dtypes[2], dtypes[3])]
 
 
+def _lora_pair_forward16(plan: LayerPlan, x3, ctx: StepContext, source, a2, qb16_w, vb16_w):
+    """q's, k's and v's projections up to their GEMMs as ``_lora_forward16`` (q), k's GEMM and
+    ``_lora_forward16`` (v) make them, with the two LoRA A GEMMs (dropout(x) @ A^T, the same shapes
+    for q and v) as one batched GEMM: dropout(x) of q and of v are written into one [2, N, H] fp16
+    buffer and ``a2`` holds q's and v's fp16 A ([2, r, H], from ``cast_four``). The draws stay in
+    the module path's order (q's, then v's). Returns (qb16, ql16, kb16, vb16, vl16, saved, q_mask,
+    v_mask, mode, drop_scale), saved = (xd2, h2, a2, qb16_w, vb16_w) for ``_lora_pair_backward``;
+    None when a dropout(x) does not go through the cast launches (p == 0, eval, a layout the casts
+    do not take): the caller then runs the unbatched path, which draws nothing twice (nothing was
+    drawn: the check comes first)."""
+    q, v = plan.q, plan.v
+    n, hid = x3.shape[1], x3.shape[2]
+    if not (_pair_dropout(q.dropout) and _pair_dropout(v.dropout)):
+        return None
+    xd2 = torch.empty((2, 1, n, hid), dtype=torch.float16, device=x3.device)
+    xd, q_mask, mode, drop_scale = lora_dropout(q.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
+    wq, x16, xd16 = _dequant_and_cast_inputs(q.plan, x3, xd, q_mask, None, xd2[0])
+    _into(xd2[0], xd16)
+    qb16 = F.linear(x16, wq, q.bias16)
+    wk = plan.k.weight16()
+    plan.k.dq.launch(wk)
+    kb16 = F.linear(x16, wk, plan.k_bias16)
+    xd, v_mask, _, _ = lora_dropout(v.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
+    wv, _, xd16 = _dequant_and_cast_inputs(v.plan, x3, xd, v_mask, x16, xd2[1])
+    _into(xd2[1], xd16)
+    vb16 = F.linear(x16, wv, v.bias16)
+    h2 = torch.bmm(xd2.view(2, n, hid), a2.transpose(1, 2))  # [2, N, r]: F.linear(xd16, A16) for q and v
+    ql16 = F.linear(h2[0], qb16_w).view(1, n, -1)
+    vl16 = F.linear(h2[1], vb16_w).view(1, n, -1)
+    return qb16, ql16, kb16, vb16, vl16, (xd2, h2, a2, qb16_w, vb16_w), q_mask, v_mask, mode, drop_scale
+
+
+def _into(slot, xd16) -> None:
+    """fp16(dropout(x)) in its slot of the pair's buffer: written there by the cast launch (the
+    workload's case), else copied there (the same values)."""
+    if xd16.data_ptr() != slot.data_ptr():
+        slot.copy_(xd16)
+
+
+def _pair_dropout(dropout) -> bool:
+    """LoRA dropout that draws a mask (training, 0 < p): dropout(x) then goes through the cast
+    launch (``lora_dropout``'s deferred value, or a fusable fp32 tensor on the CPU)."""
+    return isinstance(dropout, torch.nn.Dropout) and dropout.training and 0 < dropout.p < 1
+
+
+def _lora_pair_backward(plan: LayerPlan, gq16, gsq16, gk16, gv16, gsv16, saved, need_x: bool):
+    """``lora_backward_gemms`` for v, k's input-gradient GEMM, then q's, as the unbatched fused
+    branch runs them, with the two LoRA A gradients (grad_h^T @ dropout(x)) and the two
+    dropout(x) gradients (grad_h @ A) as one batched GEMM each. Every LoRA weight needs a gradient
+    (the caller checked). Returns (aq, bq, ak, av, bv, grad_qa, grad_qb, grad_va, grad_vb), the
+    four LoRA gradients in fp16 (cast by the caller)."""
+    xd2, h2, a2, qb16_w, vb16_w = saved
+    _, n, r = h2.shape
+    hid = xd2.shape[-1]
+    gh2 = torch.empty((2, 1, n, r), dtype=torch.float16, device=h2.device)
+    bq = bv = None
+    # autograd ran v_proj's backward first, then k_proj's, then q_proj's; each projection's W is
+    # dequantized into the shared scratch buffer right before its GEMM
+    grad_vb, av = _pair_side_backward(plan.v.plan, gv16, gsv16, h2[1], vb16_w, gh2[1], need_x)
+    ak = _input_grad(plan.k, gk16) if need_x else None
+    grad_qb, aq = _pair_side_backward(plan.q.plan, gq16, gsq16, h2[0], qb16_w, gh2[0], need_x)
+    g2 = gh2.view(2, n, r)
+    grad_a2 = torch.bmm(g2.transpose(1, 2), xd2.view(2, n, hid))  # [2, r, H]: grad_h^T @ xd16
+    if need_x:
+        grad_xd2 = torch.bmm(g2, a2)  # [2, N, H]: grad_h @ A16
+        bq, bv = grad_xd2[0].view(1, n, hid), grad_xd2[1].view(1, n, hid)
+    return aq, bq, ak, av, bv, grad_a2[0], grad_qb, grad_a2[1], grad_vb
+
+
+def _pair_side_backward(lplan, g16, gs16, h16, b16, grad_h_out, need_x: bool):
+    """One projection's unbatched part of ``_lora_pair_backward``: (grad_b, grad_base16 or None),
+    with grad_h = gs16 @ B16 written into ``grad_h_out`` (its slot of the pair's buffer)."""
+    grad_b = gs16.reshape(-1, b16.shape[0]).t().mm(h16)  # lora_B: gs^T h
+    torch.matmul(gs16, b16, out=grad_h_out)
+    return grad_b, (_input_grad(lplan, g16) if need_x else None)
+
+
+def _input_grad(lplan, g16):
+    """g16 @ W: the frozen NF4 weight dequantized (bnb's backward rounding) into the scratch buffer,
+    then its GEMM."""
+    w16 = lplan.weight16()
+    lplan.dq.launch(w16, lplan.round_bwd)
+    return torch.matmul(g16, w16)
+
+
 def _qkv_fused(plan: LayerPlan, ctx: StepContext, x3) -> bool:
     """q / k / v go to attention through kernels/qkv_rope.py (one launch each way) rather than
     lora_combine, k's cast, RoPE and the layout kernels: the same values (its tests), where its
@@ -348,14 +436,26 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     x3 = hn.view(1, n, hid)
     fused = _qkv_fused(plan, sc, x3)
     # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
+    pair = None
     if fused:  # the GEMMs as below; the sums, RoPE and attention's layout in one launch
         f16 = torch.float16  # autocast's casts of q's and v's LoRA weights, one launch
-        qa16, qb16_w, va16, vb16_w = cast_four((plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb), (f16, f16, f16, f16))
+        if sc.lora_bmm and plan.q.wa.shape == plan.v.wa.shape:  # q's and v's A one above the other
+            a2 = torch.empty((2, *plan.q.wa.shape), dtype=f16, device=x3.device)
+            qa16, qb16_w, va16, vb16_w = cast_four((plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb), (f16,) * 4,
+                                                   outs=(a2[0], None, a2[1], None))
+            pair = _lora_pair_forward16(plan, x3, sc, source, a2, qb16_w, vb16_w) if qa16.data_ptr() == a2.data_ptr() else None
+        else:
+            qa16, qb16_w, va16, vb16_w = cast_four((plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb), (f16, f16, f16, f16))
+    if pair is not None:
+        qb16, ql16, kb16, vb16, vl16, q_saved, q_mask, v_mask, mode, drop_scale = pair
+        v_saved = ()
+    elif fused:
         qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, sc, source, (qa16, qb16_w))
         wk = plan.k.weight16()
         plan.k.dq.launch(wk)
         kb16 = F.linear(x16, wk, plan.k_bias16)
         vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, sc, source, (va16, vb16_w), x16)
+    if fused:
         qp, kp, vp = qkv_rope.forward(qb16, ql16, plan.q.scaling, kb16, vb16, vl16, plan.v.scaling, sc.cos, sc.sin,
                                       plan.n_heads, plan.n_kv, plan.head_dim)
         del qb16, ql16, kb16, vb16, vl16
@@ -377,7 +477,8 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16, plan.gate_up)
     masks = (q_mask, v_mask) if q_mask is not None else ()
     kept = (h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
-    meta = (len(q_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale, fused)
+    meta = (len(q_saved), len(v_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale, fused,
+            pair is not None)
     return out.view(h.shape), kept, meta
 
 
@@ -386,12 +487,12 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
     list: it is emptied, so each activation is freed as soon as it is used). ``needs``: which of
     (h, q's A, q's B, v's A, v's B) need a gradient; ``dtypes``: the four LoRA weights' dtypes.
     Returns (grad_h, grad_qa, grad_qb, grad_va, grad_vb)."""
-    n_q, n_att, n_mlp, has_masks, mode, drop_scale, fused = meta
+    n_q, n_v, n_att, n_mlp, has_masks, mode, drop_scale, fused, pair = meta
     t = kept
     h2d, rstd1 = t[0], t[1]
     i = 2
-    q_saved, v_saved = tuple(t[i:i + n_q]), tuple(t[i + n_q:i + 2 * n_q])
-    i += 2 * n_q
+    q_saved, v_saved = tuple(t[i:i + n_q]), tuple(t[i + n_q:i + n_q + n_v])
+    i += n_q + n_v
     q_mask = v_mask = None
     if has_masks:
         q_mask, v_mask = t[i], t[i + 1]
@@ -424,6 +525,14 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
         gq16, gsq16, gk16, gv16, gsv16 = qkv_rope.backward(dq, dk, dv, sc.cos, sc.sin, plan.q.scaling,
                                                            plan.v.scaling, plan.n_kv, need_x)
         del dq, dk, dv
+    if pair and all(needs[1:]):  # q's and v's LoRA A gradients batched (``_lora_pair_backward``)
+        aq, bq, ak, av, bv, *grads16 = _lora_pair_backward(plan, gq16, gsq16, gk16, gv16, gsv16, q_saved, need_x)
+        grad_qa, grad_qb, grad_va, grad_vb = _lora_grads(grads16, dtypes)
+    elif fused:
+        if pair:  # a LoRA weight without a gradient: the unbatched GEMMs on the pair's tensors
+            xd2, h2, a2, qb16_w, vb16_w = q_saved
+            q_saved = (xd2[0], h2[0], a2[0], qb16_w)
+            v_saved = (xd2[1], h2[1], a2[1], vb16_w)
         # autograd ran v_proj's backward first, then k_proj's, then q_proj's
         av, bv, grad_va, grad_vb = lora_backward_gemms(plan.v.plan, gv16, gsv16, v_saved, need_x, need_va, need_vb,
                                                        va_t, vb_t, cast=False)
