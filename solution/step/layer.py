@@ -265,6 +265,32 @@ def _lora_grads(grads16, dtypes):
             *cast_grads(grads16[2], grads16[3], dtypes[2], dtypes[3])]
 
 
+def _projections16(plan: LayerPlan, x3, ctx: StepContext, source):
+    """q's, k's and v's fp16 GEMM outputs for kernels/qkv_rope.py, in the module path's order (q's
+    dropout drawn first, then v's; x cast to fp16 once): (qb16, ql16, kb16, vb16, vl16, q_saved,
+    v_saved, q_mask, v_mask, mode, drop_scale, pair), ``pair`` True where q's and v's LoRA A GEMMs
+    were batched ($SOLUTION_LORA_BMM, ``_lora_pair_forward16``; q_saved then holds the pair's
+    tensors and v_saved is empty)."""
+    f16 = torch.float16  # autocast's casts of q's and v's LoRA weights, one launch
+    weights = (plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb)
+    if ctx.lora_bmm and plan.q.wa.shape == plan.v.wa.shape:
+        a2 = torch.empty((2, *plan.q.wa.shape), dtype=f16, device=x3.device)  # q's and v's A one above the other
+        qa16, qb16_w, va16, vb16_w = cast_four(weights, (f16,) * 4, outs=(a2[0], None, a2[1], None))
+        made = _lora_pair_forward16(plan, x3, ctx, source, a2, qb16_w, vb16_w) \
+            if qa16.data_ptr() == a2.data_ptr() else None
+        if made is not None:
+            qb16, ql16, kb16, vb16, vl16, saved, q_mask, v_mask, mode, drop_scale = made
+            return qb16, ql16, kb16, vb16, vl16, saved, (), q_mask, v_mask, mode, drop_scale, True
+    else:
+        qa16, qb16_w, va16, vb16_w = cast_four(weights, (f16,) * 4)
+    qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, ctx, source, (qa16, qb16_w))
+    wk = plan.k.weight16()
+    plan.k.dq.launch(wk)
+    kb16 = F.linear(x16, wk, plan.k_bias16)
+    vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, ctx, source, (va16, vb16_w), x16)
+    return qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode, drop_scale, False
+
+
 def _lora_pair_forward16(plan: LayerPlan, x3, ctx: StepContext, source, a2, qb16_w, vb16_w):
     """q's, k's and v's projections up to their GEMMs as ``_lora_forward16`` (q), k's GEMM and
     ``_lora_forward16`` (v) make them, with the two LoRA A GEMMs (dropout(x) @ A^T, the same shapes
@@ -436,26 +462,10 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     x3 = hn.view(1, n, hid)
     fused = _qkv_fused(plan, sc, x3)
     # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
-    pair = None
+    pair = False
     if fused:  # the GEMMs as below; the sums, RoPE and attention's layout in one launch
-        f16 = torch.float16  # autocast's casts of q's and v's LoRA weights, one launch
-        if sc.lora_bmm and plan.q.wa.shape == plan.v.wa.shape:  # q's and v's A one above the other
-            a2 = torch.empty((2, *plan.q.wa.shape), dtype=f16, device=x3.device)
-            qa16, qb16_w, va16, vb16_w = cast_four((plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb), (f16,) * 4,
-                                                   outs=(a2[0], None, a2[1], None))
-            pair = _lora_pair_forward16(plan, x3, sc, source, a2, qb16_w, vb16_w) if qa16.data_ptr() == a2.data_ptr() else None
-        else:
-            qa16, qb16_w, va16, vb16_w = cast_four((plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb), (f16, f16, f16, f16))
-    if pair is not None:
-        qb16, ql16, kb16, vb16, vl16, q_saved, q_mask, v_mask, mode, drop_scale = pair
-        v_saved = ()
-    elif fused:
-        qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, sc, source, (qa16, qb16_w))
-        wk = plan.k.weight16()
-        plan.k.dq.launch(wk)
-        kb16 = F.linear(x16, wk, plan.k_bias16)
-        vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, sc, source, (va16, vb16_w), x16)
-    if fused:
+        (qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode, drop_scale,
+         pair) = _projections16(plan, x3, sc, source)
         qp, kp, vp = qkv_rope.forward(qb16, ql16, plan.q.scaling, kb16, vb16, vl16, plan.v.scaling, sc.cos, sc.sin,
                                       plan.n_heads, plan.n_kv, plan.head_dim)
         del qb16, ql16, kb16, vb16, vl16
@@ -478,7 +488,7 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     masks = (q_mask, v_mask) if q_mask is not None else ()
     kept = (h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
     meta = (len(q_saved), len(v_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale, fused,
-            pair is not None)
+            pair)
     return out.view(h.shape), kept, meta
 
 
