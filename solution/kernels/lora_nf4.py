@@ -354,7 +354,7 @@ def _fusable(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS
 
 
-def _dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None, xd16_out=None):
+def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None, xd16_out=None):
     """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32 and
     contiguous ones; others are cast by torch, with its layout rules). xd a ``_Deferred``: the
     launch computes fp16((x * drop_mask) * scale) itself. ``x16`` given (fp16(x), made by an
@@ -406,7 +406,7 @@ def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None,
     (bias included) and the fp16 LoRA B output, which ``lora_combine`` sums as peft does (the
     decoder-layer node sums them in kernels/qkv_rope.py instead, with the same operations).
     ``ab16``: (fp16 A, fp16 B) cast by the caller (the node casts q's and v's in one launch)."""
-    w16, x16, xd16 = _dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
+    w16, x16, xd16 = dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
     base16 = F.linear(x16, w16, bias16)
     # autocast's two casts, one launch
     a16, b16 = cast_pair(lora_a, lora_b, torch.float16, torch.float16) if ab16 is None else ab16

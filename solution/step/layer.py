@@ -47,7 +47,7 @@ from solution.hooks import global_hooks
 from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm, rope
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
-from solution.kernels.lora_nf4 import (_dequant_and_cast_inputs, cast_four, cast_grads, lora_backward_gemms,
+from solution.kernels.lora_nf4 import (cast_four, cast_grads, dequant_and_cast_inputs, lora_backward_gemms,
                                        lora_backward_parts, lora_dropout, lora_forward_gemms, lora_forward_parts)
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
@@ -307,14 +307,14 @@ def _lora_pair_forward16(plan: LayerPlan, x3, ctx: StepContext, source, a2, qb16
         return None
     xd2 = torch.empty((2, 1, n, hid), dtype=torch.float16, device=x3.device)
     xd, q_mask, mode, drop_scale = lora_dropout(q.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
-    wq, x16, xd16 = _dequant_and_cast_inputs(q.plan, x3, xd, q_mask, None, xd2[0])
+    wq, x16, xd16 = dequant_and_cast_inputs(q.plan, x3, xd, q_mask, None, xd2[0])
     _into(xd2[0], xd16)
     qb16 = F.linear(x16, wq, q.bias16)
     wk = plan.k.weight16()
     plan.k.dq.launch(wk)
     kb16 = F.linear(x16, wk, plan.k_bias16)
     xd, v_mask, _, _ = lora_dropout(v.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
-    wv, _, xd16 = _dequant_and_cast_inputs(v.plan, x3, xd, v_mask, x16, xd2[1])
+    wv, _, xd16 = dequant_and_cast_inputs(v.plan, x3, xd, v_mask, x16, xd2[1])
     _into(xd2[1], xd16)
     vb16 = F.linear(x16, wv, v.bias16)
     h2 = torch.bmm(xd2.view(2, n, hid), a2.transpose(1, 2))  # [2, N, r]: F.linear(xd16, A16) for q and v
