@@ -290,6 +290,12 @@ def draw_padded_mask(p: float, padded_shape, dtype: torch.dtype, idx: torch.Tens
     return torch.index_select(mask, 0, idx, out=out)
 
 
+def draws(dropout: torch.nn.Module) -> bool:
+    """``lora_dropout`` draws a mask for this module (an ``nn.Dropout`` in training with p > 0; not
+    ``nn.Identity``, eval mode or p == 0)."""
+    return not (isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0)
+
+
 def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False, packed=None, mask_source=None):
     """``dropout(x)`` for a plain ``nn.Dropout`` / ``nn.Identity``, computed with the very ops (and
     random numbers) torch's ``F.dropout`` uses, but keeping the mask for our fused backward.
@@ -311,7 +317,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False,
     random numbers are stock's (``padded_draw_shape``). ``mask_source``: on CUDA, where the masks
     come from instead of a draw (a CUDA graph's replay: solution/step/cuda_graphs.py), or None. The
     caller (solution/patches/peft_lora_bnb.py) reads both from the packed step's context."""
-    if isinstance(dropout, torch.nn.Identity) or not dropout.training or dropout.p == 0:
+    if not draws(dropout):
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
     # Packed real tokens of a right-padded batch: draw over stock's padded shape, keep the real

@@ -144,7 +144,8 @@ def mlp_backward(plans, policy: str, saved: tuple, dy2: torch.Tensor, gate_up: b
     if gate_up:
         (gu16,) = saved
         i = gate.n_out
-        swiglu_backward_fp16_of_fp32(dh16, gu16[:, :i], gu16[:, i:], gu16[:, :i], gu16[:, i:])  # [dg | du], in place
+        g16, u16 = gu16[:, :i], gu16[:, i:]
+        swiglu_backward_fp16_of_fp32(dh16, g16, u16, g16, u16)  # [dg | du], in place
         del dh16
         w = pair_weight16(gate, up)
         gate.dq.launch(w[:i], gate.round_bwd)

@@ -47,7 +47,7 @@ from solution.hooks import global_hooks
 from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm, rope
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
-from solution.kernels.lora_nf4 import (cast_four, cast_grads, dequant_and_cast_inputs, lora_backward_gemms,
+from solution.kernels.lora_nf4 import (cast_four, cast_grads, dequant_and_cast_inputs, draws, lora_backward_gemms,
                                        lora_backward_parts, lora_dropout, lora_forward_gemms, lora_forward_parts)
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
@@ -284,9 +284,7 @@ def _projections16(plan: LayerPlan, x3, ctx: StepContext, source):
     else:
         qa16, qb16_w, va16, vb16_w = cast_four(weights, (f16,) * 4)
     qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, ctx, source, (qa16, qb16_w))
-    wk = plan.k.weight16()
-    plan.k.dq.launch(wk)
-    kb16 = F.linear(x16, wk, plan.k_bias16)
+    kb16 = _k_forward16(plan, x16)
     vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, ctx, source, (va16, vb16_w), x16)
     return qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode, drop_scale, False
 
@@ -303,16 +301,14 @@ def _lora_pair_forward16(plan: LayerPlan, x3, ctx: StepContext, source, a2, qb16
     drawn: the check comes first)."""
     q, v = plan.q, plan.v
     n, hid = x3.shape[1], x3.shape[2]
-    if not (_pair_dropout(q.dropout) and _pair_dropout(v.dropout)):
+    if not (draws(q.dropout) and draws(v.dropout)):
         return None
     xd2 = torch.empty((2, 1, n, hid), dtype=torch.float16, device=x3.device)
     xd, q_mask, mode, drop_scale = lora_dropout(q.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
     wq, x16, xd16 = dequant_and_cast_inputs(q.plan, x3, xd, q_mask, None, xd2[0])
     _into(xd2[0], xd16)
     qb16 = F.linear(x16, wq, q.bias16)
-    wk = plan.k.weight16()
-    plan.k.dq.launch(wk)
-    kb16 = F.linear(x16, wk, plan.k_bias16)
+    kb16 = _k_forward16(plan, x16)
     xd, v_mask, _, _ = lora_dropout(v.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
     wv, _, xd16 = dequant_and_cast_inputs(v.plan, x3, xd, v_mask, x16, xd2[1])
     _into(xd2[1], xd16)
@@ -328,12 +324,6 @@ def _into(slot, xd16) -> None:
     workload's case), else copied there (the same values)."""
     if xd16.data_ptr() != slot.data_ptr():
         slot.copy_(xd16)
-
-
-def _pair_dropout(dropout) -> bool:
-    """LoRA dropout that draws a mask (training, 0 < p): dropout(x) then goes through the cast
-    launch (``lora_dropout``'s deferred value, or a fusable fp32 tensor on the CPU)."""
-    return isinstance(dropout, torch.nn.Dropout) and dropout.training and 0 < dropout.p < 1
 
 
 def _lora_pair_backward(plan: LayerPlan, gq16, gsq16, gk16, gv16, gsv16, saved, need_x: bool):
@@ -366,6 +356,14 @@ def _pair_side_backward(lplan, g16, gs16, h16, b16, grad_h_out, need_x: bool):
     grad_b = gs16.reshape(-1, b16.shape[0]).t().mm(h16)  # lora_B: gs^T h
     torch.matmul(gs16, b16, out=grad_h_out)
     return grad_b, (_input_grad(lplan, g16) if need_x else None)
+
+
+def _k_forward16(plan: LayerPlan, x16):
+    """k_proj's fp16 output: its NF4 weight dequantized into the scratch buffer, then
+    F.linear(x16, Wk, k's fp16 bias)."""
+    wk = plan.k.weight16()
+    plan.k.dq.launch(wk)
+    return F.linear(x16, wk, plan.k_bias16)
 
 
 def _input_grad(lplan, g16):
@@ -473,9 +471,7 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
         del qp, kp, vp
     else:
         q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc, source)
-        wk = plan.k.weight16()
-        plan.k.dq.launch(wk)
-        k = F.linear(x16, wk, plan.k_bias16).to(torch.float32)
+        k = _k_forward16(plan, x16).to(torch.float32)
         v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, source, x16)
         attn16, att_saved = _attention_forward(plan, q, k, v, sc)
         del q, k, v
@@ -547,9 +543,7 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
         av, bv, grad_va, grad_vb = lora_backward_gemms(plan.v.plan, gv16, gsv16, v_saved, need_x, need_va, need_vb,
                                                        va_t, vb_t, cast=False)
         if need_x:
-            wk = plan.k.weight16()
-            plan.k.dq.launch(wk, plan.k.round_bwd)
-            ak = torch.matmul(gk16, wk)
+            ak = _input_grad(plan.k, gk16)
         aq, bq, grad_qa, grad_qb = lora_backward_gemms(plan.q.plan, gq16, gsq16, q_saved, need_x, need_qa, need_qb,
                                                        qa_t, qb_t, cast=False)
         grad_qa, grad_qb, grad_va, grad_vb = _lora_grads((grad_qa, grad_qb, grad_va, grad_vb), dtypes)
