@@ -26,8 +26,8 @@ FLAGS = {
     "SOLUTION_DIRECT_LAUNCH": ("direct_launch", True),
     "SOLUTION_QKV_ROPE": ("qkv_rope", True),
     "SOLUTION_GRAPHS_VERIFY": ("graphs_verify", False),
-    "SOLUTION_GATE_UP_GEMM": ("gate_up_gemm", False),
-    "SOLUTION_LORA_BMM": ("lora_bmm", False),
+    "SOLUTION_GATE_UP_GEMM": ("gate_up_gemm", True),
+    "SOLUTION_LORA_BMM": ("lora_bmm", True),
 }
 MEMORY_POLICY_ENV = "SOLUTION_MEMORY_POLICY"
 MEMORY_POLICIES = ("speed", "balanced", "memory")
@@ -89,11 +89,11 @@ class Settings:
     # replay costs more GPU time than the eager layers' host time; off until measured on a GPU
     graphs_verify: bool = False
     # $SOLUTION_GATE_UP_GEMM (kernels/nf4_mlp.py, ``gate_up``): the MLP's gate and up as one GEMM each way
-    # (changes the backward's order of summation); off until measured on a GPU
-    gate_up_gemm: bool = False
+    # (changes the backward's order of summation; docs/kernels/nf4_mlp.md)
+    gate_up_gemm: bool = True
     # $SOLUTION_LORA_BMM (step/layer.py, ``_lora_pair_forward16``): q's and v's LoRA A GEMMs batched
-    # (the forward's dropout(x) @ A^T, the backward's two A and two dropout(x) gradients); off until measured
-    lora_bmm: bool = False
+    # (the forward's dropout(x) @ A^T, the backward's two A and two dropout(x) gradients; docs/layer_node.md)
+    lora_bmm: bool = True
     cuda_graphs: str = "auto"  # $SOLUTION_CUDA_GRAPHS: "auto", "0" or "1" (step/cuda_graphs.py)
     graph_bucket: int = DEFAULT_BUCKET  # $SOLUTION_GRAPH_BUCKET: tokens, 1..MAX_BUCKET
     eager_bucket: int | str = "auto"  # $SOLUTION_EAGER_BUCKET: "auto", or tokens: 0 (off) or 1..MAX_BUCKET

@@ -62,6 +62,9 @@ def _tol():
 
 @pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
 def test_fused_mlp_matches_stock_bnb(policy, mlp_patches, device, monkeypatch):
+    """The two-GEMM block ($SOLUTION_GATE_UP_GEMM=0) under each policy: stock's numbers (bits on
+    the GPU). The default one-GEMM gate and up ("speed") is ``test_gate_up_as_one_gemm``'s."""
+    monkeypatch.setenv("SOLUTION_GATE_UP_GEMM", "0")
     mlp = nf4_mlp_module(device)
     x, dy = inputs(device)
     y_s, dx_s = run(mlp, x, dy)  # stock: bnb + transformers
@@ -111,7 +114,7 @@ def test_memory_policy_saves_input_only_and_gives_the_same_bits(device):
 
 
 def test_gate_up_as_one_gemm(mlp_patches, device, monkeypatch):
-    """$SOLUTION_GATE_UP_GEMM=1 ("speed"): one GEMM each way for gate and up. The forward's dot
+    """$SOLUTION_GATE_UP_GEMM=1 (the default; "speed"): one GEMM each way for gate and up. The forward's dot
     products are the two-GEMM path's (asserted within fp16 rounding; equal bits expected where the
     GEMM library keeps its summation order for the wider GEMM, printed); the backward sums the two
     projections' gradients in one fp32 accumulation instead of two fp16 roundings added in fp32, so
