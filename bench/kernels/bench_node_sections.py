@@ -9,7 +9,8 @@ that keeps its inclusive time and its own time (inclusive minus the wrapped call
 steps are timed that way (launches through the direct path, kernels/_launches.py). Before that,
 the step timed with the direct path on and off, in pairs, and with attention's way in and out
 through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) on and off, in pairs, and with prepared launches
-(kernels/_launches.launch_prepared) on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
+(kernels/_launches.launch_prepared) on and off, in pairs, and with the MLP's gate and up as one GEMM
+($SOLUTION_GATE_UP_GEMM) and q's and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM) on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
 inclusive and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how
 much the timers themselves add. Then a launch table: one of the node's real launches
 (``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
@@ -256,6 +257,22 @@ def main() -> None:
                                   "qkv_rope on - off, median of pairs"))
         # prepared launches (kernels/_launches.launch_prepared) or launch()
         direct_rows.update(paired("prepared on", "prepared off", set_prepared, "prepared on - off, median of pairs"))
+        # the MLP's gate and up as one GEMM ($SOLUTION_GATE_UP_GEMM: each layer's plan keeps it) and q's
+        # and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM: the node reads it once per step)
+        from solution.step import layer as layer_mod
+
+        plans = [p for p in layer_mod._PLANS.values() if isinstance(p, layer_mod.LayerPlan)]
+        applies = {id(p): p.gate_up for p in plans}
+
+        def set_gate_up(on: bool) -> None:
+            for p in plans:
+                p.gate_up = on and applies[id(p)]
+
+        if any(applies.values()):
+            direct_rows.update(paired("gate_up on", "gate_up off", set_gate_up, "gate_up on - off, median of pairs"))
+        direct_rows.update(paired("lora_bmm on", "lora_bmm off",
+                                  lambda on: settings_mod.activate(dataclasses.replace(on_settings, lora_bmm=on)),
+                                  "lora_bmm on - off, median of pairs"))
         plain_ms = timed_steps()
         timers = Timers()
         for owner, name, label in targets():
