@@ -40,7 +40,7 @@
 #      ...", a label starting with "baseline" runs the baseline; TIMED_COLD=1: each in its own empty Triton cache;
 #      TIMED_EXTRA: bench.run_one options, @L for the label), TIMED_TIMEOUT, MEMORY_VARIANTS (default "solution"), ORIGINS_VARIANTS (default "solution"), ORIGINS_TIMEOUT,
 #      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT, HOSTSPLIT_VARIANTS, HOSTSPLIT_TIMEOUT,
-#      COMPARE_TIMEOUT, TEST_TIMEOUT, TEST_WORKERS (pytest-xdist workers, one file each), BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
+#      COMPARE_TIMEOUT, TEST_TIMEOUT, TEST_WORKERS (pytest-xdist workers, one file each; default 6 on >= 12 CPUs with xdist, 0 serial), BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
 # Results: everything under $WORK, packed into $OUT/results.tgz (the device tool brings back at
 # most 8 files), with the comparison's report.md beside it.
 set -uo pipefail
@@ -96,8 +96,14 @@ run_each() {
 for step in $steps; do
   case $step in
     tests)
-      # TEST_WORKERS=N: N pytest-xdist workers, each test file in one worker (--dist loadfile)
-      workers=(); [ -n "${TEST_WORKERS:-}" ] && workers=(-n "$TEST_WORKERS" --dist loadfile)
+      # TEST_WORKERS=N: N pytest-xdist workers, each test file in one worker (--dist loadfile); unset:
+      # 6 where pytest-xdist imports and the machine has >= 12 CPUs (the lent H200: the whole suite in
+      # ~150 s, ~500 s serial), else serial; 0: serial
+      nw=${TEST_WORKERS:-}
+      if [ -z "$nw" ]; then
+        nw=0; python3 -c "import xdist" 2>/dev/null && [ "$(nproc)" -ge 12 ] && nw=6
+      fi
+      workers=(); [ "$nw" != 0 ] && workers=(-n "$nw" --dist loadfile)
       timeout ${TEST_TIMEOUT:-560} python3 -m pytest ${TESTS:-tests} -q -p no:cacheprovider "${workers[@]}" \
         -k "not test_every_kernel_compiles_for_sm75" 2>&1 | tee "$OUT/tests.log" | tail -25 || rc=1
       python3 -m solution.sm75_check 2>&1 | tee "$OUT/sm75.log" | tail -30 ;;
