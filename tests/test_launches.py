@@ -315,3 +315,71 @@ def test_prepared_launchers_of_the_node_give_the_same_bits_gpu():
     for name in ("_rmsnorm_fwd_kernel", "_rmsnorm_bwd_dx_kernel", "_add_rmsnorm_fwd_kernel", "_add_rmsnorm_bwd_kernel",
                  "swiglu_fwd", "swiglu_bwd", "fp32_add_kernel", "qkv_grad_sum", "qkv_rope_pad", "qkv_rope_unpad"):
         assert _launches.DIRECT[name] >= 2, (name, dict(_launches.DIRECT))
+
+
+# -- the native launch of a prepared launch (kernels/_launches.py, ``raw_launcher``) ------------------
+
+def _fake_cuda_launcher(calls, scratch=0):
+    """A Triton CudaLauncher without a compiled module: its ``launch`` records what it is given."""
+    from triton.backends.nvidia.driver import CudaLauncher
+
+    launcher = object.__new__(CudaLauncher)
+    launcher.launch = lambda *a: calls.append(a)
+    launcher.num_ctas, launcher.global_scratch_size, launcher.global_scratch_align = 1, scratch, 8
+    launcher.profile_scratch_size, launcher.profile_scratch_align = 0, 1
+    launcher.launch_cooperative_grid, launcher.launch_pdl = False, True
+    return launcher
+
+
+def _reviewed_launcher():
+    if not _launches._launcher_cls():
+        import triton
+
+        pytest.skip(f"Triton {triton.__version__}'s CudaLauncher.__call__ is not the reviewed one")
+
+
+def test_raw_launcher_passes_launch_what_the_launchers_call_passes():
+    """``raw_launcher``'s call gives the native launch exactly the arguments that CudaLauncher.__call__
+    (this Triton's, the reviewed source) gives it; a kernel with scratch memory, or another launcher
+    class, keeps ``compiled.run``."""
+    _reviewed_launcher()
+    calls = []
+    launcher = _fake_cuda_launcher(calls)
+    compiled = _FakeCompiled([])
+    compiled._run = launcher
+    launch, coop, pdl = _launches.raw_launcher(compiled)
+    launcher(5, 1, 1, 1234, "fn-handle", "meta", None, None, None, "X", 32, 8)  # Triton's own call
+    launch(5, 1, 1, 1234, "fn-handle", coop, pdl, None, None, "meta", None, None, None, "X", 32, 8)
+    assert len(calls) == 2 and calls[0] == calls[1]
+    assert _launches.raw_launcher(_FakeCompiled([])) is None  # no launcher of that class
+    compiled._run = _fake_cuda_launcher(calls, scratch=64)
+    assert _launches.raw_launcher(compiled) is None  # scratch memory: allocated by __call__
+
+
+def test_prepared_launch_calls_the_native_launch_once_kept(monkeypatch):
+    """A prepared launch's first call keeps the compiled kernel and its native launch; later calls of
+    the key call that launch with CudaLauncher.__call__'s arguments; with ``raw`` off, compiled.run."""
+    _reviewed_launcher()
+    d = _fake_direct(monkeypatch)
+    calls, runs = [], []
+    launcher = _fake_cuda_launcher(calls)
+
+    class Kernel(_FakeKernel):
+        def __getitem__(self, grid):
+            def runner(*args, **kwargs):
+                self.slow.append((grid, args, kwargs))
+                compiled = _FakeCompiled(runs)
+                compiled._run = launcher
+                return compiled
+            return runner
+
+    d.jit_cls = Kernel
+    k, site = Kernel(), {}
+    for x in ("X", "X2", "X3"):
+        _launches.launch_prepared(site, ("key",), k, (5,), "fake", (x, 32, 8), {})
+    assert len(k.slow) == 1 and runs == [] and _launches.DIRECT["fake"] == 2
+    assert calls == [(5, 1, 1, 1234, "fn-handle", False, True, None, None, "meta", None, None, None, x, 32, 8)
+                     for x in ("X2", "X3")]
+    monkeypatch.setitem(_launches._state, "raw", False)
+    _launches.launch_prepared(site, ("key",), k, (5,), "fake", ("X4", 32, 8), {})
+    assert len(calls) == 2 and runs == [(5, 1, 1, 1234, "fn-handle", "meta", None, None, None, "X4", 32, 8)]

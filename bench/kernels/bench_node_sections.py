@@ -9,7 +9,8 @@ that keeps its inclusive time and its own time (inclusive minus the wrapped call
 steps are timed that way (launches through the direct path, kernels/_launches.py). Before that,
 the step timed with the direct path on and off, in pairs, and with attention's way in and out
 through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) on and off, in pairs, and with prepared launches
-(kernels/_launches.launch_prepared) on and off, in pairs, and with the MLP's gate and up as one GEMM
+(kernels/_launches.launch_prepared) on and off, in pairs, and their native launch
+(kernels/_launches.raw_launcher) against the launcher's call, in pairs, and with the MLP's gate and up as one GEMM
 ($SOLUTION_GATE_UP_GEMM) and q's and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM) on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
 inclusive and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how
 much the timers themselves add. Then a launch table: one of the node's real launches
@@ -257,6 +258,12 @@ def main() -> None:
                                   "qkv_rope on - off, median of pairs"))
         # prepared launches (kernels/_launches.launch_prepared) or launch()
         direct_rows.update(paired("prepared on", "prepared off", set_prepared, "prepared on - off, median of pairs"))
+
+        def set_raw(on: bool) -> None:
+            _launches._state["raw"] = on
+
+        # a prepared launch through the launcher's native launch (kernels/_launches.raw_launcher) or its __call__
+        direct_rows.update(paired("native launch", "launcher call", set_raw, "native launch - launcher call, median of pairs"))
         # the MLP's gate and up as one GEMM ($SOLUTION_GATE_UP_GEMM: each layer's plan keeps it) and q's
         # and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM: the node reads it once per step)
         from solution.step import layer as layer_mod

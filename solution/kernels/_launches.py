@@ -73,9 +73,17 @@ class _Direct:
         self.device, self.stream = active.get_current_device, active.get_current_stream
 
 
+# sha256 of the reviewed source of the compiled kernel's launcher call (``CudaLauncher.__call__`` in
+# triton/backends/nvidia/driver.py) -> version: where it is this one, a prepared launch calls the
+# launcher's native ``launch`` with the arguments that __call__ gives it (``raw_launcher``).
+ACCEPTED_LAUNCHER = {
+    "9412a64d532d5b5ce67ef236d2f377fe728f58c346b5ef399c4836793b79f436": "3.6.0",
+}
+
 # direct: None (not decided) | False | _Direct; prepared: launch_prepared may skip the binder (benchmarks
-# turn it off to compare)
-_state: dict = {"direct": None, "enabled": True, "prepared": True}
+# turn it off to compare); raw: launch_prepared may call the native launch (``raw_launcher``; benchmarks
+# turn it off to compare); launcher_cls: None (not decided) | False | Triton's CudaLauncher
+_state: dict = {"direct": None, "enabled": True, "prepared": True, "raw": True, "launcher_cls": None}
 _COMPILED: dict = {}  # (id(kernel), device, specialization, options) -> Triton's compiled kernel
 
 
@@ -219,16 +227,56 @@ def launch_prepared(site: dict, key, kernel, grid: tuple, name: str, args: tuple
         if d is not None:
             device = d.device()
             if kept[0] == device:
-                compiled = kept[1]
+                compiled, raw = kept[1], kept[2]
                 LAUNCHES[name] += 1
                 DIRECT[name] += 1
                 n = len(grid)
-                compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device),
-                             compiled.function, compiled.packed_metadata, None, None, None, *args)
+                if raw is not None and _state["raw"]:  # CudaLauncher.__call__'s own call of launch
+                    raw[0](grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device),
+                           compiled.function, raw[1], raw[2], None, None, compiled.packed_metadata, None, None,
+                           None, *args)
+                else:
+                    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device),
+                                 compiled.function, compiled.packed_metadata, None, None, None, *args)
                 return
     compiled = _launch(kernel, grid, name, args, options, keep=True)
     if compiled is not None:
-        site[key] = (_state["direct"].device(), compiled)
+        site[key] = (_state["direct"].device(), compiled, raw_launcher(compiled))
+
+
+def _launcher_cls():
+    """Triton's CudaLauncher when its ``__call__`` is the reviewed one (``ACCEPTED_LAUNCHER``), else
+    False; decided once."""
+    cls = _state["launcher_cls"]
+    if cls is None:
+        cls = False
+        try:
+            import inspect
+
+            from triton.backends.nvidia.driver import CudaLauncher
+
+            digest = hashlib.sha256(inspect.getsource(CudaLauncher.__call__).encode()).hexdigest()
+            if digest in ACCEPTED_LAUNCHER:
+                cls = CudaLauncher
+        except (ImportError, AttributeError, OSError, TypeError):
+            pass
+        _state["launcher_cls"] = cls
+    return cls
+
+
+def raw_launcher(compiled):
+    """(launch, cooperative, pdl) of ``compiled``'s launcher when a prepared launch may call its
+    native ``launch`` directly: the launcher is Triton's reviewed ``CudaLauncher`` and the kernel
+    needs no global or profile scratch memory. ``CudaLauncher.__call__`` (reviewed, Triton 3.6.0)
+    then does nothing but pass ``launch`` its grid, stream and function, its two flags, None for
+    the two scratch buffers and the remaining arguments unchanged; calling ``launch`` so skips a
+    Python frame, a closure and two calls a launch. None otherwise (the caller calls
+    ``compiled.run``, as before)."""
+    cls = _launcher_cls()
+    launcher = getattr(compiled, "_run", None)
+    if (not cls or type(launcher) is not cls or launcher.global_scratch_size or launcher.profile_scratch_size):
+        return None
+    return launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
 
 
 def spec_key(tensors: tuple, ints: tuple) -> tuple:
