@@ -41,8 +41,8 @@ solution/patches/qwen2_mlp.py; the choice of issue 5.2):
 Any other value makes apply() raise a clear error before it installs anything; apply() reports
 the policy in use.
 
-One GEMM for gate and up (``gate_up=True``: $SOLUTION_GATE_UP_GEMM, off by default until a GPU
-measures it; only with the "speed" policy). What it replaces: the two projections' GEMMs of the
+One GEMM for gate and up (``gate_up=True``: $SOLUTION_GATE_UP_GEMM, on by default; only with the
+"speed" policy; measured: docs/kernels/nf4_mlp.md). What it replaces: the two projections' GEMMs of the
 forward (x16 @ Wg, x16 @ Wu) and of the backward (dg16 @ Wg, du16 @ Wu), four cuBLAS calls, plus
 the fp32 add of the two input gradients. Why: on the eager step each cuBLAS call costs ~20-40 us
 of host time (docs/layer_node.md), and the sum is one more launch. What it does instead: Wg and Wu

@@ -160,7 +160,7 @@ class StepContext:
         # tables; the head_dim is checked per layer (``_qkv_fused``)
         self.qkv_fused = (settings.current().qkv_rope and qkv_rope.supported(self.cos.shape[-1], self.cos)
                           and self.sin.stride(-1) == 1)
-        # q's and v's LoRA A GEMMs as one batched GEMM each (``_lora_pair_forward16``); off by default
+        # q's and v's LoRA A GEMMs as one batched GEMM each (``_lora_pair_forward16``; $SOLUTION_LORA_BMM)
         self.lora_bmm = settings.current().lora_bmm
 
     def ok(self, x) -> bool:
