@@ -100,12 +100,17 @@ def _triton_launch_source() -> str:
     return "".join(inspect.getsource(f) for f in parts)
 
 
+def _source_digest(source: str) -> str:
+    """sha256 (hex) of reviewed source text: what ``ACCEPTED_TRITON`` and ``ACCEPTED_LAUNCHER`` hold."""
+    return hashlib.sha256(source.encode()).hexdigest()
+
+
 def triton_launch_digest() -> str | None:
     """sha256 of ``_triton_launch_source`` (None when Triton lacks one of those functions); read
     once per process (reading the sources takes milliseconds)."""
     if "digest" not in _state:
         try:
-            _state["digest"] = hashlib.sha256(_triton_launch_source().encode()).hexdigest()
+            _state["digest"] = _source_digest(_triton_launch_source())
         except (ImportError, AttributeError, OSError, TypeError):
             _state["digest"] = None
     return _state["digest"]
@@ -231,13 +236,13 @@ def launch_prepared(site: dict, key, kernel, grid: tuple, name: str, args: tuple
                 LAUNCHES[name] += 1
                 DIRECT[name] += 1
                 n = len(grid)
+                gx, gy, gz, stream = grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device)
                 if raw is not None and _state["raw"]:  # CudaLauncher.__call__'s own call of launch
-                    raw[0](grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device),
-                           compiled.function, raw[1], raw[2], None, None, compiled.packed_metadata, None, None,
-                           None, *args)
+                    raw[0](gx, gy, gz, stream, compiled.function, raw[1], raw[2], None, None,
+                           compiled.packed_metadata, None, None, None, *args)
                 else:
-                    compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, d.stream(device),
-                                 compiled.function, compiled.packed_metadata, None, None, None, *args)
+                    compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                                 *args)
                 return
     compiled = _launch(kernel, grid, name, args, options, keep=True)
     if compiled is not None:
@@ -255,8 +260,7 @@ def _launcher_cls():
 
             from triton.backends.nvidia.driver import CudaLauncher
 
-            digest = hashlib.sha256(inspect.getsource(CudaLauncher.__call__).encode()).hexdigest()
-            if digest in ACCEPTED_LAUNCHER:
+            if _source_digest(inspect.getsource(CudaLauncher.__call__)) in ACCEPTED_LAUNCHER:
                 cls = CudaLauncher
         except (ImportError, AttributeError, OSError, TypeError):
             pass
