@@ -11,7 +11,10 @@ the step timed with the direct path on and off, in pairs, and with attention's w
 through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) on and off, in pairs, and with prepared launches
 (kernels/_launches.launch_prepared) on and off, in pairs, and their native launch
 (kernels/_launches.raw_launcher) against the launcher's call, in pairs, and with the MLP's gate and up as one GEMM
-($SOLUTION_GATE_UP_GEMM) and q's and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM) on and off, in pairs. The table gives, per layer (forward + backward), the calls, the
+($SOLUTION_GATE_UP_GEMM) and q's and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM) on and off, in pairs
+(bench/pairs.py: the arm that runs first alternates; each pair comparison reports the arms' medians,
+the median and quartiles of the pairs' differences, how many pairs had the "on" arm faster, and
+"no difference shown" where the quartiles straddle zero). The table gives, per layer (forward + backward), the calls, the
 inclusive and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how
 much the timers themselves add. Then a launch table: one of the node's real launches
 (``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
@@ -37,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from bench.kernels.bench_layer_host import LAYERS, _timed_ms, build, setup, step_fn  # noqa: E402
+from bench import pairs  # noqa: E402
 
 STEPS = 20
 
@@ -233,18 +237,21 @@ def main() -> None:
             return statistics.median(_timed_ms(step) for _ in range(STEPS))
 
         def paired(on: str, off: str, switch, diff_label: str) -> dict:
-            """The step timed with ``switch(True)`` (arm ``on``) and ``switch(False)`` (arm ``off``),
-            alternating, STEPS pairs; the medians of each arm and of the pairs' differences. Leaves
-            the switch on."""
-            arms = {on: [], off: []}
-            for _ in range(STEPS):
-                for label, state in ((on, True), (off, False)):
+            """The step timed with ``switch(True)`` (arm ``on``) and ``switch(False)`` (arm ``off``)
+            in STEPS pairs, the arm that goes first alternating (bench/pairs.py); the medians of each
+            arm and of the pairs' differences, their quartiles, how many pairs had ``on`` faster, and
+            the verdict (a difference whose quartiles straddle zero is not shown). Leaves the switch
+            on."""
+            times = {True: [], False: []}
+            for i in range(STEPS):
+                for state in pairs.order(i):
                     switch(state)
-                    arms[label].append(_timed_ms(step))
+                    times[state].append(_timed_ms(step))
             switch(True)
-            rows = {k: statistics.median(v) for k, v in arms.items()}
-            rows[diff_label] = statistics.median([a - b for a, b in zip(arms[on], arms[off])])
-            return rows
+            s = pairs.summary(times[True], times[False])
+            return {on: s["on"], off: s["off"], diff_label: s["diff"],
+                    f"{on} - {off}, quartiles of pairs": f"{s['q1']:.2f} / {s['q3']:.2f}",
+                    f"{on} - {off}, pairs with {on} faster": f"{s['on_faster']} of {s['n']}: {pairs.verdict(s)}"}
 
         def set_prepared(on: bool) -> None:
             _launches._state["prepared"] = on
@@ -320,7 +327,7 @@ def main() -> None:
     print(f"\n| step ({LAYERS} layers), paired arms | ms, median of {STEPS} |")
     print("| --- | ---: |")
     for k, v in direct_rows.items():
-        print(f"| {k} | {v:.2f} |")
+        print(f"| {k} | {v:.2f} |" if isinstance(v, float) else f"| {k} | {v} |")
     print("\n| launch of nf4_dequant_cast_kernel | host us / call |")
     print("| --- | ---: |")
     for k, v in launches.items():
