@@ -20,6 +20,10 @@
 # (TEST_TIMEOUT's default was 450 s since; on 2026-12-03 ecac261's suite ran 1,081 of 1,116 tests
 # in 450 s, so it is 560 s now, under the 600 s a call may run); RUNS=shipped-cold --no-profile (2) 72-100 s; the whole
 # suite then RUNS=ckpt --no-profile in one call 557 s.
+# On 2026-12-03 (56ebb1d, one warm machine, wall time of each call): tests + bench_node_sections 188 s
+# (the suite 136 s with 6 workers); RUNS=shipped-graphs-off --repeat 3 --no-profile 270 s;
+# RUNS=shipped,ckpt --profile-shapes shipped 396 s; RUNS=gpu-bound-sm16,shipped-cold --no-profile 180 s;
+# RUNS=long,short --no-profile 185 s (all with --no-host-split).
 # then, here, from the calls' unpacked results.tgz: one report with every run and the call each came from
 # (the T4 projection and the partition's prediction need the shipped runs' results):
 #   python -m bench.rebuild_report DIR_1/runs-... DIR_2/runs-... ... --into ALL_DIR
