@@ -236,12 +236,12 @@ def main() -> None:
         def timed_steps():
             return statistics.median(_timed_ms(step) for _ in range(STEPS))
 
-        def paired(on: str, off: str, switch, diff_label: str) -> dict:
+        def paired(on: str, off: str, switch, diff: str) -> dict:
             """The step timed with ``switch(True)`` (arm ``on``) and ``switch(False)`` (arm ``off``)
             in STEPS pairs, the arm that goes first alternating (bench/pairs.py); the medians of each
             arm and of the pairs' differences, their quartiles, how many pairs had ``on`` faster, and
-            the verdict (a difference whose quartiles straddle zero is not shown). Leaves the switch
-            on."""
+            the verdict (a difference whose quartiles straddle zero is not shown), in rows labelled
+            ``diff`` (e.g. "qkv_rope on - off") and what each is. Leaves the switch on."""
             times = {True: [], False: []}
             for i in range(STEPS):
                 for state in pairs.order(i):
@@ -249,28 +249,28 @@ def main() -> None:
                     times[state].append(_timed_ms(step))
             switch(True)
             s = pairs.summary(times[True], times[False])
-            return {on: s["on"], off: s["off"], diff_label: s["diff"],
-                    f"{on} - {off}, quartiles of pairs": f"{s['q1']:.2f} / {s['q3']:.2f}",
-                    f"{on} - {off}, pairs with {on} faster": f"{s['on_faster']} of {s['n']}: {pairs.verdict(s)}"}
+            return {on: s["on"], off: s["off"], f"{diff}, median of pairs": s["diff"],
+                    f"{diff}, quartiles of pairs": f"{s['q1']:.2f} / {s['q3']:.2f}",
+                    f"{diff}, pairs with {on} faster": f"{s['on_faster']} of {s['n']}: {pairs.verdict(s)}"}
 
         def set_prepared(on: bool) -> None:
             _launches._state["prepared"] = on
 
         on_settings = settings_mod.current()
-        direct_rows = paired("direct", "kernel[grid]", _launches.set_direct, "direct - kernel[grid], median of pairs")
+        direct_rows = paired("direct", "kernel[grid]", _launches.set_direct, "direct - kernel[grid]")
         # attention's way in and out through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) or the launches
         # it replaces (the node reads the setting once per step)
         direct_rows.update(paired("qkv_rope on", "qkv_rope off",
                                   lambda on: settings_mod.activate(dataclasses.replace(on_settings, qkv_rope=on)),
-                                  "qkv_rope on - off, median of pairs"))
+                                  "qkv_rope on - off"))
         # prepared launches (kernels/_launches.launch_prepared) or launch()
-        direct_rows.update(paired("prepared on", "prepared off", set_prepared, "prepared on - off, median of pairs"))
+        direct_rows.update(paired("prepared on", "prepared off", set_prepared, "prepared on - off"))
 
         def set_raw(on: bool) -> None:
             _launches._state["raw"] = on
 
         # a prepared launch through the launcher's native launch (kernels/_launches.raw_launcher) or its __call__
-        direct_rows.update(paired("native launch", "launcher call", set_raw, "native launch - launcher call, median of pairs"))
+        direct_rows.update(paired("native launch", "launcher call", set_raw, "native launch - launcher call"))
         # the MLP's gate and up as one GEMM ($SOLUTION_GATE_UP_GEMM: each layer's plan keeps it) and q's
         # and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM: the node reads it once per step)
         from solution.step import layer as layer_mod
@@ -283,10 +283,10 @@ def main() -> None:
                 p.gate_up = on and applies[id(p)]
 
         if any(applies.values()):
-            direct_rows.update(paired("gate_up on", "gate_up off", set_gate_up, "gate_up on - off, median of pairs"))
+            direct_rows.update(paired("gate_up on", "gate_up off", set_gate_up, "gate_up on - off"))
         direct_rows.update(paired("lora_bmm on", "lora_bmm off",
                                   lambda on: settings_mod.activate(dataclasses.replace(on_settings, lora_bmm=on)),
-                                  "lora_bmm on - off, median of pairs"))
+                                  "lora_bmm on - off"))
         plain_ms = timed_steps()
         timers = Timers()
         for owner, name, label in targets():
