@@ -4,7 +4,7 @@
 # scripts/fetch_gpu_wheels.sh), check versions, run the GPU tests, the sm_75 compile check,
 # the per-kernel benchmarks and the full-size baseline-vs-solution comparison.
 #   bash scripts/gpu_run.sh [tests] [bench] [compare] [compare-shapes] [compare-cold] [compare-all] [runs] [cprofile]
-#                           [hostsplit] [precompile] [memory] [origins] [variants] [timed]
+#                           [hostsplit] [memory] [origins] [variants] [timed]
 #   (default: the first three)
 # Named runs (bench/runs.py; each a baseline-vs-solution comparison under stated conditions):
 #   RUNS=shipped,shipped-graphs-off bash scripts/gpu_run.sh runs
@@ -126,32 +126,6 @@ for step in $steps; do
       RUN_ONE_EXTRA="--compile-log $OUT/compiles-@V.md" \
         run_each hostsplit --host-split md ${HOSTSPLIT_TIMEOUT:-150} 20 ${HOSTSPLIT_VARIANTS:-baseline solution}
       for f in "$OUT"/compiles-*.md; do head -12 "$f"; done ;;
-    precompile)
-      # The cold start with and without solution/precompile.py: a solution run with an empty Triton
-      # cache logs its compiles (pre0), they go into a scratch manifest, and a second solution run
-      # with another empty cache preloads them in the background (pre1). Prints first-step times.
-      rm -rf /tmp/tcache0 /tmp/tcache1 "$OUT/manifest.json"
-      export SOLUTION_PRECOMPILE_MANIFEST="$OUT/manifest.json"
-      for v in 0 1; do
-        TRITON_CACHE_DIR=/tmp/tcache$v SOLUTION_PRECOMPILE=$v \
-          run_each pre$v --compile-log md ${PRECOMPILE_TIMEOUT:-150} 0 solution
-        if [ $v = 0 ]; then python3 -m solution.precompile add "$OUT/pre0-solution.json"; fi
-      done
-      unset SOLUTION_PRECOMPILE_MANIFEST
-      grep -h "precompil" "$OUT/pre1-solution.log" | head -3
-      python3 - "$OUT" <<'PY'
-import json, sys
-for v in ("0", "1"):
-    try:
-        r = json.load(open(f"{sys.argv[1]}/pre{v}-solution/result.json"))
-        c = json.load(open(f"{sys.argv[1]}/pre{v}-solution.json"))["summary"]
-    except Exception as e:
-        print(f"pre{v}: no result ({e})"); continue
-    st = r["step_times_s"]
-    print(f"SOLUTION_PRECOMPILE={v}: first step {st[0]:.2f} s, second {st[1]:.2f} s, wall {r['wall_s']:.1f} s, "
-          f"compiles by step {c['by_step']}")
-PY
-      ;;
     origins)
       # Which Python line launches each GPU kernel, with its GPU time, graphs off (bench/op_origins.py).
       SOLUTION_CUDA_GRAPHS=0 run_each origins --op-origins md ${ORIGINS_TIMEOUT:-240} 45 ${ORIGINS_VARIANTS:-solution} ;;

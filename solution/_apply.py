@@ -6,7 +6,6 @@ import importlib
 from solution import precompile, settings as _settings
 from solution.say import say
 from solution.env import check_support, several_gpus_note
-from solution.kernels import _launches
 from solution.patches import PATCHES
 from solution.patches._base import Swaps
 from solution.settings import SKIP_ENV, Settings, check_skip_patches
@@ -45,15 +44,8 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
     _settings.activate(settings)  # what the patches read while they install and run
     if verbose:
         say(f"kernels run on: {support.reason}")
-    for line in _settings.cross_effects(settings):  # a setting that turns another feature off says so, always
-        say(line)
     if support.device == "cuda" and (note := several_gpus_note()):
         say(note)
-    _launches.set_direct(settings.direct_launch)
-    if verbose and support.device == "cuda":
-        why = _launches.direct_reason()
-        say("Triton launches: a repeated launch calls the compiled kernel's launcher directly" if why is None
-            else f"Triton launches: every one through kernel[grid] (direct launch off: {why})")
     skip = settings.skip_patches
     for module_name in PATCHES:
         module = importlib.import_module(module_name)
@@ -136,7 +128,6 @@ def revert() -> None:
         _set_expandable_segments(False)
     _installed.clear()
     _settings.activate(None)
-    _launches.set_direct(True)  # the default, as before apply()
 
 
 def installed() -> dict[str, str]:

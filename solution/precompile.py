@@ -92,8 +92,8 @@ def requested() -> bool:
 
 
 def manifest_path() -> Path:
-    """The manifest in use: $SOLUTION_PRECOMPILE_MANIFEST (settings.current()), else MANIFEST."""
-    return settings.current().precompile_manifest or MANIFEST
+    """The manifest in use: the shipped one (kernels/compile_manifest.json)."""
+    return MANIFEST
 
 
 def load_manifest(path: Path | None = None) -> list[dict]:

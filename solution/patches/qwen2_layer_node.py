@@ -154,7 +154,9 @@ def build(layer, x):
     if x.dtype != torch.float32 or x.dim() != 3 or x.shape[0] != 1:
         return "hidden states are not fp32 packed rows"
     cur = settings.current()
-    if not (cur.attn_varlen and cur.attn_layout_kernels):
+    from solution.step import attention
+
+    if not attention.varlen_enabled():
         return "attention on the padded layout"
     # Inputs shaped like the step's but with more rows than bnb's small-M rule covers: the plan
     # must not depend on this step's token count (``small_m`` asks bnb's rule every step).
@@ -202,7 +204,7 @@ def build(layer, x):
     valid = _validator(layer, [(attn.q_proj, q.dropout), (attn.v_proj, v.dropout)], linears)
     return LayerPlan(q=q, v=v, k=plans["k_proj"], k_bias16=_bnb.linear4bit_bias(attn.k_proj), o=plans["o_proj"],
                      mlp=(gate, up, down), policy=cur.memory_policy,
-                     gate_up=cur.gate_up_gemm and nf4_mlp.gate_up_applies(cur.memory_policy, gate, up),
+                     gate_up=False,
                      norm1_w=norms[0].weight,
                      norm2_w=norms[1].weight, eps1=float(norms[0].variance_epsilon),
                      eps2=float(norms[1].variance_epsilon), n_heads=n_heads, n_kv=n_kv, head_dim=head_dim,

@@ -109,7 +109,7 @@ def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
     cur = settings.current()  # read at install; apply() already checked it
-    policy, gate_up = cur.memory_policy, cur.gate_up_gemm
+    policy, gate_up = cur.memory_policy, False
     cls = modeling_qwen2.Qwen2MLP
     swaps.set(cls, "forward", make_forward(cls.__dict__["forward"], policy, gate_up))
     one_gemm = ", gate and up as one GEMM each way" if gate_up and policy == "speed" else ""

@@ -2,11 +2,13 @@
 choose its kernel.
 
 When the attention mask argument is an ``Unpadded`` (solution/step/packing.py), attention runs
-on the packed rows by default: PyTorch's memory-efficient kernel in its variable-length mode
+on the packed rows: PyTorch's memory-efficient kernel in its variable-length mode
 (``cu_seqlens``, causal within each row; solution/kernels/attn_varlen.py), K/V repeated to the 12
-query heads by our layout kernel. With SOLUTION_ATTN_VARLEN=0, q/k/v go back to the padded
-[batch, heads, seqlen, dim] layout (zeros at pads), the same SDPA call as stock runs with
-``is_causal=True``, and the real rows of the output are kept. Either way, with right padding a
+query heads by our layout kernel. Where that kernel refuses (``varlen_works``: said once), or for
+inputs it does not take, q/k/v go back to the padded [batch, heads, seqlen, dim] layout (zeros at
+pads), the same SDPA call as stock runs with ``is_causal=True``, and the real rows of the output
+are kept: this also turns off the decoder-layer node and the CUDA graphs (both need the packed
+rows). Either way, with right padding a
 real query at position t attends to keys 0..t of its row, all real: the set of keys is stock's,
 so the values are the same up to the attention kernel's rounding (masked entries are skipped
 instead of set to -inf). patches/qwen2_unpad.py routes transformers' "sdpa" entry here.
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from solution import settings
 from solution.say import say
 from solution.kernels import attn_layout, attn_varlen
 from solution.step import packing
@@ -25,25 +26,24 @@ from solution.step.packing import packed_layout
 
 def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **kwargs):
     """Attention of packed rows: query [1, Hq, N, D], key/value [1, Hkv, N, D] -> [1, N, Hq, D]
-    (the layout stock's sdpa_attention_forward returns). By default on the packed rows themselves
-    (PyTorch's variable-length kernel), else
-    through the padded layout (our layout kernels, or torch's ops with the layout kernels off)."""
+    (the layout stock's sdpa_attention_forward returns). On the packed rows themselves (PyTorch's
+    variable-length kernel) where it runs, else through the padded layout (our layout kernels, or
+    torch's ops for dtypes the layout kernels do not take)."""
     from transformers.integrations.sdpa_attention import repeat_kv
 
-    if layout_kernels_enabled():
-        dtype = _sdpa_input_dtype(query, key, value)
-        if dtype is not None:
-            if (varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None
-                    and varlen_works(query.device, dtype, query.shape[-1])):
-                try:
-                    return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
-                except torch.cuda.OutOfMemoryError:
-                    raise  # not a refusal of the kernel: the padded layout would need more memory
-                except RuntimeError as exc:  # e.g. a PyTorch build or GPU without the varlen mode
-                    if _in_graph(info):
-                        raise  # a failed CUDA-graph capture, not a refusal of the kernel: the runner falls back
-                    _varlen_failed(exc)
-            return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
+    dtype = _sdpa_input_dtype(query, key, value)
+    if dtype is not None:
+        if (varlen_enabled() and dropout == 0.0 and attn_varlen.supported(query) and info.cu_seqlens is not None
+                and varlen_works(query.device, dtype, query.shape[-1])):
+            try:
+                return _sdpa_varlen(module, query, key, value, info, scaling, dtype)
+            except torch.cuda.OutOfMemoryError:
+                raise  # not a refusal of the kernel: the padded layout would need more memory
+            except RuntimeError as exc:  # e.g. a PyTorch build or GPU without the varlen mode
+                if _in_graph(info):
+                    raise  # a failed CUDA-graph capture, not a refusal of the kernel: the runner falls back
+                _varlen_failed(exc)
+        return _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype)
     b, s = info.batch, info.seqlen
     _refuse_padded_layout(info)
 
@@ -62,16 +62,10 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
     return out.view(1, out.shape[0], query.shape[1], query.shape[3]), None
 
 
-LAYOUT_KERNELS_ENV = "SOLUTION_ATTN_LAYOUT_KERNELS"  # names only: settings.py reads them
-VARLEN_ENV = "SOLUTION_ATTN_VARLEN"
-
-
 def varlen_enabled() -> bool:
     """Variable-length attention on the packed rows (solution/kernels/attn_varlen.py) instead of
-    the padded layout. On by default since it won its H200 measurement (docs/kernels/attn_varlen.md,
-    section 5); $SOLUTION_ATTN_VARLEN=0 keeps the padded layout (settings.current()). Needs the
-    layout kernels (it repeats KV heads with them)."""
-    return _VARLEN_FAILED is None and settings.current().attn_varlen
+    the padded layout: true until the kernel refused this machine (``_varlen_failed``)."""
+    return _VARLEN_FAILED is None
 
 
 _VARLEN_FAILED: str | None = None
@@ -125,30 +119,12 @@ def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
     return attn_varlen.varlen_causal_attention(q, k, v, info, scaling), None
 
 
-def layout_kernels_enabled() -> bool:
-    """Our Triton pad/unpad kernels around attention (solution/kernels/attn_layout.py) instead of
-    torch's index ops. On by default since it won its H200 measurement (docs/kernels/attn_layout.md,
-    section 5); $SOLUTION_ATTN_LAYOUT_KERNELS=0 keeps torch's index ops (settings.current())."""
-    return settings.current().attn_layout_kernels
-
-
-def filler_row_apart(head_dim: int, dtype: torch.dtype) -> bool:
-    """A filler row would attend only to itself in this model's attention: ``rows_kept_apart`` and
-    ``sdpa_unpadded`` takes its variable-length path for heads of ``head_dim`` in ``dtype`` (the
-    attention's dtype: autocast's, or the hidden states'). Asked before the eager layers run on a
-    token bucket (step/decoder.py); the graphs find out at capture instead (``_refuse_padded_layout``)."""
-    if not rows_kept_apart():
-        return False
-    q = torch.empty((), dtype=dtype).expand(1, 1, 1, head_dim)  # shape and dtype are all the checks read
-    return attn_varlen.supported(q) and attn_layout.supported(q)
-
-
 def rows_kept_apart() -> bool:
     """Attention reads each packed row's extent from ``cu_seqlens`` (the layout kernels and
     variable-length attention both on), so an extra packed row (a filler: packing.make_unpadded's
     ``extra``) attends only to itself. On the padded layout a filler row would share positions
-    with real tokens. Asked by the CUDA graphs and the eager bucket (step/decoder.py)."""
-    return layout_kernels_enabled() and varlen_enabled()
+    with real tokens. Asked by the CUDA graphs."""
+    return varlen_enabled()
 
 
 def _sdpa_input_dtype(query, key, value):
@@ -186,14 +162,14 @@ def _in_graph(info) -> bool:
 def _refuse_padded_layout(info) -> None:
     """Inside a CUDA graph the padded layout's idx / src would be captured once: wrong for the next
     batch of the bucket (raising makes the graph runner fall back to the eager layers). A filler
-    row (a token bucket's) would share padded positions with the real tokens it copies, and take
-    their gradients in backward: never computed so (``filler_row_apart`` keeps the eager bucket
-    off wherever this could happen; this is the last guard)."""
+    row (a graph bucket's) would share padded positions with the real tokens it copies, and take
+    their gradients in backward: never computed so (the graphs refuse the padded layout; this is
+    the last guard)."""
     if _in_graph(info):
         raise RuntimeError("attention on the padded layout cannot run inside a decoder CUDA graph")
     if info.has_filler:
         raise RuntimeError("attention on the padded layout cannot take a token bucket's filler row "
-                           "(it would share positions with real tokens); set SOLUTION_EAGER_BUCKET=0")
+                           "(it would share positions with real tokens)")
 
 
 def _sdpa_unpadded_kernels(module, query, key, value, info, dropout, scaling, dtype):

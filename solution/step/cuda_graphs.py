@@ -121,25 +121,15 @@ def bucketed_tokens(n: int, bucket: int) -> int:
 GPU_BOUND_RATIO = 1.15
 
 
-# What each verdict means for what the probe decides: "graphs" ($SOLUTION_CUDA_GRAPHS=auto) or, for
-# the eager steps that remain where graphs are off or refused, "eager bucket" ($SOLUTION_EAGER_BUCKET=auto:
-# the eager layers' token count rounded up to a multiple of AUTO_EAGER_BUCKET, step/decoder.py).
-GRAPHS, EAGER_BUCKET = "graphs", "eager bucket"
 _MEANING = {
-    (GRAPHS, False): "a replay saves host time only, and its filler tokens add GPU work",
-    (GRAPHS, True): "the GPU waits for the host's launches",
-    (EAGER_BUCKET, False): "a filler row would add GPU work",
-    (EAGER_BUCKET, True): "the GPU waits for the host, and a rounded-up token count spares cuBLAS a new GEMM shape a step",
+    False: "a replay saves host time only, and its filler tokens add GPU work",
+    True: "the GPU waits for the host's launches",
 }
-# The eager bucket "auto" takes where the eager layers are host-bound: measured on the H200 with
-# graphs off (docs/layer_node.md: ~13% off steps 3-64 at 128; 64 gave no gain in its one run).
-AUTO_EAGER_BUCKET = 128
 
 
-def decide(samples: list[tuple[float, float]], subject: str = GRAPHS) -> tuple[bool | None, str]:
+def decide(samples: list[tuple[float, float]]) -> tuple[bool | None, str]:
     """(host-bound?, why) from the probe samples so far, (host seconds, GPU seconds) of the eager
-    layers' timed part per step; None while there is none. Host-bound means graphs on (``subject``
-    GRAPHS) or the eager bucket on (EAGER_BUCKET); ``why`` says it in those terms. Pure: tested
+    layers' timed part per step; None while there is none. Host-bound means graphs on. Pure: tested
     with fake timings."""
     if not samples:
         return None, "measuring"
@@ -147,44 +137,11 @@ def decide(samples: list[tuple[float, float]], subject: str = GRAPHS) -> tuple[b
     ratio = gpu / host if host > 0 else float("inf")
     figures = f"layers' second half: host {host * 1e3:.1f} ms, GPU {gpu * 1e3:.1f} ms ({ratio:.2f}x)"
     verdict = ratio <= GPU_BOUND_RATIO
-    return verdict, f"{'host-bound' if verdict else 'GPU-bound'} ({figures}): {_MEANING[subject, verdict]}"
-
-
-# A second check, once graphs are on ($SOLUTION_GRAPHS_VERIFY=1; off until measured on a GPU): the
-# ratio above cannot tell a GPU that idles 90% of a host-bound step from one that idles 5% (both
-# finish right after the host), and in the second case a replay, which also computes the bucket's
-# filler tokens, can cost more GPU time than the eager step took (a GPU-bound partition of the H200:
-# 16 SMs, where the graphs run GPU-bound). So the probe also times the host's issue of part of the
-# eager layers' backward (tensor hooks run by the autograd thread), which gives the eager layers'
-# host time for one step, forward and backward (``_Probe.layer_host``: launch work, hardly
-# dependent on the tokens); the first replay is timed on the GPU (events around its forward and
-# backward graphs: a replay runs back to back, so this is its GPU time, filler included). A replay
-# step takes that GPU time; an eager step at least the host time. ``verify`` keeps the graphs while
-# the replay is within REPLAY_MARGIN of the host time, else they are dropped before the next step
-# (the captures are paid; the margin keeps noise from dropping graphs that merely break even), and
-# the eager bucket stays off with them (the GPU is what the step waits for).
-REPLAY_MARGIN = 1.05
-
-
-def verify(layer_host: float, replay_gpu: float) -> tuple[bool, str]:
-    """(keep graphs?, why), once they are on: ``layer_host`` the eager layers' host time for one
-    step (``_Probe.layer_host``), ``replay_gpu`` one replay's GPU time (forward and backward graphs,
-    its bucket's filler included). Pure: tested with fake timings."""
-    ratio = replay_gpu / layer_host if layer_host > 0 else float("inf")
-    figures = (f"a replay's GPU time {replay_gpu * 1e3:.1f} ms against the eager layers' host time "
-               f"{layer_host * 1e3:.1f} ms ({ratio:.2f}x)")
-    if ratio > REPLAY_MARGIN:
-        return False, f"replays cost more than they save ({figures}): the layers run eagerly from the next step"
-    return True, f"replays pay ({figures})"
+    return verdict, f"{'host-bound' if verdict else 'GPU-bound'} ({figures}): {_MEANING[verdict]}"
 
 
 def decision_line(d: dict) -> str:
     """One line for a DECISIONS entry (said when it is made; bench/report.py prints it too)."""
-    if d.get("check") == "replay":
-        return f"decoder CUDA graphs {'kept' if d['graphs'] else 'off'}: {d['reason']}"
-    if d.get("subject", GRAPHS) == EAGER_BUCKET:
-        bucket = d.get("eager_bucket") or 0
-        return f"eager token bucket {f'{bucket} tokens' if bucket else 'off'}: {d['reason']}"
     return f"decoder CUDA graphs {'on' if d['graphs'] else 'off'}: {d['reason']}"
 
 
@@ -206,58 +163,13 @@ def settle_precompile(timeout: float = PRECOMPILE_WAIT_S) -> float:
     return time.perf_counter() - t0
 
 
-class BackwardWindow:
-    """The host's issue of the backward of some layers, timed between the gradients of two layer
-    inputs (``watch``): tensor hooks, run by the autograd thread, that note ``time.perf_counter()``
-    and return nothing (the gradients are not touched)."""
-
-    def __init__(self):
-        self.marks: dict[str, float] = {}
-        self.layers = 0
-
-    def watch(self, late: torch.Tensor, early: torch.Tensor, layers: int) -> None:
-        """``late`` the input of a later layer than ``early``: the gradient of ``late`` is ready
-        once the layers after it have run their backward, that of ``early`` once ``layers`` more
-        have. Nothing is watched without a layer between them or a gradient to wait for."""
-        if layers < 1 or not (late.requires_grad and early.requires_grad):
-            return
-        self.layers = layers
-
-        def mark(key):
-            def hook(grad):
-                self.marks.setdefault(key, time.perf_counter())
-            return hook
-
-        late.register_hook(mark("start"))
-        early.register_hook(mark("end"))
-
-    def seconds(self) -> float | None:
-        """The window's host time, once both gradients were ready (None before, or unwatched)."""
-        if self.layers < 1 or set(self.marks) != {"start", "end"}:
-            return None
-        return self.marks["end"] - self.marks["start"]
-
-
-def layer_host(layers: int, forward_host: float, backward: BackwardWindow) -> float | None:
-    """The eager layers' host time for one step, forward and backward: the forward window (the
-    second half of the ``layers``) and the backward window, each per layer, times the layers.
-    None without a timed backward window. Pure."""
-    backward_host = backward.seconds()
-    if backward_host is None:
-        return None
-    return layers * (forward_host / (layers - layers // 2) + backward_host / backward.layers)
-
-
 class _Timer:
-    """Times one eager forward's layers from ``start()`` to ``stop()`` for a _Probe (host and
-    GPU), and, where $SOLUTION_GRAPHS_VERIFY asks, the host's issue of part of their backward
-    (``backward``, a BackwardWindow the caller's loop sets up)."""
+    """Times one eager forward's layers from ``start()`` to ``stop()`` for a _Probe (host and GPU)."""
 
     def __init__(self, probe: "_Probe", device, layers: int):
         self.probe, self.stream = probe, torch.cuda.current_stream(device)
         self.t0, self.start_ev = None, torch.cuda.Event(enable_timing=True)
         self.layers = layers  # the decoder's layers; the forward window is the second half
-        self.backward = BackwardWindow() if settings.current().graphs_verify else None
 
     def start(self) -> None:
         settle_precompile()
@@ -271,7 +183,7 @@ class _Timer:
         end = torch.cuda.Event(enable_timing=True)
         end.record(self.stream)
         if not precompile.contended(self.t0):  # the in-process preload competed for the host: not a clean sample
-            self.probe.pending.append((host, self.start_ev, end, self))
+            self.probe.pending.append((host, self.start_ev, end))
 
 
 class _Probe:
@@ -279,63 +191,30 @@ class _Probe:
 
     def __init__(self):
         self.samples: list[tuple[float, float]] = []
-        self.pending: list[tuple] = []  # (host s, start event, end event, its _Timer)
+        self.pending: list[tuple] = []  # (host s, start event, end event)
         self.verdict: bool | None = None
         self.reason = "measuring"
-        self.layer_host: float | None = None  # the first sample's eager layers' host time a step (fwd + bwd)
-        self.gpu_heavy = False  # ``verify`` dropped the graphs: a replay cost more GPU time than the host saves
 
-    def collect(self, subject: str = GRAPHS) -> None:
+    def collect(self) -> None:
         """Read the events of earlier steps that have completed, then decide if possible (said and
-        recorded in DECISIONS in the terms of ``subject``: what the caller decides with it)."""
+        recorded in DECISIONS)."""
         while self.pending and self.pending[0][2].query():
-            host, start, end, timer = self.pending.pop(0)
-            if not self.samples and timer.backward is not None:  # its backward ran before this step
-                self.layer_host = layer_host(timer.layers, host, timer.backward)
+            host, start, end = self.pending.pop(0)
             self.samples.append((host, start.elapsed_time(end) / 1e3))
         if self.verdict is None:
-            self.verdict, self.reason = decide(self.samples, subject)
+            self.verdict, self.reason = decide(self.samples)
             if self.verdict is not None:
-                DECISIONS.append({"graphs": bool(self.verdict) and subject == GRAPHS, "subject": subject,
-                                  "eager_bucket": _eager_bucket_after(self.verdict),
-                                  "reason": self.reason, "samples": list(self.samples)})
+                DECISIONS.append({"graphs": bool(self.verdict), "reason": self.reason, "samples": list(self.samples)})
                 say(decision_line(DECISIONS[-1]))
 
 
 _PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def _eager_bucket_after(host_bound: bool | None) -> int:
-    """The eager bucket in force with this verdict: $SOLUTION_EAGER_BUCKET's N, or under "auto"
-    AUTO_EAGER_BUCKET where host-bound, else 0."""
-    chosen = settings.current().eager_bucket
-    if chosen != "auto":
-        return chosen
-    return AUTO_EAGER_BUCKET if host_bound else 0
-
-
-def eager_bucket(model) -> int:
-    """The token bucket of ``model``'s eager packed layers (step/decoder.py, ``eager_bucketed``;
-    0: off): $SOLUTION_EAGER_BUCKET's N, or under "auto" (the default) AUTO_EAGER_BUCKET once the
-    model's probe has measured its eager layers host-bound; 0 while it measures, where it found
-    them GPU-bound, and where no probe runs (no CUDA, $SOLUTION_CUDA_GRAPHS=1 with graphs replayed)."""
-    probe = None if model is None else _PROBES.get(model)
-    return _eager_bucket_after(probe is not None and probe.verdict and not probe.gpu_heavy)
-
-
 def _probe_of(model, input_ids, reason: str | None) -> _Probe | None:
-    """The model's probe when this forward needs its verdict: graphs in "auto" mode and not refused
-    (graphs on or off), or graphs not replayed (off or refused) with $SOLUTION_EAGER_BUCKET=auto
-    and attention on the packed rows (eager bucket on or off). None otherwise, and without CUDA
-    or inside a capture (no timing there)."""
-    if input_ids.device.type != "cuda":
-        return None
-    if reason is None:
-        wanted = mode() == "auto"
-    else:
-        wanted = (reason != NOT_CUDA and settings.current().eager_bucket == "auto" and attention.rows_kept_apart()
-                  and not torch.cuda.is_current_stream_capturing())
-    if not wanted:
+    """The model's probe when this forward needs its verdict: graphs in "auto" mode and not refused.
+    None otherwise, and without CUDA (no timing there)."""
+    if input_ids.device.type != "cuda" or reason is not None or mode() != "auto":
         return None
     probe = _PROBES.get(model)
     if probe is None:
@@ -454,34 +333,6 @@ class _GradBuffers:
         return [v if w else None for v, w in zip(self._views(self.flat.clone()), wanted)]
 
 
-class _ReplayTiming:
-    """CUDA events around one replay's forward graph (0, 1) and backward graph (2, 3), recorded in
-    _ReplayDecoderLayers; ``done`` once all four are recorded and complete (no sync)."""
-
-    def __init__(self):
-        self.events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-        self.recorded = 0
-
-    def mark(self, i: int) -> None:
-        """Record event i, in order; a record that fails leaves the timing incomplete (never done:
-        no check, the graphs stay) rather than failing the step it is in."""
-        if self.recorded != i:
-            return
-        try:
-            self.events[i].record()
-        except Exception:  # noqa: BLE001 - a timing is a measurement: never stop a step over it
-            return
-        self.recorded = i + 1
-
-    def done(self) -> bool:
-        return self.recorded == 4 and self.events[3].query()
-
-    def seconds(self) -> float:
-        """The forward and backward graphs' GPU time (``done`` first)."""
-        e = self.events
-        return (e[0].elapsed_time(e[1]) + e[2].elapsed_time(e[3])) / 1e3
-
-
 class _LayerGraphs:
     """The forward and backward graphs of one bucket, and the views of the arena they use."""
 
@@ -497,7 +348,6 @@ class _LayerGraphs:
         self.param_grads: _GradBuffers | None = None  # the runner's buffers, shared by its graphs
         self.has_grad: list[bool] = []
         self.rng_checked = False
-        self.timing: _ReplayTiming | None = None  # events around the next replay (DecoderGraphs._time_replay)
 
     def info(self, capture: packing.Unpadded) -> packing.Unpadded:
         """The Unpadded the captured layers see: this graph's buffers and row bound."""
@@ -525,12 +375,7 @@ class _ReplayDecoderLayers(torch.autograd.Function):
     def forward(ctx, graphs: _LayerGraphs, h, *params):
         gen = _cuda_generator(h.device) if not graphs.rng_checked else None
         before = gen.get_offset() if gen is not None else None
-        timing = graphs.timing
-        if timing is not None:
-            timing.mark(0)
         graphs.fwd.replay()
-        if timing is not None:
-            timing.mark(1)
         if gen is not None:
             graphs.rng_checked = True
             if gen.get_offset() != before:
@@ -544,12 +389,7 @@ class _ReplayDecoderLayers(torch.autograd.Function):
     def backward(ctx, grad_out):
         g = ctx.graphs
         g.grad_out.copy_(grad_out)
-        timing, g.timing = g.timing, None
-        if timing is not None:
-            timing.mark(2)
         g.bwd.replay()
-        if timing is not None:
-            timing.mark(3)
         grad_h = g.grad_h.clone() if g.needs_input_grad else None
         grads = g.param_grads.copies(g.has_grad)
         return (None, grad_h, *grads)
@@ -684,9 +524,6 @@ class DecoderGraphs:
         # the longest row any bucket of this run holds, where the run's row lengths are known
         # (``row_bound``; set at the first step with ``ahead``), else None (the bucket is the bound)
         self.row_cap: int | None = None
-        # $SOLUTION_GRAPHS_VERIFY: the check of the first replay against the eager layers' host time (``verify``)
-        self.timing: _ReplayTiming | None = None
-        self.checked = False
 
     # -- parameters ---------------------------------------------------------------------------
     def _trainable(self, params: list) -> list[torch.nn.Parameter]:
@@ -814,55 +651,10 @@ class DecoderGraphs:
             c0 = torch.zeros((1, nb, cos.shape[-1]), dtype=cos.dtype, device=self.device)
             self._graphs_for(layers, fake, h0, c0, c0, dropouts, ahead=True)
 
-    # -- $SOLUTION_GRAPHS_VERIFY: do the replays pay? (``verify``) -----------------------------
-    def _time_replay(self, model, g: _LayerGraphs) -> None:
-        """Time this step's replay (its forward and backward graphs) if it is the first one to
-        check: in "auto" mode with $SOLUTION_GRAPHS_VERIFY on, where the probe gave the eager
-        layers' host time."""
-        if self.checked or self.timing is not None:
-            return
-        if mode() != "auto" or not settings.current().graphs_verify:
-            self.checked = True
-            return
-        probe = _PROBES.get(model)
-        if probe is None or probe.layer_host is None:
-            self.checked = True  # nothing to compare with (no backward window): the graphs stay
-            return
-        self.timing = g.timing = _ReplayTiming()
-
-    def _replays_pay(self, model) -> bool:
-        """False once the timed replay has cost more GPU time than the eager layers' host time
-        (``verify``): the graphs are then dropped and ``failed`` says why (every later step runs
-        the eager loop, without the eager bucket). True otherwise, also while the replay's events
-        are not complete yet (read without a sync, as the probe's)."""
-        timing = self.timing
-        if self.checked or timing is None or not timing.done():
-            return True
-        self.checked, self.timing = True, None
-        probe = _PROBES.get(model)
-        try:
-            replay_gpu = timing.seconds()
-        except Exception:  # noqa: BLE001 - events that cannot be read: no check, the graphs stay
-            return True
-        keep, reason = verify(probe.layer_host, replay_gpu)
-        DECISIONS.append({"graphs": keep, "subject": GRAPHS, "check": "replay", "eager_bucket": 0,
-                          "reason": reason, "samples": list(probe.samples)})
-        say(decision_line(DECISIONS[-1]))
-        if keep:
-            return True
-        probe.gpu_heavy = True
-        self.failed = f"graphs off after the replay check: {reason}"
-        _REFUSALS_SAID.add(self.failed)  # said just now
-        self.graphs.clear()  # their memory pool, and the arena's buffers and masks, go back
-        self.arena = None
-        return False
-
     # -- a step -------------------------------------------------------------------------------
     def forward(self, model, layers, input_ids, info, scan: Scan) -> torch.Tensor | None:
         """The layers' output [1, N, H] on the packed real tokens (pre final norm), replayed from a
         graph; None when this step cannot run in one (the caller runs the eager loop)."""
-        if not self._replays_pay(model):
-            return None
         n = info.n_tokens
         nb = bucketed_tokens(n, bucket_size())
         binfo = packing.make_unpadded(list(info.lengths), info.seqlen, input_ids.device, extra=nb - n)
@@ -898,7 +690,6 @@ class DecoderGraphs:
             return None
         g.load(binfo, h, cos, sin)
         g.arena.masks.draw(binfo)
-        self._time_replay(model, g)
         out = _ReplayDecoderLayers.apply(g, h, *params)
         return out[:, :n]
 
@@ -966,8 +757,8 @@ def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
     reason = refusal(model, input_ids, kwargs, scan is not None and scan.hooked)
     probe = _probe_of(model, input_ids, reason)
     if probe is not None:
-        probe.collect(GRAPHS if reason is None else EAGER_BUCKET)
-        if reason is None and not probe.verdict:
+        probe.collect()
+        if not probe.verdict:
             return None  # still measuring (the caller's eager loop is timed), or decided off (said once)
     if reason is not None:
         if enabled() and reason not in _REFUSALS_SAID:  # asked for, not possible: say why, once

@@ -25,11 +25,10 @@ import weakref
 
 import torch
 
-from solution import settings
 from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import cache_given, checkpointing_body
-from solution.step import attention, cuda_graphs, packing
+from solution.step import cuda_graphs, packing
 from solution.step import layer as layer_node
 
 # Set by the LM-head patch around its call of the decoder: a list that receives
@@ -175,34 +174,6 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
     return packing.make_unpadded(lengths, input_ids.shape[1], input_ids.device)
 
 
-def eager_bucketed(info, device, model):
-    """The packed rows the eager layers run on: ``info`` with one filler row that rounds the token
-    count up to the next multiple of the eager bucket (``cuda_graphs.eager_bucket(model)``:
-    $SOLUTION_EAGER_BUCKET's N, or under "auto", the default, AUTO_EAGER_BUCKET where the model's
-    eager layers were measured host-bound), made by packing.make_unpadded(extra=...) as the CUDA
-    graphs' filler: copies of real tokens in an attention row of their own, zero gradient; or
-    ``info`` itself when the bucket is 0 or attention would not keep the filler row apart
-    (``attention.filler_row_apart``: the padded layout, or heads variable-length attention does
-    not take).
-
-    What it is for: cuBLAS spends ~0.3-1 ms of host time choosing its kernel the first time it
-    sees a GEMM shape, ~20-40 us after; the packed token count is new at almost every step, so
-    every step's ~20 GEMM shapes are new (bench/kernels/bench_gemm_shapes.py, bench/gemm_probe.py:
-    docs/layer_node.md). Rounded up, the shapes repeat from step to step. The cost is the filler's
-    GPU work (half a bucket a step on average), so "auto" buckets only where that work is hidden
-    behind the host's."""
-    bucket = cuda_graphs.eager_bucket(model)
-    if not bucket:
-        return info
-    dev = device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else model.embed_tokens.weight.dtype
-    if not attention.filler_row_apart(model.layers[0].self_attn.head_dim, dtype):
-        return info
-    n = info.n_tokens
-    return packing.make_unpadded(list(info.lengths), info.seqlen, device,
-                                 extra=cuda_graphs.bucketed_tokens(n, bucket) - n)
-
-
 def unpadded_forward(model, input_ids, info, kwargs):
     """Stock Qwen2Model.forward's body on the packed real tokens (no cache, no masks to build)."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
@@ -210,30 +181,21 @@ def unpadded_forward(model, input_ids, info, kwargs):
     # the layers replayed from CUDA graphs (solution/step/cuda_graphs.py), or eagerly
     hidden_states = cuda_graphs.decoder_forward(model, input_ids, info, kwargs)
     if hidden_states is None:
-        n_real, real_info = info.n_tokens, info
-        info = eager_bucketed(info, input_ids.device, model)  # the layers' rows: with a filler row, or as they are
         ids = packing.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
         hidden_states = model.embed_tokens(ids)
         position_ids = info.positions.unsqueeze(0)
         position_embeddings = model.rotary_emb(hidden_states, position_ids)
         layers = model.layers[: model.config.num_hidden_layers]
         # while $SOLUTION_CUDA_GRAPHS=auto measures whether graphs pay: the forward of the second
-        # half of the layers is timed, and with $SOLUTION_GRAPHS_VERIFY the backward of layers
-        # 1 .. L/2 - 1 (between the gradients of their inputs: the first backward launches, in the
-        # last layers, compile)
+        # half of the layers is timed
         timer = cuda_graphs.eager_timer(model, input_ids.device, len(layers))
-        early = None
         # each layer as one autograd node (step/layer.py) where it mirrors the modules exactly
         node = None if cuda_graphs.arguments_refusal(kwargs) else layer_node.step_context(
             *position_embeddings, info, hidden_states)
         with packing.running_unpadded(info):
             for i, decoder_layer in enumerate(layers):
-                if timer is not None and i == 1:
-                    early = hidden_states
                 if timer is not None and i == len(layers) // 2:
                     timer.start()
-                    if early is not None and timer.backward is not None:
-                        timer.backward.watch(hidden_states, early, i - 1)
                 out = None if node is None else _run_node(decoder_layer, hidden_states, node, info)
                 if out is not None:
                     hidden_states = out
@@ -246,8 +208,6 @@ def unpadded_forward(model, input_ids, info, kwargs):
                     hidden_states = decoder_layer(hidden_states, **layer_kwargs)
         if timer is not None:
             timer.stop()
-        if info is not real_info:  # the filler row's outputs dropped: its gradient is zero
-            hidden_states, info = hidden_states[:, :n_real], real_info
     hidden_states = model.norm(hidden_states)
     sink = _PACKED_SINK.get()
     if sink is not None:

@@ -158,10 +158,10 @@ class StepContext:
         self.bnb_fused: dict = {}
         # attention's way in and out in one launch each (kernels/qkv_rope.py) where it takes the
         # tables; the head_dim is checked per layer (``_qkv_fused``)
-        self.qkv_fused = (settings.current().qkv_rope and qkv_rope.supported(self.cos.shape[-1], self.cos)
+        self.qkv_fused = (qkv_rope.supported(self.cos.shape[-1], self.cos)
                           and self.sin.stride(-1) == 1)
         # q's and v's LoRA A GEMMs as one batched GEMM each (``_lora_pair_forward16``; $SOLUTION_LORA_BMM)
-        self.lora_bmm = settings.current().lora_bmm
+        self.lora_bmm = False
 
     def ok(self, x) -> bool:
         """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
