@@ -58,7 +58,6 @@ import time
 from pathlib import Path
 
 from solution import settings
-from solution.settings import PRECOMPILE_MANIFEST_ENV as MANIFEST_ENV
 
 ENV = "SOLUTION_PRECOMPILE"
 MANIFEST = Path(__file__).resolve().parent / "kernels" / "compile_manifest.json"
@@ -574,7 +573,7 @@ def main(argv=None) -> int:
     add.add_argument("compile_log_json", type=Path)
     add.add_argument("--arch", help="GPU architecture it was recorded on, e.g. sm_75 (default: the log's)")
     add.add_argument("--triton", help="Triton version it was recorded with (default: the log's)")
-    add.add_argument("--manifest", type=Path, default=None, help=f"default: ${MANIFEST_ENV} or {MANIFEST}")
+    add.add_argument("--manifest", type=Path, default=None, help=f"default: {MANIFEST}")
     comp = sub.add_parser("compile", help="(a compile process of the background precompile) compile entries "
                           "for a target into Triton's disk cache, no GPU needed")
     comp.add_argument("entries_json", type=Path)

@@ -29,8 +29,7 @@ def test_manifest_round_trip_and_background_preload(tmp_path, monkeypatch):
         {"kernel": "torch._inductor.something.kernel", "specialization_data": "C"},
     ]}), encoding="utf-8")
     manifest = tmp_path / "manifest.json"
-    monkeypatch.setenv(precompile.MANIFEST_ENV, str(manifest))  # a scratch manifest, as gpu_run.sh uses
-    assert precompile.main(["add", str(log)]) == 0
+    assert precompile.main(["add", str(log), "--manifest", str(manifest)]) == 0
     assert precompile.add_to_manifest(log, "sm_75", "3.6.0", manifest) == 2
     assert precompile.add_to_manifest(log, "sm_75", "3.2.0", manifest) == 2
     entries = precompile.load_manifest(manifest)
