@@ -196,12 +196,12 @@ def _cuda_graph_lines(rep: dict) -> list[str]:
     if not g:
         return []
     caps = g.get("captures") or []
-    from solution.step.cuda_graphs import decision_line
+    from solution.step.graph_decision import decision_line
 
     decided = [f"{decision_line(d)}." for d in g.get("decisions") or []]
     if decided:
-        lines_head = ["Measured decision (host-bound or GPU-bound eager layers: $SOLUTION_CUDA_GRAPHS=auto, "
-                      "$SOLUTION_EAGER_BUCKET=auto): " + " ".join(decided)]
+        lines_head = ["Measured decision (host-bound or GPU-bound eager layers: $SOLUTION_CUDA_GRAPHS=auto): "
+                      + " ".join(decided)]
     else:
         lines_head = []
     if not caps:

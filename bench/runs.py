@@ -93,9 +93,8 @@ DEFAULT_CPU = ("shipped",)  # and on a CPU (the tiny stand-in stays quick)
 
 # The modes of a run's passes (bench.compare's run keys are (run, variant, mode)).
 TIMED, PROFILED, EAGER_PROFILED, HOSTSPLIT = "timed", "profiled", "profiled-eager", "hostsplit"
-# The eager profile is the T4's path (GPU-bound there: graphs off, and so the eager token bucket too;
-# on the H200 "auto" would turn the bucket on and add its filler tokens' GPU work to this profile).
-T4_PATH = {**GRAPHS_OFF, "SOLUTION_EAGER_BUCKET": "0"}
+# The eager profile is the T4's path (GPU-bound there: graphs off).
+T4_PATH = dict(GRAPHS_OFF)
 MODE_ENV = {EAGER_PROFILED: T4_PATH}
 
 

@@ -44,9 +44,7 @@ Every step of it, in plain words:
    time is the one that counts, and so is the GPU time *without* graphs: a graphs run replays
    every batch in a bucket of tokens, whose filler tokens are GPU work the eager step does not do.
    bench/compare.py profiles the solution a second time with graphs off (SOLUTION_CUDA_GRAPHS=0,
-   "solution-profiled-eager", with SOLUTION_EAGER_BUCKET=0 too, as a GPU-bound T4 runs; the runs
-   of a06872f, made before the bucket was pinned here, had its filler in that profile, ~6% more
-   layer tokens, so their projection errs high) for that figure; without that pass the graphs profile stands in
+   "solution-profiled-eager", as a GPU-bound T4 runs) for that figure; without that pass the graphs profile stands in
    for it (an upper bound, said in the result).
 3. Step time = max(host, GPU) per step: the slower side sets the pace (the other one waits).
    64-step training time = 64 x the step time (the first two steps' extra costs, compiles and

@@ -3,14 +3,13 @@ settings, each a fresh profiled process on the same GPU, in one table.
 
     python -m bench.variants --out DIR [--baseline] [--timed] LABEL[=VAR=VALUE[,VAR=VALUE...]] ...
     python -m bench.variants --out /tmp/v default memory=SOLUTION_MEMORY_POLICY=memory \
-        eager=SOLUTION_CUDA_GRAPHS=0 padded=SOLUTION_CUDA_GRAPHS=0,SOLUTION_ATTN_VARLEN=0
+        eager=SOLUTION_CUDA_GRAPHS=0 bucket64=SOLUTION_GRAPH_BUCKET=64
 
 Each label is one solution run with those variables set (a bare label: none). Every run is
 profiled (GPU kernel time is what a kernel change moves; the H200's step time is host noise), so
 its step time is the profiled one; --timed adds an unprofiled run per label for the step time.
 Loss is compared with the first label's, step by step. Vary one thing per label against the
-label it is read against: a setting that turns another feature off (apply() says which) is
-compared with a reference that has that feature off too, as ``padded`` against ``eager`` above.
+label it is read against.
 """
 from __future__ import annotations
 

@@ -39,7 +39,7 @@
 # to the commit being measured (this copy of the tree has no .git): the merge refuses different commits.
 # Env: TESTS (test files, default tests/), BENCHES (bench_* names), COMPARE_ARGS (e.g. --no-profile;
 #      added to each compare step's own options, so it can override them),
-#      VARIANTS (bench.variants labels, e.g. "eager=SOLUTION_CUDA_GRAPHS=0 padded=SOLUTION_CUDA_GRAPHS=0,SOLUTION_ATTN_VARLEN=0"),
+#      VARIANTS (bench.variants labels, e.g. "eager=SOLUTION_CUDA_GRAPHS=0 memory=SOLUTION_MEMORY_POLICY=memory"),
 #      VARIANT_ARGS (e.g. --baseline), TIMED_VARIANTS (timed solution runs, one table: "LABEL[=VAR=VALUE,...]
 #      ...", a label starting with "baseline" runs the baseline; TIMED_COLD=1: each in its own empty Triton cache;
 #      TIMED_EXTRA: bench.run_one options, @L for the label), TIMED_TIMEOUT, MEMORY_VARIANTS (default "solution"), ORIGINS_VARIANTS (default "solution"), ORIGINS_TIMEOUT,

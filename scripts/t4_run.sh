@@ -76,7 +76,6 @@ if [ -n "$out" ] && [ -f "$out/solution-profiled/result.json" ]; then
 fi
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
   python3 -m bench.variants --out runs/variants-t4 --timed default balanced=SOLUTION_MEMORY_POLICY=balanced \
-    memory=SOLUTION_MEMORY_POLICY=memory eager=SOLUTION_CUDA_GRAPHS=0 \
-    padded=SOLUTION_CUDA_GRAPHS=0,SOLUTION_ATTN_VARLEN=0 bucket64=SOLUTION_GRAPH_BUCKET=64
+    memory=SOLUTION_MEMORY_POLICY=memory eager=SOLUTION_CUDA_GRAPHS=0 bucket64=SOLUTION_GRAPH_BUCKET=64
 fi
 exit $rc

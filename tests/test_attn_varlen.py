@@ -1,5 +1,5 @@
 """Variable-length causal attention on packed rows (solution/kernels/attn_varlen.py) and its use in
-sdpa_unpadded (on by default; SOLUTION_ATTN_VARLEN=0 keeps the padded layout).
+sdpa_unpadded (the padded layout only where the variable-length kernel refuses).
 
 The reference is the padded path (the layout kernels + SDPA with is_causal on [batch, heads,
 longest row, D]), which tests/test_unpad.py checks against stock. Per real query the keys are
@@ -89,7 +89,7 @@ def test_gpu_sdpa_unpadded_varlen_matches_padded_path(monkeypatch):
     dout = torch.randn(1, n, 12, 128, generator=g).cuda().half()
     results = {}
     for varlen in ("0", "1"):
-        monkeypatch.setenv("SOLUTION_ATTN_VARLEN", varlen)
+        monkeypatch.setattr(attention, "_VARLEN_FAILED", None if varlen == "1" else "padded layout pinned by the test")
         q, k, v = (t.clone().requires_grad_() for t in (q0, k0, v0))
         with torch.autocast("cuda", dtype=torch.float16):
             out, _ = attention.sdpa_unpadded(Attn(), q, k, v, info, dropout=0.0, scaling=128 ** -0.5)
@@ -140,7 +140,6 @@ def test_varlen_failure_falls_back_to_the_padded_layout_once(device, monkeypatch
 
     monkeypatch.setattr(attention, "_VARLEN_FAILED", None)
     monkeypatch.setattr(attn_varlen, "varlen_causal_attention", refuse)
-    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1")
     # on the device the kernels run on (CPU tensors on a CUDA machine are no input of theirs)
     info = packing.make_unpadded([3, 5], 5, torch.device(device))
     q, k, v = (t.transpose(1, 2) for t in _qkv(8, 2, 16, torch.float32, device))
@@ -157,13 +156,12 @@ def test_varlen_preflight_turns_to_the_padded_layout_once(monkeypatch, capsys):
     """Before a step depends on the variable-length kernel (the decoder-layer node calls it with no
     fallback, and a refusal in a backward could not be caught), a tiny forward and backward runs
     once per device, dtype and head dim (``attention.varlen_works``). A refusal is said once and
-    turns attention to the padded layout for good (no graphs, no eager bucket with it); without
+    turns attention to the padded layout for good (no node and no graphs with it); without
     CUDA nothing is run (the CPU takes the row-by-row reference)."""
     from solution.step import attention
 
     monkeypatch.setattr(attention, "_VARLEN_FAILED", None)
     monkeypatch.setattr(attention, "_PREFLIGHT", {})
-    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1")
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU-only torch has no answer
     calls = []
 
@@ -176,7 +174,7 @@ def test_varlen_preflight_turns_to_the_padded_layout_once(monkeypatch, capsys):
     assert attention.varlen_works(torch.device("cpu"), torch.float16, 128) and calls == []
     assert not attention.varlen_works(cuda, torch.float16, 128)
     assert "variable-length attention failed (RuntimeError: no varlen on this GPU)" in capsys.readouterr().out
-    assert not (attention.varlen_enabled() or attention.rows_kept_apart() or attention.filler_row_apart(128, torch.float16))
+    assert not (attention.varlen_enabled() or attention.rows_kept_apart())
     assert not attention.varlen_works(cuda, torch.float16, 128) and len(calls) == 1
     assert capsys.readouterr().out == ""  # said once
     monkeypatch.setattr(attention, "_VARLEN_FAILED", None)

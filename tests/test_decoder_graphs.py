@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from solution.settings import Settings
-from solution.step import cuda_graphs, lengths, packing
+from solution.step import cuda_graphs, graph_buffers, graph_decision, lengths, packing
 from tests.conftest import rel_err
 from tests.test_unpad import _lora_model, _right_padded_batch
 
@@ -91,23 +91,10 @@ def test_settings_are_checked(monkeypatch):
 def test_graph_decision_from_fake_timings(samples, verdict, words):
     """decide(): graphs only where the eager layers' GPU time stays within GPU_BOUND_RATIO of
     their host time, from the first clean sample, with its figures said."""
-    got, why = cuda_graphs.decide(samples)
+    got, why = graph_decision.decide(samples)
     assert got is verdict and words in why
     if samples:
         assert "ms" in why
-
-
-def test_decision_said_in_the_terms_of_what_it_decides():
-    """The same verdict (host-bound or GPU-bound) reads as graphs on / off, or as the eager token
-    bucket on / off where graphs are not replayed (decision_line: said, and printed by the report)."""
-    _, why = cuda_graphs.decide([(0.100, 0.100)], cuda_graphs.EAGER_BUCKET)
-    assert why.startswith("host-bound") and "GEMM shape" in why
-    _, why = cuda_graphs.decide([(0.100, 0.300)], cuda_graphs.EAGER_BUCKET)
-    assert why.startswith("GPU-bound") and "filler row would add GPU work" in why
-    line = cuda_graphs.decision_line({"subject": cuda_graphs.EAGER_BUCKET, "graphs": False, "eager_bucket": 128,
-                                      "reason": "host-bound (x)"})
-    assert line == "eager token bucket 128 tokens: host-bound (x)"
-    assert cuda_graphs.decision_line({"graphs": False, "reason": "r"}) == "decoder CUDA graphs off: r"  # older runs
 
 
 class _Model:  # a model stand-in: the probes are kept per model object (weakly)
@@ -118,55 +105,33 @@ class _Ids:  # input_ids on a CUDA device, as far as _probe_of looks
     device = torch.device("cuda", 0)
 
 
-@pytest.mark.parametrize("chosen, verdict, bucket", [
-    ("auto", None, 0), ("auto", True, cuda_graphs.AUTO_EAGER_BUCKET), ("auto", False, 0),
-    (64, None, 64), (64, False, 64), (0, True, 0)])
-def test_eager_bucket_follows_the_setting_and_the_probe(chosen, verdict, bucket, monkeypatch):
-    """$SOLUTION_EAGER_BUCKET=N is N; "auto" (the default) is AUTO_EAGER_BUCKET once the model's
-    probe found its eager layers host-bound, else 0 (measuring, GPU-bound, no probe)."""
-    from solution import settings
-
-    monkeypatch.setattr(settings, "_active", Settings(eager_bucket=chosen))
-    model = _Model()
-    assert cuda_graphs.eager_bucket(model) == (chosen if chosen != "auto" else 0)  # no probe yet
-    assert cuda_graphs.eager_bucket(None) == (chosen if chosen != "auto" else 0)
-    probe = cuda_graphs._PROBES[model] = cuda_graphs._Probe()
-    probe.verdict = verdict
-    assert cuda_graphs.eager_bucket(model) == bucket
-
-
-@pytest.mark.parametrize("graphs, eager, varlen, reason, probed, subject", [
-    ("auto", "auto", True, None, True, "graphs"),  # graphs decide from it
-    ("1", "auto", True, None, False, None),  # graphs always: nothing to decide
-    ("0", "auto", True, "$SOLUTION_CUDA_GRAPHS is 0", True, "eager bucket"),  # the eager bucket decides from it
-    ("auto", "auto", True, "hooks on the decoder layers", True, "eager bucket"),  # graphs refused
-    ("0", 0, True, "$SOLUTION_CUDA_GRAPHS is 0", False, None),  # the bucket set by hand
-    ("0", 128, True, "$SOLUTION_CUDA_GRAPHS is 0", False, None),
-    ("0", "auto", False, "$SOLUTION_CUDA_GRAPHS is 0", False, None),  # padded layout: no filler row
-    ("auto", "auto", True, cuda_graphs.NOT_CUDA, False, None),
+@pytest.mark.parametrize("graphs, reason, probed", [
+    ("auto", None, True),  # graphs decide from it
+    ("1", None, False),  # graphs always: nothing to decide
+    ("0", "$SOLUTION_CUDA_GRAPHS is 0", False),
+    ("auto", "hooks on the decoder layers", False),  # graphs refused: nothing to decide
+    ("auto", cuda_graphs.NOT_CUDA, False),
 ])
-def test_probe_made_where_its_verdict_is_used(graphs, eager, varlen, reason, probed, subject, monkeypatch):
+def test_probe_made_where_its_verdict_is_used(graphs, reason, probed, monkeypatch):
     """A model's eager layers are timed (the probe) only where the verdict decides something:
-    graphs in "auto" mode, or the eager bucket in "auto" mode for the eager steps that remain."""
+    graphs in "auto" mode, not refused; the decision is recorded and said once."""
     from solution import settings
 
-    monkeypatch.setattr(settings, "_active", Settings(cuda_graphs=graphs, eager_bucket=eager, attn_varlen=varlen))
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU-only torch has no answer
+    monkeypatch.setattr(settings, "_active", Settings(cuda_graphs=graphs))
     said = []
-    monkeypatch.setattr(cuda_graphs, "say", said.append)
-    monkeypatch.setattr(cuda_graphs, "DECISIONS", [])
+    monkeypatch.setattr(graph_decision, "say", said.append)
+    monkeypatch.setattr(graph_decision, "DECISIONS", [])
     model = _Model()
-    probe = cuda_graphs._probe_of(model, _Ids(), reason)
+    probe = graph_decision.probe_of(model, _Ids.device, reason is None and graphs == "auto")
     assert (probe is not None) == probed
     if probe is None:
         return
-    assert cuda_graphs._probe_of(model, _Ids(), reason) is probe  # one per model
+    assert graph_decision.probe_of(model, _Ids.device, reason is None and graphs == "auto") is probe  # one per model
     probe.samples = [(0.100, 0.101)]  # host-bound
-    probe.collect(cuda_graphs.GRAPHS if reason is None else cuda_graphs.EAGER_BUCKET)
-    (d,) = cuda_graphs.DECISIONS
-    assert d["subject"] == subject and d["graphs"] is (subject == "graphs")
-    assert d["eager_bucket"] == cuda_graphs.AUTO_EAGER_BUCKET and said == [cuda_graphs.decision_line(d)]
-    assert said[0].startswith("decoder CUDA graphs on" if subject == "graphs" else "eager token bucket 128 tokens")
+    probe.collect()
+    (d,) = graph_decision.DECISIONS
+    assert d["graphs"] is True and said == [graph_decision.decision_line(d)]
+    assert said[0].startswith("decoder CUDA graphs on")
 
 
 def test_probe_decides_once_from_completed_events():
@@ -181,146 +146,22 @@ def test_probe_decides_once_from_completed_events():
         def elapsed_time(self, other):
             return (other.t - self.t) * 1e3
 
-    class Timer:  # a _Timer's layer count and backward window, as the eager loop leaves them
-        layers, backward = 28, cuda_graphs.BackwardWindow()
-
-    Timer.backward.layers, Timer.backward.marks = 13, {"start": 5.0, "end": 5.026}
-
-    cuda_graphs.DECISIONS.clear()
-    probe = cuda_graphs._Probe()
-    probe.pending = [(0.1, Ev(1.0), Ev(1.3, done=False), Timer)]
+    graph_decision.DECISIONS.clear()
+    probe = graph_decision.Probe()
+    probe.pending = [(0.1, Ev(1.0), Ev(1.3, done=False))]
     probe.collect()
     assert probe.verdict is None and probe.samples == [] and len(probe.pending) == 1  # not complete: not read
     probe.pending[0][2].done = True
     probe.collect()
     assert probe.verdict is False and "GPU-bound" in probe.reason and len(probe.samples) == 1
-    assert probe.layer_host == pytest.approx(28 * (0.1 / 14 + 0.026 / 13))
     assert cuda_graphs.stats()["decisions"][0]["graphs"] is False
     probe.collect()
-    assert len(cuda_graphs.DECISIONS) == 1
-    cuda_graphs.DECISIONS.clear()
-
-
-@pytest.mark.parametrize("host,replay,keep,words", [
-    (0.200, 0.020, True, "replays pay"),  # the H200: the replay a tenth of the eager host time
-    (0.500, 0.520, True, "replays pay"),  # within the 5% margin: the captures are paid, keep them
-    (0.500, 0.530, False, "cost more"),  # over it: the eager layers' host time is the shorter step
-    (0.0, 0.1, False, "cost more"),  # no host time to compare with cannot say they pay
-])
-def test_replay_check_from_fake_timings(host, replay, keep, words):
-    """verify(): graphs stay while one replay's GPU time (forward + backward graphs, filler
-    included) is within REPLAY_MARGIN of the eager layers' host time for a step."""
-    got, why = cuda_graphs.verify(host, replay)
-    assert got is keep and words in why and "ms" in why
-
-
-def test_backward_window_times_the_layers_between_two_inputs():
-    """BackwardWindow on a chain of four layers (CPU autograd): the hook on the later input fires
-    first, the window spans the layers between, and the gradients are those of the unwatched
-    chain; no window without a layer between or without gradients."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(8, 8) for _ in range(4)]
-    x = torch.randn(3, 8)
-
-    def run(watch: bool):
-        for layer in layers:
-            layer.zero_grad()
-        window = cuda_graphs.BackwardWindow()
-        h = x
-        inputs = []
-        for layer in layers:
-            inputs.append(h)
-            h = torch.tanh(layer(h))
-        if watch:
-            window.watch(inputs[3], inputs[1], 2)
-            assert window.seconds() is None  # nothing ran yet
-        h.sum().backward()
-        return window, [layer.weight.grad.clone() for layer in layers]
-
-    window, grads = run(True)
-    _, ref = run(False)
-    assert window.layers == 2 and window.marks["start"] <= window.marks["end"] and window.seconds() >= 0
-    assert all(torch.equal(g, r) for g, r in zip(grads, ref))
-    for late, early, n in ((torch.ones(2, requires_grad=True), torch.ones(2, requires_grad=True), 0),
-                           (torch.ones(2, requires_grad=True), torch.ones(2), 3)):
-        idle = cuda_graphs.BackwardWindow()
-        idle.watch(late, early, n)
-        assert idle.layers == 0 and idle.seconds() is None
-
-
-def test_layer_host_is_per_layer_times_the_layers():
-    window = cuda_graphs.BackwardWindow()
-    assert cuda_graphs.layer_host(28, 0.05, window) is None  # no backward window
-    window.layers, window.marks = 13, {"start": 1.0, "end": 1.039}
-    assert cuda_graphs.layer_host(28, 0.05, window) == pytest.approx(28 * (0.05 / 14 + 0.039 / 13))
-    window.layers, window.marks = 1, {"start": 0.0, "end": 0.002}
-    assert cuda_graphs.layer_host(5, 0.006, window) == pytest.approx(5 * (0.006 / 3 + 0.002))
-
-
-@pytest.mark.parametrize("verify_on", [True, False])
-def test_replay_check_keeps_or_drops_the_graphs(monkeypatch, verify_on):
-    """DecoderGraphs' check in "auto" mode with $SOLUTION_GRAPHS_VERIFY on: the first replay is
-    timed only where the probe gave the eager layers' host time; once its events are complete,
-    verify() decides, is recorded and said; graphs that cost more are dropped (``failed`` says why,
-    once) and the eager bucket stays off after them. With the setting off nothing is timed."""
-    from solution import settings
-
-    class Timing:  # _ReplayTiming's interface, without CUDA events
-        def __init__(self):
-            self.complete, self.gpu = False, 0.0
-
-        def done(self):
-            return self.complete
-
-        def seconds(self):
-            return self.gpu
-
-    class Graph:
-        timing = None
-
-    def runner():
-        r = cuda_graphs.DecoderGraphs.__new__(cuda_graphs.DecoderGraphs)  # no CUDA pool or stream here
-        r.timing, r.checked, r.failed, r.graphs, r.arena = None, False, None, {"bucket": object()}, object()
-        return r
-
-    monkeypatch.setattr(settings, "_active", Settings(graphs_verify=verify_on))
-    monkeypatch.setattr(cuda_graphs, "_ReplayTiming", Timing)
-    said = []
-    monkeypatch.setattr(cuda_graphs, "say", said.append)
-    monkeypatch.setattr(cuda_graphs, "DECISIONS", [])
-    model = torch.nn.Module()
-    probe = cuda_graphs._PROBES[model] = cuda_graphs._Probe()
-    probe.samples, probe.verdict = [(0.05, 0.05)], True
-    try:
-        r = runner()  # no backward window: nothing to compare with, no timing, the graphs stay
-        r._time_replay(model, Graph())
-        assert r.checked and r.timing is None and r._replays_pay(model)
-        for gpu, keep in ((0.010, True), (0.300, False)):
-            probe.layer_host = 0.200
-            r, g = runner(), Graph()
-            r._time_replay(model, g)
-            if not verify_on:
-                assert r.checked and g.timing is None and r._replays_pay(model) and not said
-                continue
-            assert g.timing is r.timing is not None
-            r._time_replay(model, Graph())  # one timed replay only
-            assert r._replays_pay(model) and not r.checked  # events not complete: nothing said yet
-            r.timing.complete, r.timing.gpu = True, gpu
-            assert r._replays_pay(model) is keep and r.checked
-            assert cuda_graphs.DECISIONS[-1]["check"] == "replay" and cuda_graphs.DECISIONS[-1]["graphs"] is keep
-            assert said[-1].startswith("decoder CUDA graphs kept" if keep else "decoder CUDA graphs off")
-            assert bool(r.graphs) is keep and (r.failed is None) is keep
-            assert cuda_graphs.eager_bucket(model) == (cuda_graphs.AUTO_EAGER_BUCKET if keep else 0)
-            if not keep:
-                assert r.failed in cuda_graphs._REFUSALS_SAID and r.arena is None
-                cuda_graphs._REFUSALS_SAID.discard(r.failed)
-            assert r._replays_pay(model) is True  # checked once; a dropped runner is refused by refusal()
-    finally:
-        del cuda_graphs._PROBES[model]
+    assert len(graph_decision.DECISIONS) == 1
+    graph_decision.DECISIONS.clear()
 
 
 def test_mask_slots_record_and_check():
-    slots = cuda_graphs._MaskSlots(capacity=10)
+    slots = graph_buffers.MaskSlots(capacity=10)
     slots.begin(6)
     x = torch.zeros(1, 6, 4)
     m0, m1 = slots.take(0.1, x), slots.take(0.1, x)
@@ -338,7 +179,7 @@ def test_mask_slots_record_and_check():
 def test_mask_slots_pack_into_one_block_and_keep_handing_out_views():
     """pack() (after the warm-up) moves the masks into one allocation, in call order, with their
     shapes; take() and draw() then work on the packed views as before."""
-    slots = cuda_graphs._MaskSlots(capacity=10)
+    slots = graph_buffers.MaskSlots(capacity=10)
     slots.begin(6)
     x4, x8 = torch.zeros(1, 6, 4), torch.zeros(1, 6, 8)
     slots.take(0.1, x4)
@@ -357,7 +198,7 @@ def test_mask_slots_pack_into_one_block_and_keep_handing_out_views():
     stock = _stock_lora_dropout_masks([4, 2], 4, slots.specs, seed=3)
     for (padded, real), buf in zip(stock, (b0, b1)):
         assert torch.equal(buf[: info.n_tokens], real)
-    cuda_graphs._MaskSlots(capacity=3).pack()  # nothing recorded: nothing to do
+    graph_buffers.MaskSlots(capacity=3).pack()  # nothing recorded: nothing to do
 
 
 def test_grad_buffers_hand_out_one_clone_as_parameter_views():
@@ -365,7 +206,7 @@ def test_grad_buffers_hand_out_one_clone_as_parameter_views():
     one clone of it, each kept by autograd as its parameter's .grad (no second copy), and the
     optimizer and clipping read them as before. Mixed dtypes fall back to one buffer each."""
     ps = [torch.nn.Parameter(torch.randn(3, 4)), torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(2, 2))]
-    bufs = cuda_graphs._GradBuffers(ps)
+    bufs = graph_buffers.GradBuffers(ps)
     for i, v in enumerate(bufs.views):
         v.fill_(i + 1)
     assert bufs.flat is not None and bufs.flat.numel() == 21
@@ -388,7 +229,7 @@ def test_grad_buffers_hand_out_one_clone_as_parameter_views():
     assert torch.equal(ps[0].grad, torch.full((3, 4), 1.0))
     torch.nn.utils.clip_grad_norm_([ps[0], ps[2]], 0.5, foreach=True)
     torch.optim.AdamW([ps[0], ps[2]], foreach=True).step()
-    mixed = cuda_graphs._GradBuffers([ps[0], torch.nn.Parameter(torch.randn(2, dtype=torch.float16))])
+    mixed = graph_buffers.GradBuffers([ps[0], torch.nn.Parameter(torch.randn(2, dtype=torch.float16))])
     assert mixed.flat is None and [c.dtype for c in mixed.copies([True, True])] == [torch.float32, torch.float16]
 
 
@@ -415,7 +256,7 @@ def test_mask_slots_draw_as_the_stock_dropout(dtype):
     the generator ends where stock's does."""
     lengths, seqlen, extra = [3, 5, 2], 5, 6
     info = packing.make_unpadded(lengths, seqlen, torch.device("cpu"), extra=extra)
-    slots = cuda_graphs._MaskSlots(capacity=20)
+    slots = graph_buffers.MaskSlots(capacity=20)
     slots.begin(info.n_tokens)
     x = torch.zeros(1, info.n_tokens, 8, dtype=dtype)
     slots.take(0.3, x)
@@ -672,45 +513,6 @@ def test_graphs_under_gradient_checkpointing_gpu(device, tmp_path, monkeypatch, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("margin", [None, 0.0])
-def test_replay_check_in_auto_mode_gpu(device, tmp_path, monkeypatch, margin):
-    """$SOLUTION_CUDA_GRAPHS=auto with $SOLUTION_GRAPHS_VERIFY=1 on a four-layer tiny QLoRA model
-    (two layers give no backward window), six steps: the probe turns graphs on (a tiny model is
-    host-bound on any GPU), the first replay is timed and checked. With the real margin the check
-    keeps them (a replay of four tiny layers costs far less GPU time than their eager host time);
-    with a margin of 0 it drops them and the later steps run eagerly, without the eager bucket.
-    Either way every step trains as the eager run does (generator offsets equal; losses and
-    gradients within the graphs test's tolerances)."""
-    if device != "cuda":
-        pytest.skip("needs CUDA")
-    from workload import model_standin
-
-    monkeypatch.setitem(model_standin.SIZES, "tiny", {**model_standin.TINY_OVERRIDES, "num_hidden_layers": 4})
-    monkeypatch.setenv("SOLUTION_GRAPHS_VERIFY", "1")
-    if margin is not None:
-        monkeypatch.setattr(cuda_graphs, "REPLAY_MARGIN", margin)
-    model_dir = model_standin.write_standin(tmp_path / "tiny4", size="tiny")
-    batches = _four_batches()
-    plan = [(0, True), (1, True), (2, True), (0, True), (1, True), (2, True)]
-    eager, _ = _train_steps(model_dir, batches, plan, "0", monkeypatch)
-    first = len(cuda_graphs.DECISIONS)
-    auto, state = _train_steps(model_dir, batches, plan, "auto", monkeypatch)
-    decisions = cuda_graphs.DECISIONS[first:]
-    assert [d.get("check") for d in decisions] == [None, "replay"], decisions
-    assert decisions[0]["graphs"] is True
-    keep = margin is None
-    assert decisions[1]["graphs"] is keep, decisions[1]
-    assert state is not None and (state[1] is None) is keep and (state[0] > 0) is keep, state
-    if not keep:
-        assert state[1].startswith("graphs off after the replay check")
-    for i, ((loss_e, grads_e, off_e), (loss_a, grads_a, off_a)) in enumerate(zip(eager, auto)):
-        assert off_a == off_e, f"step {i}: the generator moved differently"
-        assert rel_err(loss_a, loss_e) < 1e-3, i
-        for name, g in grads_e.items():
-            assert rel_err(grads_a[name], g) < 3e-2, (i, name)
-
-
-@pytest.mark.gpu
 def test_failed_capture_falls_back_to_eager_and_draws_again_gpu(device, tmp_path, monkeypatch):
     """A capture that an operation invalidates (here a device sync inside it, as a host read of a
     tensor would be) must leave the run as if graphs had never been asked for: the first error
@@ -819,22 +621,22 @@ def test_settle_precompile_waits_for_the_in_process_preload_only(monkeypatch):
     from solution import precompile
 
     monkeypatch.setattr(precompile, "_thread", None)
-    assert cuda_graphs.settle_precompile() == 0.0
+    assert graph_decision.settle_precompile() == 0.0
     monkeypatch.setattr(precompile, "STATE", {"preload_started_t": None, "finished_t": None})
     workers = threading.Thread(target=lambda: time.sleep(0.3))
     monkeypatch.setattr(precompile, "_thread", workers)
     workers.start()
-    assert cuda_graphs.settle_precompile(timeout=5.0) == 0.0 and precompile.running()  # compile processes only
+    assert graph_decision.settle_precompile(timeout=5.0) == 0.0 and precompile.running()  # compile processes only
     workers.join()
     done = threading.Event()
     preload = threading.Thread(target=lambda: (time.sleep(0.2), done.set()))
     monkeypatch.setattr(precompile, "_thread", preload)
     precompile.STATE["preload_started_t"] = time.perf_counter()
     preload.start()
-    waited = cuda_graphs.settle_precompile(timeout=5.0)
+    waited = graph_decision.settle_precompile(timeout=5.0)
     assert done.is_set() and waited >= 0.1 and not precompile.running()
     slow = threading.Thread(target=lambda: time.sleep(1.0))
     monkeypatch.setattr(precompile, "_thread", slow)
     slow.start()
-    assert cuda_graphs.settle_precompile(timeout=0.05) < 0.5  # bounded: a stuck preload is not waited out
+    assert graph_decision.settle_precompile(timeout=0.05) < 0.5  # bounded: a stuck preload is not waited out
     slow.join()

@@ -334,11 +334,10 @@ def test_report_lists_the_cuda_graph_captures():
     assert "1152, 1408, 896" in text and "peak *reserved*" in text
     rep = {"solution": {"cuda_graphs": {"captures": [], "failed": [], "refused": ["$SOLUTION_CUDA_GRAPHS is not 1"]}}}
     assert "not used ($SOLUTION_CUDA_GRAPHS is not 1)" in _cuda_graph_lines(rep)[0]
-    # graphs off by setting, the eager bucket decided: both said
-    bucket = {"subject": "eager bucket", "graphs": False, "eager_bucket": 128, "reason": "host-bound (x)"}
-    rep = {"solution": {"cuda_graphs": {"captures": [], "refused": ["$SOLUTION_CUDA_GRAPHS is 0"], "decisions": [bucket]}}}
-    lines = _cuda_graph_lines(rep)
-    assert "eager token bucket 128 tokens: host-bound (x)." in lines[0] and "not used ($SOLUTION_CUDA_GRAPHS is 0)" in lines[1]
+    # graphs decided off: the decision says why
+    off = {"graphs": False, "reason": "GPU-bound (x)"}
+    rep = {"solution": {"cuda_graphs": {"captures": [], "refused": [], "decisions": [off]}}}
+    assert "decoder CUDA graphs off: GPU-bound (x)." in _cuda_graph_lines(rep)[0]
     assert _cuda_graph_lines({"solution": {}}) == []
 
 

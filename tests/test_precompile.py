@@ -280,7 +280,7 @@ def test_worker_count_keeps_to_a_containers_cpu_quota(monkeypatch, tmp_path):
     assert precompile.cpu_quota() is None
 
 
-@pytest.mark.parametrize("name", ["SOLUTION_ATTN_VARLEN", "SOLUTION_ATTN_LAYOUT_KERNELS", "SOLUTION_PRECOMPILE"])
+@pytest.mark.parametrize("name", ["SOLUTION_PRECOMPILE"])
 def test_on_off_settings_share_one_parser(monkeypatch, name):
     """Every on/off setting reads 1/true/on/yes and 0/false/off/no (any case) the same way, and
     apply() refuses anything else before installing (no spelling of "off" reads as on)."""
@@ -435,7 +435,7 @@ def test_the_first_capture_goes_on_when_the_precompile_hangs(fresh_precompile, m
 
     import torch
 
-    from solution.step import cuda_graphs
+    from solution.step import cuda_graphs, graph_decision
 
     stuck = threading.Event()
     thread = threading.Thread(target=stuck.wait, daemon=True)  # a preload that never returns
@@ -464,7 +464,7 @@ def test_the_first_capture_goes_on_when_the_precompile_hangs(fresh_precompile, m
         out = cuda_graphs.decoder_forward(Model(), torch.zeros(1, 4, dtype=torch.long), None, {})
         assert out == "replayed" and time.perf_counter() - t0 < precompile.LIMIT_S + precompile.KILL_GRACE_S + 2
         assert len(fresh_precompile) == 1 and "had not finished" in fresh_precompile[0]
-        assert cuda_graphs.settle_precompile(timeout=60.0) == 0.0  # given up: a probe sample does not wait for it
+        assert graph_decision.settle_precompile(timeout=60.0) == 0.0  # given up: a probe sample does not wait for it
     finally:
         stuck.set()
         thread.join(5)

@@ -48,7 +48,7 @@ def test_plan_gives_each_run_its_own_passes():
     assert {m for _, _, m in runs.plan(specs, cuda=False)} == {"timed"}  # a CPU has no profiler passes
     assert [k for k, _, _ in plan][:2] == ["shipped", "shipped"]  # in the order given
     # the eager profile is the T4's path: graphs off and, as on a GPU-bound machine, no eager token bucket
-    assert runs.MODE_ENV[runs.EAGER_PROFILED] == {"SOLUTION_CUDA_GRAPHS": "0", "SOLUTION_EAGER_BUCKET": "0"}
+    assert runs.MODE_ENV[runs.EAGER_PROFILED] == {"SOLUTION_CUDA_GRAPHS": "0"}
 
 
 def test_sms_renames_a_run_and_refuses_another_partition():

@@ -16,34 +16,41 @@ SOLUTION_DIR = Path(solution.__file__).resolve().parent
 
 def test_defaults_are_an_empty_environment():
     assert Settings.from_env({}) == Settings()
-    assert Settings() == Settings(memory_policy="speed", cuda_graphs="auto", graph_bucket=256, eager_bucket="auto",
-                                  skip_patches=frozenset(), precompile_manifest=None,
-                                  **{field: default for field, default in FLAGS.values()})
+    assert Settings() == Settings(memory_policy="speed", cuda_graphs="auto", graph_bucket=256,
+                                  skip_patches=frozenset(), **{field: default for field, default in FLAGS.values()})
+
+
+def test_at_most_six_settings_and_no_other_solution_variable_is_read():
+    """Six $SOLUTION_* variables in all (settings.ALL_ENV), each a Settings field or the auto-apply
+    switch; no file under solution/ names another $SOLUTION_* variable."""
+    import dataclasses
+
+    assert len(settings.ALL_ENV) == len(set(settings.ALL_ENV)) <= 6
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    assert len(fields) == len(settings.ALL_ENV) - 1  # every variable but the auto-apply switch is a field
+    named = set()
+    for path in sorted(SOLUTION_DIR.rglob("*.py")):
+        named |= set(re.findall(r"\bSOLUTION_[A-Z_]+\b", path.read_text(encoding="utf-8")))
+    assert named <= set(settings.ALL_ENV), sorted(named - set(settings.ALL_ENV))
 
 
 def test_from_env_reads_every_value():
     env = {"SOLUTION_MEMORY_POLICY": " Balanced ", "SOLUTION_CUDA_GRAPHS": " 1 ", "SOLUTION_GRAPH_BUCKET": "64",
-           "SOLUTION_EAGER_BUCKET": " 128 ",
-           "SOLUTION_SKIP_PATCHES": " qwen2_mlp, cuda_allocator ,", "SOLUTION_PRECOMPILE_MANIFEST": "/tmp/m.json",
+           "SOLUTION_SKIP_PATCHES": " qwen2_mlp, cuda_allocator ,",
            **{name: "off" if default else "yes" for name, (_, default) in FLAGS.items()}}
     s = Settings.from_env(env)
-    assert (s.memory_policy, s.cuda_graphs, s.graph_bucket, s.eager_bucket) == ("balanced", "1", 64, 128)
-    assert Settings.from_env({"SOLUTION_EAGER_BUCKET": "0"}).eager_bucket == 0
-    assert Settings.from_env({"SOLUTION_EAGER_BUCKET": " Auto "}).eager_bucket == "auto"
-    with pytest.raises(ValueError, match="expected \"auto\", 0 \\(off\\)"):
-        Settings(eager_bucket="128")  # a token count is an int; the only text is "auto"
-    assert s.skip_patches == {"qwen2_mlp", "cuda_allocator"} and s.precompile_manifest == Path("/tmp/m.json")
+    assert (s.memory_policy, s.cuda_graphs, s.graph_bucket) == ("balanced", "1", 64)
+    assert s.skip_patches == {"qwen2_mlp", "cuda_allocator"}
     assert all(getattr(s, field) is not default for field, default in FLAGS.values())
 
 
 @pytest.mark.parametrize("name, value, message", [
     ("SOLUTION_MEMORY_POLICY", "fast", r"\$SOLUTION_MEMORY_POLICY='fast' is not a memory policy"),
-    ("SOLUTION_ATTN_VARLEN", "maybe", r"\$SOLUTION_ATTN_VARLEN='maybe' is not an on/off value"),
+    ("SOLUTION_PRECOMPILE", "maybe", r"\$SOLUTION_PRECOMPILE='maybe' is not an on/off value"),
     ("SOLUTION_CUDA_GRAPHS", "yes", r"\$SOLUTION_CUDA_GRAPHS must be auto, 0 or 1, got 'yes'"),
     ("SOLUTION_GRAPH_BUCKET", "4097", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
     ("SOLUTION_GRAPH_BUCKET", "0", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
-    ("SOLUTION_EAGER_BUCKET", "-1", r"\$SOLUTION_EAGER_BUCKET must be auto, 0 \(off\) or an integer from 1 to 4096"),
-    ("SOLUTION_EAGER_BUCKET", "some", r"\$SOLUTION_EAGER_BUCKET must be auto, 0 \(off\) or an integer from 1 to 4096"),
+    ("SOLUTION_GRAPH_BUCKET", "some", r"\$SOLUTION_GRAPH_BUCKET must be an integer from 1 to 4096"),
 ])
 def test_from_env_refuses_a_bad_value_naming_it(name, value, message):
     with pytest.raises(ValueError, match=message):
@@ -67,15 +74,15 @@ def test_a_settings_object_is_valid_and_frozen():
 
 
 def test_apply_passes_its_settings_down_and_reads_the_environment_once(monkeypatch):
-    from solution.step import attention, cuda_graphs
+    from solution.step import cuda_graphs
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", "1")
     solution.revert()
     try:
-        solution.apply(verbose=False, settings=Settings(cuda_graphs="0", graph_bucket=32, attn_varlen=False))
+        solution.apply(verbose=False, settings=Settings(cuda_graphs="0", graph_bucket=32))
         monkeypatch.setenv("SOLUTION_GRAPH_BUCKET", "64")  # after apply(): no effect
-        assert (cuda_graphs.mode(), cuda_graphs.bucket_size(), attention.varlen_enabled()) == ("0", 32, False)
+        assert (cuda_graphs.mode(), cuda_graphs.bucket_size()) == ("0", 32)
     finally:
         solution.revert()
     assert (cuda_graphs.mode(), cuda_graphs.bucket_size()) == ("1", 64)  # no settings active: the environment
@@ -104,47 +111,6 @@ def test_only_settings_reads_the_environment_and_no_kernel_reads_the_settings():
             assert not re.search(r"from solution import settings|settings\.current|\bcurrent\(", text), path
 
 
-@pytest.mark.parametrize("graphs", ["auto", "0"])
-@pytest.mark.parametrize("layout, varlen", [(True, True), (True, False), (False, True), (False, False)])
-def test_apply_says_what_a_setting_turns_off(monkeypatch, capsys, layout, varlen, graphs):
-    """A setting that turns another feature off says so in apply()'s line for it, always (not only
-    when verbose), and says exactly what the code then does: the attention layout kernels off also
-    turn variable-length attention off, and attention on the padded layout is a reason for the
-    decoder CUDA graphs' refusal (cuda_graphs.refusal, asked here as for a CUDA forward)."""
-    from types import SimpleNamespace
-
-    import torch
-
-    from solution.step import attention, cuda_graphs
-
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # no CUDA here: not capturing
-    model = torch.nn.Module()
-    model.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
-    cuda_ids = SimpleNamespace(device=torch.device("cuda"))
-    solution.revert()
-    try:
-        solution.apply(verbose=False, settings=Settings(attn_layout_kernels=layout, attn_varlen=varlen,
-                                                        cuda_graphs=graphs))
-        out = capsys.readouterr().out
-        varlen_runs = attention.layout_kernels_enabled() and attention.varlen_enabled()
-        refused = cuda_graphs.refusal(model, cuda_ids, {})
-    finally:
-        solution.revert()
-    lines = [line for line in out.splitlines() if "$SOLUTION_ATTN_" in line]
-    assert [line.split(":")[0] for line in lines] == (
-        ["[solution] $SOLUTION_ATTN_LAYOUT_KERNELS=0"] * (not layout) + ["[solution] $SOLUTION_ATTN_VARLEN=0"] * (not varlen))
-    assert varlen_runs == (layout and varlen)
-    assert ("also turns off variable-length attention" in out) == (not layout)
-    graphs_said_off = "the decoder CUDA graphs (a graph replays" in out
-    if graphs == "0":
-        assert refused == "$SOLUTION_CUDA_GRAPHS is 0" and not graphs_said_off
-        assert ("off anyway" in out) == (not varlen_runs)
-    else:
-        assert (refused is not None) == graphs_said_off == (not varlen_runs)
-        assert "off anyway" not in out
-
-
 def test_apply_says_what_a_skipped_patch_turns_off(monkeypatch, capsys):
     """A patch others depend on, skipped, says what else goes with it; the others' lines do not."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -159,15 +125,3 @@ def test_apply_says_what_a_skipped_patch_turns_off(monkeypatch, capsys):
     assert "decoder CUDA graphs" in said["[solution] skip qwen2_unpad"]
     assert "graphs when LoRA dropout is > 0" in said["[solution] skip peft_lora_bnb4bit"]
     assert said["[solution] skip qwen2_rope"].endswith("(stock path kept)")
-
-
-def test_eager_bucket_said_to_have_no_effect_on_the_padded_layout():
-    from solution.settings import cross_effects
-
-    assert cross_effects(Settings(eager_bucket=128)) == []
-    assert cross_effects(Settings(eager_bucket=0, attn_varlen=False))[-1].startswith("$SOLUTION_ATTN_VARLEN=0")
-    # "auto" (the default) asks for nothing: on the padded layout it simply never buckets, unsaid
-    assert cross_effects(Settings(attn_varlen=False))[-1].startswith("$SOLUTION_ATTN_VARLEN=0")
-    for off in ({"attn_varlen": False}, {"attn_layout_kernels": False}):
-        line = cross_effects(Settings(eager_bucket=128, **off))[-1]
-        assert line.startswith("$SOLUTION_EAGER_BUCKET=128 has no effect: attention runs on the padded layout")

@@ -97,9 +97,9 @@ def test_a_gpu_bound_t4_runs_the_solution_without_graphs():
 
 
 def test_the_bound_ratio_is_the_solutions_own():
-    from solution.step import cuda_graphs
+    from solution.step import graph_decision
 
-    assert t4.GPU_BOUND_RATIO == cuda_graphs.GPU_BOUND_RATIO
+    assert t4.GPU_BOUND_RATIO == graph_decision.GPU_BOUND_RATIO
 
 
 def _pair():

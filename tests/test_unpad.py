@@ -152,6 +152,17 @@ def _run(model, ids, mask, labels, fused):
 BATCH_KINDS = [([9, 4, 13], 13), ([1, 6], 8), ([8, 8, 8], 8), ([3, 3, 11, 3], 11), ([7], 7), ([5], 9)]
 
 
+def _attention_path(monkeypatch, path: str) -> None:
+    """Pin sdpa_unpadded's path: "varlen" (the default), "layout_kernels" (the padded layout, as
+    after a refusal of the variable-length kernel), "torch" (torch's index ops, as for a dtype the
+    layout kernels do not take)."""
+    from solution.step import attention
+
+    monkeypatch.setattr(attention, "_VARLEN_FAILED", None if path == "varlen" else "padded layout pinned by the test")
+    if path == "torch":
+        monkeypatch.setattr(attention, "_sdpa_input_dtype", lambda query, key, value: None)
+
+
 @pytest.mark.parametrize("attention", ["torch", "layout_kernels", "varlen"])
 @pytest.mark.parametrize("lengths,seqlen", BATCH_KINDS)
 def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen, attention):
@@ -159,9 +170,8 @@ def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths,
 
     from solution.kernels import _launches
 
+    _attention_path(monkeypatch, attention)
     layout_kernels = attention != "torch"
-    monkeypatch.setenv("SOLUTION_ATTN_LAYOUT_KERNELS", "1" if layout_kernels else "0")
-    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1" if attention == "varlen" else "0")
     _launches.reset()
     model = _lora_model(device)
     ref = copy.deepcopy(model)
@@ -342,7 +352,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
     from solution.kernels import _launches
     from workload.model_standin import write_standin
 
-    monkeypatch.setenv("SOLUTION_ATTN_VARLEN", "1" if attention == "varlen" else "0")
+    _attention_path(monkeypatch, attention)
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 

@@ -8,10 +8,9 @@ heads, 2 KV heads, head_dim 128), q/k/v fp32 packed rows as the projections give
 autocast, forward and forward + backward, for a batch of 4 rows with lengths like the workload's
 (one row at the maximum 512, the others shorter) and for 4 full rows. "stock" here is our own
 torch-op path (zeros + index_copy, repeat_kv, autocast's casts, index_select); "ours" the same
-attention with the layout moves in solution/kernels/attn_layout.py
-($SOLUTION_ATTN_LAYOUT_KERNELS=1, the default); "varlen" the packed rows through PyTorch's
-variable-length memory-efficient attention, no padded positions (solution/kernels/attn_varlen.py,
-$SOLUTION_ATTN_VARLEN=1, the default). Also: whether the
+attention with the layout moves in solution/kernels/attn_layout.py (the
+padded layout's path); "varlen" the packed rows through PyTorch's variable-length memory-efficient
+attention, no padded positions (solution/kernels/attn_varlen.py, the default). Also: whether the
 outputs and gradients agree, host time and GPU work per call.
 SDPA's backends are left as PyTorch picks them (on an sm_80+ GPU the padded rows may run flash
 attention): bench_attention.py times attention on the T4's backends.

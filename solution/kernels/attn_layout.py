@@ -35,8 +35,8 @@
    Tests: tests/test_attn_layout.py (interpreter and GPU, against the torch ops above).
 
 5. How it was measured: docs/kernels/attn_layout.md, section 5 (kernel benchmark
-   bench/kernels/bench_attn_layout.py and two profiled end-to-end runs side by side). On by
-   default because both won (``SOLUTION_ATTN_LAYOUT_KERNELS=0`` keeps the torch ops).
+   bench/kernels/bench_attn_layout.py and two profiled end-to-end runs side by side, against torch's
+   index ops): the only layout path for the dtypes it takes.
 """
 from __future__ import annotations
 

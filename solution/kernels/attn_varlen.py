@@ -33,10 +33,10 @@
    The backward lets the kernel choose how to split the key dimension (as stock SDPA does), which
    may sum with atomics: not bitwise reproducible run to run (neither is the padded path's).
 
-5. How it was measured: docs/kernels/attn_varlen.md, section 5 (``python -m bench.variants
-   default varlen=SOLUTION_ATTN_VARLEN=1``, profiled, against the padded path: GPU time, attention
-   kernels, peak memory, loss). GPU tests: tests/test_attn_varlen.py, tests/test_unpad.py. On by
-   default because it won; ``SOLUTION_ATTN_VARLEN=0`` keeps the padded layout.
+5. How it was measured: docs/kernels/attn_varlen.md, section 5 (profiled whole runs against the
+   padded path: GPU time, attention kernels, peak memory, loss). GPU tests: tests/test_attn_varlen.py,
+   tests/test_unpad.py. The padded layout stays only as the fallback where the kernel refuses
+   (step/attention.py, ``varlen_works``).
 """
 from __future__ import annotations
 

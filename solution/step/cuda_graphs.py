@@ -25,12 +25,12 @@
    - dropout: stock draws each LoRA mask over the padded [batch, longest row, hidden] shape,
      which changes every step, so the masks cannot be drawn inside a graph. They are drawn
      before each replay, in the layers' call order, with the very calls stock makes
-     (``_MaskSlots.draw``), into buffers the captured layers read (packing.dropout_masks_from):
+     (``graph_buffers.MaskSlots.draw``), into buffers the captured layers read (packing.dropout_masks_from):
      the generator advances exactly as in the eager run, and the graphs themselves draw nothing
      (checked: the number of masks taken and the generator's offset around the first replay);
    - memory: all graphs share one memory pool (torch.cuda.graph_pool_handle) and are replayed one
      bucket at a time (forward then backward), so the activations of one bucket reuse those of
-     another; the inputs, outputs and gradients live in buffers shared by every bucket (``_Arena``).
+     another; the inputs, outputs and gradients live in buffers shared by every bucket (``graph_buffers.Arena``).
    Embedding, RoPE's cos/sin, the final norm, the LM head and loss, GradScaler and the optimizer
    stay eager.
 4. Correctness risks. (a) Anything inside the layers that depends on host values captured once:
@@ -57,10 +57,9 @@ from torch.autograd.function import once_differentiable
 
 from solution import precompile, settings
 from solution.hooks import global_hooks, own_hooks
-from solution.kernels.lora_nf4 import draw_padded_mask
 from solution.say import say
 from solution.settings import CUDA_GRAPHS_ENV
-from solution.step import attention, lengths, packing
+from solution.step import attention, graph_buffers, graph_decision, lengths, packing
 from solution.step import layer as layer_node
 
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
@@ -70,13 +69,13 @@ _NO_SUBCLASS_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunctionSubclass", 
 
 def mode() -> str:
     """$SOLUTION_CUDA_GRAPHS (settings.current()): "auto" (default: graphs only where the eager
-    step is measured to be host-bound, see ``decide``), "1" (always, from the first step), "0" (never)."""
+    step is measured to be host-bound, see step/graph_decision.py), "1" (always, from the first step), "0" (never)."""
     return settings.current().cuda_graphs
 
 
 def enabled() -> bool:
     """Graphs may be used ($SOLUTION_CUDA_GRAPHS is not 0); in "auto" mode only after the measured
-    decision (``decide``) says so."""
+    decision (step/graph_decision.py) says so."""
     return mode() != "0"
 
 
@@ -101,242 +100,10 @@ def bucketed_tokens(n: int, bucket: int) -> int:
     return (n // bucket + 1) * bucket
 
 
-# -- the measured decision ("auto" mode) --------------------------------------------------------
-# A graph replay removes host work (Python and launches), never GPU work: it pays only where the
-# eager layers keep the GPU waiting for the host. On a GPU-bound machine (a T4 may be one) a
-# capture is pure cost and the bucket's filler tokens add GPU work. So in "auto" mode the first
-# packed training forward runs eagerly and its second half of layers is timed: host time from
-# the call of layer L/2 to the return of the last layer (time.perf_counter), GPU time between
-# two CUDA events recorded at the same two points (read at the next step, when the step's own
-# synchronisation has completed them: no extra sync). The first half is left out: it pays the
-# compiles and lazy initialisations of a first step, which would make any machine look
-# host-bound. If the GPU finished that work within GPU_BOUND_RATIO of the host's time, the GPU was
-# waiting for the host (host-bound): graphs from the next step on. Otherwise it was still busy
-# after the host had issued everything (GPU-bound): no graphs. A sample during which the
-# background precompile's in-process preload ran (it holds the GIL) is not used; the next step
-# is timed instead. Its compile processes still running do not void a sample: each has its own
-# core. (Voiding those too put a cold run's captures into step 3, inside the timed steps:
-# docs/cuda_graphs.md, section 5b.) And a timed part does not start during the preload
-# (``settle_precompile`` waits for its end), so that the first step's sample is a clean one.
-GPU_BOUND_RATIO = 1.15
-
-
-_MEANING = {
-    False: "a replay saves host time only, and its filler tokens add GPU work",
-    True: "the GPU waits for the host's launches",
-}
-
-
-def decide(samples: list[tuple[float, float]]) -> tuple[bool | None, str]:
-    """(host-bound?, why) from the probe samples so far, (host seconds, GPU seconds) of the eager
-    layers' timed part per step; None while there is none. Host-bound means graphs on. Pure: tested
-    with fake timings."""
-    if not samples:
-        return None, "measuring"
-    host, gpu = samples[0]
-    ratio = gpu / host if host > 0 else float("inf")
-    figures = f"layers' second half: host {host * 1e3:.1f} ms, GPU {gpu * 1e3:.1f} ms ({ratio:.2f}x)"
-    verdict = ratio <= GPU_BOUND_RATIO
-    return verdict, f"{'host-bound' if verdict else 'GPU-bound'} ({figures}): {_MEANING[verdict]}"
-
-
-def decision_line(d: dict) -> str:
-    """One line for a DECISIONS entry (said when it is made; bench/report.py prints it too)."""
-    return f"decoder CUDA graphs {'on' if d['graphs'] else 'off'}: {d['reason']}"
-
-
-PRECOMPILE_WAIT_S = 30.0  # the most the first timed forward waits for the precompile's in-process preload
-
-
-def settle_precompile(timeout: float = PRECOMPILE_WAIT_S) -> float:
-    """Before a probe sample: if the background precompile is in its in-process preload (the
-    short last phase: disk hits once the compile processes are done, 0.05 s in the 13:59 cold
-    run), wait for it to end (at most ``timeout`` seconds), so that it cannot void the sample and
-    delay the decision by a step (a late decision put a cold run's captures into the timed steps:
-    docs/cuda_graphs.md, section 5b). While the compile processes still run, nothing is waited
-    for: they do not void a sample, and on a host with few cores the step compiles what it needs
-    sooner than the processes' queue would. Returns the seconds waited."""
-    if not precompile.running() or precompile.STATE.get("preload_started_t") is None:
-        return 0.0
-    t0 = time.perf_counter()
-    precompile.wait(timeout)
-    return time.perf_counter() - t0
-
-
-class _Timer:
-    """Times one eager forward's layers from ``start()`` to ``stop()`` for a _Probe (host and GPU)."""
-
-    def __init__(self, probe: "_Probe", device, layers: int):
-        self.probe, self.stream = probe, torch.cuda.current_stream(device)
-        self.t0, self.start_ev = None, torch.cuda.Event(enable_timing=True)
-        self.layers = layers  # the decoder's layers; the forward window is the second half
-
-    def start(self) -> None:
-        settle_precompile()
-        self.start_ev.record(self.stream)
-        self.t0 = time.perf_counter()
-
-    def stop(self) -> None:
-        if self.t0 is None:
-            return
-        host = time.perf_counter() - self.t0
-        end = torch.cuda.Event(enable_timing=True)
-        end.record(self.stream)
-        if not precompile.contended(self.t0):  # the in-process preload competed for the host: not a clean sample
-            self.probe.pending.append((host, self.start_ev, end))
-
-
-class _Probe:
-    """The eager steps of one model timed for ``decide`` (see above)."""
-
-    def __init__(self):
-        self.samples: list[tuple[float, float]] = []
-        self.pending: list[tuple] = []  # (host s, start event, end event)
-        self.verdict: bool | None = None
-        self.reason = "measuring"
-
-    def collect(self) -> None:
-        """Read the events of earlier steps that have completed, then decide if possible (said and
-        recorded in DECISIONS)."""
-        while self.pending and self.pending[0][2].query():
-            host, start, end = self.pending.pop(0)
-            self.samples.append((host, start.elapsed_time(end) / 1e3))
-        if self.verdict is None:
-            self.verdict, self.reason = decide(self.samples)
-            if self.verdict is not None:
-                DECISIONS.append({"graphs": bool(self.verdict), "reason": self.reason, "samples": list(self.samples)})
-                say(decision_line(DECISIONS[-1]))
-
-
-_PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _probe_of(model, input_ids, reason: str | None) -> _Probe | None:
-    """The model's probe when this forward needs its verdict: graphs in "auto" mode and not refused.
-    None otherwise, and without CUDA (no timing there)."""
-    if input_ids.device.type != "cuda" or reason is not None or mode() != "auto":
-        return None
-    probe = _PROBES.get(model)
-    if probe is None:
-        probe = _PROBES[model] = _Probe()
-    return probe
-
-
-def eager_timer(model, device: torch.device, layers: int) -> _Timer | None:
-    """A timer for the caller's eager loop over ``layers`` layers while "auto" mode is still
-    measuring this model and no sample is waiting to be read; None otherwise (nothing to time)."""
-    probe = _PROBES.get(model)
-    if probe is None or probe.verdict is not None or probe.pending or device.type != "cuda":
-        return None
-    return _Timer(probe, device, layers)
-
-
-class _MaskSlots(packing.DropoutMaskSource):
-    """The LoRA dropout masks of one step: one bool buffer [capacity, hidden] per dropout call of
-    the layers, in call order. ``take`` (inside the layers) hands out the first n rows; ``draw``
-    (before a replay) fills them as stock's draws would be."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.specs: list[tuple[float, torch.dtype, int]] = []
-        self.buffers: list[torch.Tensor] = []
-        self._n = self._i = 0
-
-    def begin(self, n_tokens: int) -> None:
-        self._n, self._i = n_tokens, 0
-
-    def calls(self) -> int:
-        return self._i
-
-    def take(self, p: float, x: torch.Tensor) -> torch.Tensor:
-        i, spec = self._i, (float(p), x.dtype, int(x.shape[-1]))
-        self._i += 1
-        if x.shape[:-1].numel() != self._n:
-            raise RuntimeError(f"dropout input of {x.shape[:-1].numel()} tokens in a graph of {self._n}")
-        if i == len(self.specs):
-            self.specs.append(spec)
-            self.buffers.append(torch.zeros((self.capacity, spec[2]), dtype=torch.bool, device=x.device))
-        elif self.specs[i] != spec:
-            raise RuntimeError(f"dropout call {i} is {spec}, recorded as {self.specs[i]}")
-        return self.buffers[i][: self._n].view(x.shape)
-
-    def pack(self) -> None:
-        """Move the masks into one allocation (the values are not kept: draw() fills them before
-        every replay). Called after the first capture's eager warm-up, which made them one by one
-        between its activations: each left live in its own 20 MiB granule of the side stream's
-        expandable segment, which empty_cache() cannot unmap while anything in it is live
-        (measured: ~1 GiB kept mapped for 0.25 GiB in use; docs/cuda_graphs.md, section 5b)."""
-        if not self.buffers:
-            return
-        sizes = [b.numel() for b in self.buffers]
-        flat = torch.zeros(sum(sizes), dtype=torch.bool, device=self.buffers[0].device)
-        shapes = [b.shape for b in self.buffers]
-        self.buffers = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
-
-    def draw(self, info: packing.Unpadded) -> None:
-        """Each mask as lora_nf4.lora_dropout draws it eagerly (over stock's padded shape, the same
-        kernel on the same shape and dtype, so the same random numbers), in the same order, and the
-        rows of the bucket's tokens kept (filler rows: copies of real rows' masks)."""
-        rows, n = info.batch * info.seqlen, info.n_tokens
-        with torch.no_grad():
-            for (p, dtype, hidden), buf in zip(self.specs, self.buffers):
-                draw_padded_mask(p, (rows, hidden), dtype, info.idx, out=buf[:n])
-
-
-class _Arena:
-    """Inputs, outputs and their gradients of the layers for up to ``capacity`` tokens, shared by
-    every graph of a runner (a bucket of n tokens uses the first n), plus the dropout masks."""
-
-    def __init__(self, capacity: int, h: torch.Tensor, cos: torch.Tensor):
-        self.capacity = capacity
-        dev, hid = h.device, h.shape[-1]
-        self.h = torch.zeros((1, capacity, hid), dtype=h.dtype, device=dev)
-        self.out = torch.zeros_like(self.h)
-        self.grad_out = torch.zeros_like(self.h)
-        self.grad_h = torch.zeros_like(self.h)
-        self.cos = torch.zeros((1, capacity, cos.shape[-1]), dtype=cos.dtype, device=dev)
-        self.sin = torch.zeros_like(self.cos)
-        self.pos = torch.zeros((1, capacity), dtype=torch.int64, device=dev)
-        self.masks = _MaskSlots(capacity)
-
-    def fits(self, h: torch.Tensor, cos: torch.Tensor) -> bool:
-        return (h.shape[1] <= self.capacity and h.dtype == self.h.dtype and h.shape[-1] == self.h.shape[-1]
-                and cos.dtype == self.cos.dtype and cos.shape[-1] == self.cos.shape[-1])
-
-
-class _GradBuffers:
-    """The trainable parameters' gradient buffers the backward graphs write: views of one flat
-    buffer when the parameters share a dtype and device (the LoRA weights), so that a replay
-    hands autograd its copies with one clone, not one per parameter (112 clones a step before:
-    issue 13.2). Autograd keeps each view as that parameter's ``.grad`` as it kept each clone:
-    the same values and layout, in disjoint memory."""
-
-    def __init__(self, params: list[torch.Tensor]):
-        self.shapes = [p.shape for p in params]
-        one_kind = len({(p.dtype, p.device) for p in params}) == 1
-        self.flat = (torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-                     if params and one_kind else None)
-        self.views = self._views(self.flat) if self.flat is not None else [torch.zeros_like(p) for p in params]
-
-    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out, at = [], 0
-        for shape in self.shapes:
-            n = shape.numel()
-            out.append(flat[at: at + n].view(shape))
-            at += n
-        return out
-
-    def copies(self, wanted: list[bool]) -> list[torch.Tensor | None]:
-        """Copies of the buffers (None where ``wanted`` is False), safe to keep past the next replay."""
-        if self.flat is None:
-            return [buf.clone() if w else None for buf, w in zip(self.views, wanted)]
-        return [v if w else None for v, w in zip(self._views(self.flat.clone()), wanted)]
-
-
 class _LayerGraphs:
     """The forward and backward graphs of one bucket, and the views of the arena they use."""
 
-    def __init__(self, arena: _Arena, n: int, rows: int, needs_input_grad: bool, device, bound: int):
+    def __init__(self, arena: graph_buffers.Arena, n: int, rows: int, needs_input_grad: bool, device, bound: int):
         self.arena, self.n, self.needs_input_grad = arena, n, needs_input_grad
         self.bound = bound  # attention's row bound (``row_bound``)
         self.h, self.out = arena.h[:, :n], arena.out[:, :n]
@@ -345,7 +112,7 @@ class _LayerGraphs:
         self.cu_seqlens = torch.zeros(rows + 1, dtype=torch.int32, device=device)
         self.arange = torch.arange(n, device=device)
         self.fwd, self.bwd = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        self.param_grads: _GradBuffers | None = None  # the runner's buffers, shared by its graphs
+        self.param_grads: graph_buffers.GradBuffers | None = None  # the runner's buffers, shared by its graphs
         self.has_grad: list[bool] = []
         self.rng_checked = False
 
@@ -514,9 +281,9 @@ class DecoderGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=device)
         self.graphs: dict[tuple, _LayerGraphs] = {}
-        self.arena: _Arena | None = None
+        self.arena: graph_buffers.Arena | None = None
         self.params: list[torch.nn.Parameter] | None = None
-        self.grads: _GradBuffers | None = None
+        self.grads: graph_buffers.GradBuffers | None = None
         self.warmed = False
         self.failed: str | None = None
         self.full_said = False
@@ -529,7 +296,7 @@ class DecoderGraphs:
     def _trainable(self, params: list) -> list[torch.nn.Parameter]:
         """The layers' trainable parameters this step (``_scan``'s), the graphs dropped when they changed."""
         if self.params is None or len(params) != len(self.params) or any(a is not b for a, b in zip(params, self.params)):
-            self.params, self.graphs, self.grads = params, {}, _GradBuffers(params)
+            self.params, self.graphs, self.grads = params, {}, graph_buffers.GradBuffers(params)
         return params
 
     # -- capture ------------------------------------------------------------------------------
@@ -568,7 +335,7 @@ class DecoderGraphs:
         recorded on the old one keep their own buffers)."""
         if self.arena is None or not self.arena.fits(h, cos):
             capacity = max([h.shape[1], bucketed_tokens(binfo.batch * binfo.seqlen, bucket_size())] + (self.ahead or []))
-            self.arena = _Arena(capacity, h, cos)
+            self.arena = graph_buffers.Arena(capacity, h, cos)
 
     def _capture(self, g: _LayerGraphs, layers, binfo, autocast, dropouts: int) -> None:
         masks = g.arena.masks
@@ -701,13 +468,12 @@ _REFUSALS_SAID: set[str] = set()
 # {"tokens", "seconds", "t": time.perf_counter() at its start, "ahead", "row_bound"}, and the failure reasons.
 CAPTURES: list[dict] = []
 FAILURES: list[str] = []
-DECISIONS: list[dict] = []  # "auto" mode: {"graphs", "reason", "samples"} per model decided
 
 
 def stats() -> dict:
     """Captures, failures and "auto" decisions so far (copies), plus the refusals said."""
     return {"captures": [dict(c) for c in CAPTURES], "failed": list(FAILURES), "refused": sorted(_REFUSALS_SAID),
-            "decisions": [dict(d) for d in DECISIONS]}
+            "decisions": [dict(d) for d in graph_decision.DECISIONS]}
 
 # Forward arguments that reach the layers but no op inside them reads: the Trainer's loss
 # normaliser (transformers passes its **kwargs down to every layer; Qwen2's attention and MLP
@@ -755,7 +521,7 @@ def decoder_forward(model, input_ids, info, kwargs) -> torch.Tensor | None:
     layers = model.layers[: model.config.num_hidden_layers]
     scan = _scan(layers) if enabled() and input_ids.device.type == "cuda" else None
     reason = refusal(model, input_ids, kwargs, scan is not None and scan.hooked)
-    probe = _probe_of(model, input_ids, reason)
+    probe = graph_decision.probe_of(model, input_ids.device, reason is None and mode() == "auto")
     if probe is not None:
         probe.collect()
         if not probe.verdict:

@@ -28,7 +28,7 @@ import torch
 from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import cache_given, checkpointing_body
-from solution.step import cuda_graphs, packing
+from solution.step import cuda_graphs, graph_decision, packing
 from solution.step import layer as layer_node
 
 # Set by the LM-head patch around its call of the decoder: a list that receives
@@ -188,7 +188,7 @@ def unpadded_forward(model, input_ids, info, kwargs):
         layers = model.layers[: model.config.num_hidden_layers]
         # while $SOLUTION_CUDA_GRAPHS=auto measures whether graphs pay: the forward of the second
         # half of the layers is timed
-        timer = cuda_graphs.eager_timer(model, input_ids.device, len(layers))
+        timer = graph_decision.eager_timer(model, input_ids.device, len(layers))
         # each layer as one autograd node (step/layer.py) where it mirrors the modules exactly
         node = None if cuda_graphs.arguments_refusal(kwargs) else layer_node.step_context(
             *position_embeddings, info, hidden_states)
