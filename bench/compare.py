@@ -33,15 +33,17 @@ assemble the runs of several calls) and prints a summary and the rule check.
 Every input is checked before the first run (paths, which are relative to the caller's working
 directory; the workload file; the dataset and its row count against the workload; the model's
 architecture; the solution's $SOLUTION_* settings): a bad one is refused with one line,
-`error: ...` on stderr. Exit status: 0 every rule passed, 1 a rule failed (or a run failed),
-2 bad input (nothing run, nothing overwritten); 130 / 143 on SIGINT / SIGTERM (the running child
-is stopped; what was written is kept).
+`error: ...` on stderr. Exit status: 0 every rule passed, 1 a rule failed (or a run failed, or
+went past its wall-clock limit, --child-timeout SECONDS, default 3600: it is stopped), 2 bad input
+(nothing run, nothing overwritten); 130 / 143 on SIGINT / SIGTERM (the running child is stopped;
+what was written is kept).
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
+import math
 import os
 import platform
 import re
@@ -73,6 +75,32 @@ CACHE_ENV = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR")  # emptied for a col
 
 class InputError(Exception):
     """Bad user input: printed as a one-line error, nothing written is lost."""
+
+
+# Each child run's wall-clock limit (--child-timeout). Generous on purpose: a cold T4 run of the
+# baseline (the slowest pass: Soup's model load, 4-bit quantization and 64 fp16 steps, with empty
+# kernel caches) takes a few minutes, so an hour is far above any healthy pass, and only a child
+# that hangs (a stuck GPU call, a deadlock) meets it.
+CHILD_TIMEOUT_S = 3600.0
+
+
+class ChildTimeout(RuntimeError):
+    """A child run went past its wall-clock limit and was stopped (a failed run: exit 1)."""
+
+
+def parse_child_timeout(text: str | None) -> float:
+    """--child-timeout: a positive, finite number of seconds; None: CHILD_TIMEOUT_S. Raises
+    InputError."""
+    if text is None:
+        return CHILD_TIMEOUT_S
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise InputError(f"--child-timeout {text!r}: give a positive number of seconds, each child run's "
+                         f"wall-clock limit (default {CHILD_TIMEOUT_S:g})")
+    return value
 
 
 def parse_shapes(text: str | None, cuda: bool) -> list[str]:
@@ -351,14 +379,20 @@ def standin_model(args, workload, profile: str | None = None) -> str:
     return str(cache)
 
 
-def _progress(log_path: Path, proc: subprocess.Popen, label: str) -> None:
-    """A one-line live display of the child's step (from its progress bar in the log).
-    On a terminal the line is redrawn; in a pipe a line is printed every ~15 s."""
+def _progress(log_path: Path, proc: subprocess.Popen, label: str, limit_s: float | None = None) -> bool:
+    """A one-line live display of the child's step (from its progress bar in the log), until the
+    child exits or has run ``limit_s`` seconds (None: no limit). On a terminal the line is redrawn;
+    in a pipe a line is printed every ~15 s. Returns True when the limit was reached with the
+    child still running (the caller stops it), False when the child exited."""
     tty = sys.stdout.isatty()
     t0 = last_print = time.time()
     last = ""
     while proc.poll() is None:
-        time.sleep(1.0)
+        if limit_s is not None and time.time() - t0 >= limit_s:
+            print(("\r" if tty else "") + f"[compare] {label:<20} {'TIMED OUT':<14} {time.time() - t0:6.0f} s",
+                  flush=True)
+            return True
+        time.sleep(1.0 if limit_s is None else min(1.0, max(0.01, t0 + limit_s - time.time())))
         try:
             tail = log_path.read_bytes()[-4000:].decode("utf-8", "replace")
         except OSError:
@@ -375,6 +409,7 @@ def _progress(log_path: Path, proc: subprocess.Popen, label: str) -> None:
         last = line if tty else step
     end = f"[compare] {label:<20} {'done' if proc.returncode == 0 else 'FAILED':<14} {time.time() - t0:6.0f} s"
     print(("\r" if tty else "") + end, flush=True)
+    return False
 
 
 def _pass_args(mode: str, work: Path) -> list[str]:
@@ -409,12 +444,14 @@ def child_env(variant: str, cold: bool = False, environ: dict | None = None) -> 
 
 def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workload: str | None,
                 label: str | None = None, cold: bool = False, env: dict | None = None,
-                sms: int | None = None) -> dict:
+                sms: int | None = None, run: str | None = None, timeout_s: float | None = None) -> dict:
     """One bench.run_one child: ``mode`` "timed" (no instrument), "profiled" (torch.profiler) or
     "hostsplit" (bench/host_split.py's timers); in ``out``/<variant>[-<mode>]. ``label`` prefixes
     the progress line; ``cold``: in empty Triton and Inductor caches (child_env); ``env``: the
     run's extra environment for this variant (RunSpec.variant_env); ``sms``: in an SM partition
-    (bench.run_one --sms)."""
+    (bench.run_one --sms); ``run``: the run's name, for messages (default ``label``);
+    ``timeout_s``: the child's wall-clock limit (default CHILD_TIMEOUT_S): past it the child is
+    stopped (stop_child) and ChildTimeout raised. A child that fails raises RuntimeError."""
     name = variant if mode == "timed" else f"{variant}-{mode}"
     work = out / name
     work.mkdir(parents=True, exist_ok=True)
@@ -426,18 +463,27 @@ def run_variant(variant: str, model: str, data: str, out: Path, mode: str, workl
     if cold:  # what the first step still compiles, and what compiled before training (diagnosis; cheap hooks)
         cmd += ["--compile-log", str(work / "compiles.md")]
     log_path = work / "log.txt"
+    limit_s = CHILD_TIMEOUT_S if timeout_s is None else timeout_s
+    timed_out = False
     try:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=child)
             try:
-                _progress(log_path, proc, f"{label}/{name}" if label else name)
+                timed_out = _progress(log_path, proc, f"{label}/{name}" if label else name, limit_s)
             except BaseException:  # SIGINT / SIGTERM (Interrupted, KeyboardInterrupt) or any error here
                 stop_child(proc)
                 raise
+            if timed_out:
+                stop_child(proc)
     finally:
         if cold:
             for key in CACHE_ENV:
                 shutil.rmtree(child[key], ignore_errors=True)
+    if timed_out:
+        tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
+        who = (f"run {run or label!r}, " if run or label else "") + f"variant {variant}, {mode} pass"
+        raise ChildTimeout(f"{who}: still running after its {limit_s:g} s limit (--child-timeout), stopped; "
+                           f"log {log_path}:\n{tail}")
     result = read_result(work, cold)
     if proc.returncode != 0 or result is None:
         tail = log_path.read_text(encoding="utf-8", errors="replace")[-3000:]
@@ -490,6 +536,9 @@ def write_outputs(rep: dict, out: Path, note: str = "") -> None:
 
 
 GRACE_S = 5.0  # how long a child has to exit after SIGTERM before it is killed
+# How long a killed child is waited for. SIGKILL cannot be caught; a process that outlives it this
+# long is stuck in the kernel (uninterruptible I/O, a hung driver call), and more waiting won't help.
+KILL_WAIT_S = 5.0
 
 
 class Interrupted(Exception):
@@ -520,10 +569,11 @@ def _restore_handlers(old: dict | None) -> None:
         signal.signal(sig, handler)
 
 
-def stop_child(proc: subprocess.Popen, grace_s: float | None = None) -> None:
+def stop_child(proc: subprocess.Popen, grace_s: float | None = None) -> bool:
     """Terminate a running child (SIGTERM), kill it (SIGKILL) if it has not exited after
-    ``grace_s`` (default GRACE_S), and reap it. Further SIGINT / SIGTERM meanwhile are ignored: the
-    stop finishes."""
+    ``grace_s`` (default GRACE_S), and reap it, waiting at most KILL_WAIT_S after the kill (past
+    that a warning says it could not be reaped, and the caller goes on). Further SIGINT / SIGTERM
+    meanwhile are ignored: the stop finishes. Returns whether the child was reaped."""
     old = _set_handlers(signal.SIG_IGN)
     try:
         if proc.poll() is None:
@@ -532,7 +582,13 @@ def stop_child(proc: subprocess.Popen, grace_s: float | None = None) -> None:
                 proc.wait(timeout=GRACE_S if grace_s is None else grace_s)
             except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.wait()
+                try:
+                    proc.wait(timeout=KILL_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    print(f"warning: child pid {proc.pid} was sent SIGKILL but had not exited {KILL_WAIT_S:g} s "
+                          "later; it could not be reaped, going on", file=sys.stderr, flush=True)
+                    return False
+        return True
     finally:
         _restore_handlers(old)
 
@@ -699,6 +755,9 @@ def main(argv=None) -> int:
                     "pair with the median steps 3-N ratio stands for the run, every pair is listed (bench/repeats.py)")
     ap.add_argument("--sms", type=int, metavar="N", help="every run with every CUDA stream in a green context of "
                     "N SMs (a GPU-bound machine; bench/partition.py; torch >= 2.11), named <run>-sm<N>")
+    ap.add_argument("--child-timeout", metavar="SECONDS",
+                    help=f"each child run's wall-clock limit (default {CHILD_TIMEOUT_S:g}); past it the child is "
+                    f"stopped (SIGTERM, SIGKILL after {GRACE_S:g} s) and the comparison exits 1")
     args = ap.parse_args(argv)
     args.argv = list(argv) if argv is not None else sys.argv[1:]
     old_handlers = _set_handlers(_raise_interrupted)  # SIGINT / SIGTERM: stop the child, exit 130 / 143
@@ -737,6 +796,7 @@ def _main(args) -> int:
                 raise InputError(f"--profile-shapes {args.profile_shapes!r}: {exc}") from exc
         if not 1 <= args.repeat <= repeats.MAX_REPEAT:
             raise InputError(f"--repeat {args.repeat}: give 1 to {repeats.MAX_REPEAT}")
+        child_timeout = parse_child_timeout(getattr(args, "child_timeout", None))
         check_out(out)
         check_solution_settings()
         workload = load_workload(args.workload or WORKLOAD_FILE)
@@ -789,8 +849,8 @@ def _main(args) -> int:
             results[key, variant, mode] = run_variant(
                 variant, models[spec.standin_profile], datas[spec.shape], run_dir(out, key), mode,
                 workloads.get(key, args.workload), label=None if key == "shipped" else key, cold=spec.cold,
-                env=spec.variant_env(variant), sms=spec.sms)
-        except RuntimeError as exc:  # the child failed: its log's tail, then one line
+                env=spec.variant_env(variant), sms=spec.sms, run=key, timeout_s=child_timeout)
+        except RuntimeError as exc:  # the child failed or went past its limit: its log's tail, then one line
             head, _, tail = str(exc).partition("\n")
             print(tail, file=sys.stderr)
             print(f"error: {head.rstrip(':')}", file=sys.stderr)

@@ -1,6 +1,6 @@
 """Every bad input refused before a run starts (issue 16): one line `error: ...`, exit status 2,
-nothing run and nothing already written lost; and the comparison's exit statuses on rule failures
-and signals. CPU only; no training runs (the runs are replaced where a test gets that far)."""
+nothing run and nothing already written lost; and the comparison's exit statuses on rule failures,
+signals and a child run past its wall-clock limit (--child-timeout). CPU only; no training runs (the runs are replaced where a test gets that far)."""
 import json
 import os
 import shutil
@@ -342,6 +342,91 @@ def test_a_signal_stops_the_running_child_and_keeps_what_was_written(tmp_path, s
             proc.kill()
         if child is not None and not _gone(child):
             os.kill(child, signal.SIGKILL)
+
+
+# --- 7b. every child run has a wall-clock limit -----------------------------------------------------
+
+SLEEPER = ("import os, signal, sys, time\n"
+           "if sys.argv[2] == '1': signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+           "open(sys.argv[1] + '.tmp', 'w').write(str(os.getpid())); os.rename(sys.argv[1] + '.tmp', sys.argv[1])\n"
+           "time.sleep(60)\n")
+
+
+@pytest.mark.parametrize("stubborn", [False, True])
+def test_a_child_past_its_limit_is_stopped_and_the_comparison_fails(tmp_path, monkeypatch, capsys, stubborn):
+    """--child-timeout 0.5: the "training" child (a sleep; stubborn: it ignores SIGTERM, so SIGKILL
+    ends it) is stopped, one line names the run, the variant and the limit, exit 1, what was
+    written is kept."""
+    pidfile, out = tmp_path / "child.pid", tmp_path / "out"
+    real = subprocess.Popen
+    fake = SimpleNamespace(**vars(subprocess))  # only compare's Popen is replaced (see DRIVER)
+    fake.Popen = lambda cmd, **kw: (real([sys.executable, "-c", SLEEPER, str(pidfile), "1" if stubborn else "0"], **kw)
+                                    if "bench.run_one" in cmd else real(cmd, **kw))
+    monkeypatch.setattr(compare, "subprocess", fake)
+    monkeypatch.setattr(compare, "resolve_inputs",
+                        lambda args, workload=None: ("model", "data.jsonl", "stand-in (test)"))
+    monkeypatch.setattr(compare, "GRACE_S", 0.3)
+    for name in ("SOLUTION_MEMORY_POLICY", "SOLUTION_CUDA_GRAPHS", "SOLUTION_GRAPH_BUCKET", "SOLUTION_PRECOMPILE",
+                 "SOLUTION_SKIP_PATCHES"):
+        monkeypatch.delenv(name, raising=False)
+    t0 = time.time()
+    rc = compare.main(["--out", str(out), "--shapes", "shipped", "--child-timeout", "0.5"])
+    elapsed = time.time() - t0
+    cap = capsys.readouterr()
+    child = int(pidfile.read_text())
+    try:
+        assert rc == 1, cap.err
+        assert _gone(child), "the child must be stopped and reaped"
+        last = cap.err.strip().splitlines()[-1]
+        assert last.startswith("error: run 'shipped', variant baseline, timed pass: still running after its 0.5 s "
+                               "limit (--child-timeout), stopped; log "), last
+        assert str(out / "baseline" / "log.txt") in last
+        assert "TIMED OUT" in cap.out
+        assert (out / "baseline" / "log.txt").is_file() and (out / compare.MACHINE_FILE).is_file()
+        assert not (out / "report.json").exists() and not (out / "solution").exists()  # no further run
+        assert elapsed < 30
+    finally:
+        if not _gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "abc", "nan", "inf", ""])
+def test_a_bad_child_timeout_is_refused(tmp_path, capsys, no_runs, value):
+    refused(capsys, [f"--child-timeout={value}", "--out", tmp_path / "out"],
+            f"--child-timeout {value!r}: give a positive number of seconds")
+    assert not (tmp_path / "out").exists()
+
+
+def test_child_timeout_values():
+    assert compare.parse_child_timeout(None) == compare.CHILD_TIMEOUT_S == 3600
+    assert compare.parse_child_timeout("90") == 90 and compare.parse_child_timeout("0.5") == 0.5
+
+
+def test_the_wait_after_sigkill_is_bounded(monkeypatch, capsys):
+    """A child that never reaps (its wait always times out): stop_child sends SIGTERM, then SIGKILL,
+    waits KILL_WAIT_S at most, says so and returns."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    waits, sent = [], []
+
+    def never(timeout=None):
+        waits.append(timeout)
+        raise subprocess.TimeoutExpired(proc.args, timeout)
+
+    try:
+        monkeypatch.setattr(proc, "wait", never)
+        monkeypatch.setattr(proc, "terminate", lambda: sent.append("SIGTERM"))  # the child is killed below
+        monkeypatch.setattr(proc, "kill", lambda: sent.append("SIGKILL"))
+        monkeypatch.setattr(compare, "KILL_WAIT_S", 0.2)
+        t0 = time.time()
+        assert compare.stop_child(proc, grace_s=0.1) is False
+        assert time.time() - t0 < 5
+        assert sent == ["SIGTERM", "SIGKILL"] and waits == [0.1, 0.2], "both waits have a timeout"
+        err = capsys.readouterr().err
+        assert f"child pid {proc.pid} was sent SIGKILL" in err and "could not be reaped, going on" in err, err
+    finally:
+        monkeypatch.undo()
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 # --- 8. --tokenizer ------------------------------------------------------------------------------

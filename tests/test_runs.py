@@ -169,9 +169,9 @@ def _result(variant, losses=(2.0, 1.9, 1.8, 1.7), step=1.0, gib=2.0):
 def test_named_runs_start_their_children_as_specified(tmp_path, monkeypatch):
     calls = []
 
-    def fake_run(variant, model, data, out, mode, workload, label=None, cold=False, env=None, sms=None):
+    def fake_run(variant, model, data, out, mode, workload, label=None, cold=False, env=None, sms=None, **kw):
         calls.append(dict(variant=variant, model=model, out=out, mode=mode, workload=workload, label=label,
-                          cold=cold, env=env, sms=sms))
+                          cold=cold, env=env, sms=sms, **kw))
         return _result(variant, step=0.5 if variant == "solution" else 1.0)
 
     monkeypatch.setattr(compare, "run_variant", fake_run)
@@ -195,6 +195,8 @@ def test_named_runs_start_their_children_as_specified(tmp_path, monkeypatch):
     assert by["outliers", "baseline"]["model"] == by["outliers", "solution"]["model"] == "model-outliers"
     assert by["shipped", "baseline"]["model"] == "model"
     assert all(c["sms"] is None and not c["cold"] for c in calls)
+    assert by["ckpt", "baseline"]["run"] == "ckpt" and by["shipped", "solution"]["run"] == "shipped"
+    assert {c["timeout_s"] for c in calls} == {compare.CHILD_TIMEOUT_S}  # no --child-timeout: the default
     machine = json.loads((out / "machine.json").read_text(encoding="utf-8"))
     assert list(machine["runs"]) == names.split(",") and machine["runs"]["ckpt"]["workload"] == {
         "training.gradient_checkpointing": True}
@@ -400,7 +402,7 @@ def test_compare_repeat_interleaves_the_pairs_and_reports_each(tmp_path, monkeyp
     calls = []
     sol_step = {"timed": 0.5, "timed-2": 0.9, "timed-3": 0.6}
 
-    def fake_run(variant, model, data, out, mode, workload, label=None, cold=False, env=None, sms=None):
+    def fake_run(variant, model, data, out, mode, workload, label=None, cold=False, env=None, sms=None, **kw):
         calls.append((out.name if out.name != "out" else "shipped", variant, mode))
         return _result(variant, step=sol_step[mode] if variant == "solution" else 1.0)
 
