@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import importlib
 
-from solution import precompile, settings as _settings
+from solution import precompile, settings as _settings, state
 from solution.say import say
 from solution.env import check_support, several_gpus_note
 from solution.patches import PATCHES
@@ -119,11 +119,16 @@ def _partial_restore(keep: int) -> None:
 
 
 def revert() -> None:
-    """Restore every patched object to the stock one. Safe to call when nothing is installed."""
+    """Restore every patched object to the stock one and forget every plan, cache and decision
+    (solution/state.py), so that a later apply() starts afresh. Safe to call when nothing is
+    installed."""
     _swaps.restore()
     from solution.kernels.lm_head_loss import clear_weight_cache
+    from solution.kernels.nf4_linear import release_scratch
 
     clear_weight_cache()  # the LM head's cached fp16 weight (lm_head_loss.cast_frozen_weight)
+    release_scratch()  # the NF4 dequantization's scratch buffers
+    state.clear()  # every plan, cache and decision (solution/state.py)
     if _installed.pop(ALLOCATOR, None) is not None:
         _set_expandable_segments(False)
     _installed.clear()

@@ -22,12 +22,13 @@ import torch
 
 # MAX_CAST_ELEMENTS and nf4_linear_call are for the patches: each imports this one module
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS  # noqa: F401
+from solution import state
 from solution.kernels.nf4_linear import LinearPlan, input_reason, nf4_linear_call, release_scratch  # noqa: F401
 
 _fix_quant_state = None  # bitsandbytes' fix_4bit_weight_quant_state_from_module, loaded lazily
 _cuda_ops = None         # bitsandbytes.backends.cuda.ops (its fused-GEMM heuristic), loaded lazily
 
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # Linear4bit -> LinearPlan
+_PLANS: "weakref.WeakKeyDictionary" = state.kept(weakref.WeakKeyDictionary())  # Linear4bit -> LinearPlan
 
 
 def _param(module, name: str):

@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import functools
 
+from solution import state
+
 NAME = "peft_model_walks"
 
 _WALK_METHODS = ("named_modules", "named_parameters", "_named_members", "parameters")
-_PLAIN_WALK: dict = {}  # module class -> it walks as torch's Module does (or through this patch)
-_PLAIN_TRAIN: dict = {}  # module class -> its train() is a no-op when the mode does not change
+_PLAIN_WALK: dict = state.kept({})  # module class -> it walks as torch's Module does (or through this patch)
+_PLAIN_TRAIN: dict = state.kept({})  # module class -> its train() is a no-op when the mode does not change
 
 
 def check() -> str | None:

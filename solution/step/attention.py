@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from solution import state
 from solution.say import say
 from solution.kernels import attn_layout, attn_varlen
 from solution.step import packing
@@ -71,7 +72,14 @@ def varlen_enabled() -> bool:
 _VARLEN_FAILED: str | None = None
 
 
-_PREFLIGHT: dict = {}  # (device, dtype, head_dim) -> the kernel ran forward and backward there
+_PREFLIGHT: dict = state.kept({})  # (device, dtype, head_dim) -> the kernel ran forward and backward there
+
+
+@state.on_clear
+def _forget_refusal() -> None:
+    """revert(): a later apply() asks the variable-length kernel again."""
+    global _VARLEN_FAILED
+    _VARLEN_FAILED = None
 
 
 def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:

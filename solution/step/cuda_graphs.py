@@ -55,7 +55,7 @@ import weakref
 import torch
 from torch.autograd.function import once_differentiable
 
-from solution import precompile, settings
+from solution import precompile, settings, state
 from solution.hooks import global_hooks, own_hooks
 from solution.say import say
 from solution.settings import CUDA_GRAPHS_ENV
@@ -461,8 +461,8 @@ class DecoderGraphs:
         return out[:, :n]
 
 
-_RUNNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_REFUSALS_SAID: set[str] = set()
+_RUNNERS: "weakref.WeakKeyDictionary" = state.kept(weakref.WeakKeyDictionary())
+_REFUSALS_SAID: set[str] = state.kept(set())
 
 # Every capture and failure in this process, for the measurement harness (bench/run_one.py):
 # {"tokens", "seconds", "t": time.perf_counter() at its start, "ahead", "row_bound"}, and the failure reasons.

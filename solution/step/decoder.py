@@ -25,6 +25,7 @@ import weakref
 
 import torch
 
+from solution import state
 from solution.hooks import has_hooks
 from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import cache_given, checkpointing_body
@@ -83,7 +84,7 @@ def _on_one_device(model) -> bool:
     return len(devices) <= 1 and not any(hasattr(m, "_hf_hook") for m in model.modules())
 
 
-_MODEL_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_MODEL_OK: "weakref.WeakKeyDictionary" = state.kept(weakref.WeakKeyDictionary())
 
 
 def _model_ok(model) -> bool:

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from solution import precompile
+from solution import precompile, state
 from solution.say import say
 
 DECISIONS: list[dict] = []  # {"graphs", "reason", "samples"} per model decided, in this process
@@ -118,7 +118,7 @@ class Probe:
                 say(decision_line(DECISIONS[-1]))
 
 
-_PROBES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> Probe
+_PROBES: "weakref.WeakKeyDictionary" = state.kept(weakref.WeakKeyDictionary())  # model -> Probe
 
 
 def probe_of(model, device: torch.device, wanted: bool) -> Probe | None:
