@@ -47,3 +47,42 @@ def verdict(s: dict) -> str:
     if s["q1"] > 0:
         return "on slower"
     return "no difference shown"
+
+
+def whole_run_table(doc: dict) -> str:
+    """A markdown table of whole-run pairs (docs/runs/levers-*.json: ``runs`` label -> figures,
+    ``comparisons`` each with the ``off`` and ``default`` labels pair by pair): per comparison the
+    arms' medians of steps 3-64, the median of the pairs' differences (off - default) in seconds and
+    percent of the default's median, the quartiles, how many pairs had the off arm faster, the verdict
+    and the decision taken."""
+    rows = ["| option | where | pairs | default, median (s) | off, median (s) | off - default, median of pairs | "
+            "quartiles (s) | off faster | verdict | decision |",
+            "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | --- | --- |"]
+    for c in doc["comparisons"]:
+        off = [doc["runs"][label]["steps_3_64_s"] for label in c["off"]]
+        default = [doc["runs"][label]["steps_3_64_s"] for label in c["default"]]
+        s = summary(off, default)
+        said = {"on faster": "off faster", "on slower": "off slower"}.get(verdict(s), verdict(s))
+        rows.append(f"| {c['name']} | {c['where']} | {s['n']} | {s['off']:.2f} | {s['on']:.2f} | "
+                    f"{s['diff']:+.3f} s ({100 * s['diff'] / s['off']:+.1f}%) | {s['q1']:+.3f} .. {s['q3']:+.3f} | "
+                    f"{s['on_faster']} of {s['n']} | {said} | {c['decision']} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m bench.pairs docs/runs/levers-....json: print ``whole_run_table`` of that file."""
+    import json
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m bench.pairs LEVERS.json", file=sys.stderr)
+        return 2
+    with open(args[0], encoding="utf-8") as f:
+        doc = json.load(f)
+    print(whole_run_table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

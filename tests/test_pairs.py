@@ -49,3 +49,22 @@ def test_verdict_needs_both_quartiles_on_one_side():
     assert pairs.verdict({"q1": -0.5, "q3": -0.1}) == "on faster"
     assert pairs.verdict({"q1": 0.1, "q3": 0.7}) == "on slower"
     assert pairs.verdict({"q1": -0.3, "q3": 0.4}) == "no difference shown"
+
+
+def test_whole_run_table_reads_the_committed_levers_file():
+    """The committed whole-run pairs (docs/runs/levers-*.json) render as one row per comparison,
+    the median of the pairs' differences as off - default, with the verdict in the off arm's terms."""
+    import json
+    from pathlib import Path
+
+    from bench.pairs import whole_run_table
+
+    doc = {"comparisons": [{"name": "x off", "where": "here", "off": ["o1", "o2", "o3"], "default": ["d1", "d2", "d3"],
+                            "decision": "removed"}],
+           "runs": {"o1": {"steps_3_64_s": 9.0}, "o2": {"steps_3_64_s": 9.5}, "o3": {"steps_3_64_s": 9.8},
+                    "d1": {"steps_3_64_s": 10.0}, "d2": {"steps_3_64_s": 10.0}, "d3": {"steps_3_64_s": 10.0}}}
+    row = whole_run_table(doc).splitlines()[-1]
+    assert row.startswith("| x off | here | 3 | 10.00 | 9.50 | -0.500 s (-5.0%) |") and "| 3 of 3 | off faster | removed |" in row
+    for path in sorted(Path(__file__).resolve().parent.parent.glob("docs/runs/levers-*.json")):
+        table = whole_run_table(json.loads(path.read_text(encoding="utf-8")))
+        assert table.count("\n") >= 3, path
