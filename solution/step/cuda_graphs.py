@@ -257,9 +257,9 @@ def _scan(layers) -> Scan:
             if id(m) in seen_modules:
                 continue
             seen_modules.add(id(m))
-            if not hooked and own_hooks(m):
-                hooked = True
             d = m.__dict__
+            if not hooked and (own_hooks(m) or "forward" in d):  # a hook or a forward set on the instance
+                hooked = True
             if in_dropout and isinstance(m, dropout_cls) and m.training and m.p > 0:
                 dropouts += 1
             for p in d["_parameters"].values():
@@ -507,7 +507,7 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
     if not attention.rows_kept_apart():
         return "attention on the padded layout (host-dependent indices)"
     if hooked:
-        return "hooks on the decoder layers (they would run only at capture)"
+        return "hooks or instance-level forwards on the decoder layers (they would run only at capture)"
     ckpt = [layer for layer in model.layers if layer_node.checkpointed(layer)]
     if ckpt and (layer_node.PLANNER is None or not all(
             layer_node.own_checkpoint(getattr(layer, "_gradient_checkpointing_func", None)) for layer in ckpt)):

@@ -27,6 +27,7 @@ import torch
 
 from solution import state
 from solution.hooks import has_hooks
+from solution.say import say_once
 from solution.kernels._device import cuda_or_runs_here
 from solution.patches._sources import cache_given, checkpointing_body
 from solution.step import cuda_graphs, graph_decision, packing
@@ -98,12 +99,22 @@ def _model_ok(model) -> bool:
 
 def _checkpointing_ok(model) -> bool:
     """Gradient checkpointing, where it is on, can run on the packed rows: each checkpointed layer
-    has the checkpoint function transformers set (``_gradient_checkpointing_func``) and no module
-    hooks (``_run_checkpointed`` calls the layer's forward itself, as stock does inside the
-    checkpoint, so hooks would not run where stock runs them). Otherwise: the stock forward."""
+    has the checkpoint function transformers set (``_gradient_checkpointing_func``), no module
+    hooks and no forward set on the instance (``_run_checkpointed`` and the node call the class's
+    forward themselves inside the checkpoint, so a hook or an instance-level wrapper, such as a
+    profiler's or ``mock.patch.object(layer, "forward", wraps=...)``, would not run where stock
+    runs it: in the forward and again in the recompute). Otherwise the stock forward, said once."""
     layers = model.layers[: model.config.num_hidden_layers]
-    return all(not layer_node.checkpointed(layer) or (callable(getattr(layer, "_gradient_checkpointing_func", None))
-                                            and not has_hooks(layer)) for layer in layers)
+    for layer in layers:
+        if not layer_node.checkpointed(layer):
+            continue
+        if "forward" in layer.__dict__ or has_hooks(layer):
+            say_once("a checkpointed decoder layer has hooks or a forward of its own (a wrapper): the model runs "
+                     "stock's forward (no packed step), so that they run in the forward and in the recompute")
+            return False
+        if not callable(getattr(layer, "_gradient_checkpointing_func", None)):
+            return False
+    return True
 
 
 def _layer_forward(layer):

@@ -1,0 +1,101 @@
+"""Hooks and forwards set on module instances still run where stock runs them, with the solution
+applied: a wrapper on a decoder layer's instance (a profiler's, an offload library's, or
+``mock.patch.object(layer, "forward", wraps=...)``, as transformers' own gradient-checkpointing
+test sets) and hooks or wrappers on the patched modules inside a layer.
+
+Under gradient checkpointing the packed step calls the layer class's forward itself (the node, or
+``step/decoder.py``'s ``_run_checkpointed``), so a layer with an instance-level forward or hooks
+makes the model keep stock's forward (``_checkpointing_ok``); inside a layer, the decoder-layer
+node refuses a layer whose modules carry hooks or instance forwards and the modules run (the
+patched module path calls them). Either way the wrapper runs in the forward and in the recompute
+as often as with stock, and the loss and LoRA gradients are stock's up to the patched kernels'
+fp16 rounding (limits as tests/test_unpad.py's packed-vs-stock tests: loss rel 1e-3, gradients
+rel 3e-2, fp16 sums over ~100 tokens; the backward starts from loss x 1024, as GradScaler's
+first steps do, so that the tiny model's fp16 gradients are not subnormal).
+"""
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+
+from tests.conftest import rel_err
+from tests.test_unpad import _right_padded_batch, qlora_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from workload.model_standin import write_standin
+
+    return write_standin(tmp_path_factory.mktemp("tiny") / "m", size="tiny")
+
+
+def _wrap(model, where: str):
+    """Install the wrapper or hook named by ``where`` on the model's first decoder layer; returns
+    the list that counts its calls."""
+    layer = model.base_model.model.model.layers[0]
+    calls = []
+    if where == "layer forward":
+        original = layer.forward  # the bound class forward; the wrapper goes on the instance, as mock.patch.object puts it
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        layer.forward = counted
+    elif where == "mlp hook":
+        layer.mlp.register_forward_hook(lambda module, args, out: calls.append(1))
+    elif where == "q_proj forward":
+        q = layer.self_attn.q_proj
+        original = q.forward
+
+        def counted_q(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        q.forward = counted_q
+    return calls
+
+
+def _step(model_dir, device, batch, where, reentrant, patched, autocast_ctx):
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.settings import Settings
+
+    solution.revert()
+    if patched:
+        solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
+    try:
+        model = qlora_tiny_model(model_dir, device)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model.enable_input_require_grads()
+        model.train()
+        calls = _wrap(model, where)
+        torch.manual_seed(0)
+        if device == "cuda":
+            torch.cuda.manual_seed(0)
+        ids, mask, labels = batch
+        with autocast_ctx(), fused_lm_head_requested():
+            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+        forward_calls = len(calls)
+        (out.loss * 1024).backward()  # scaled as GradScaler starts: unscaled, the tiny model's fp16 gradients are subnormal
+        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return out.loss.detach().float(), grads, forward_calls, len(calls)
+    finally:
+        mock.patch.stopall()
+        solution.revert()
+
+
+@pytest.mark.parametrize("where", ["layer forward", "mlp hook", "q_proj forward"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_instance_wrappers_and_hooks_run_as_with_stock(device, tiny_dir, autocast_ctx, where, reentrant):
+    batch = _right_padded_batch([30, 12, 33], 33, vocab=100, device=device)
+    loss_s, grads_s, fwd_s, all_s = _step(tiny_dir, device, batch, where, reentrant, False, autocast_ctx)
+    loss_p, grads_p, fwd_p, all_p = _step(tiny_dir, device, batch, where, reentrant, True, autocast_ctx)
+    assert fwd_s >= 1 and all_s >= 2 * fwd_s  # stock: the forward, and the recompute in backward
+    assert (fwd_p, all_p) == (fwd_s, all_s)
+    assert rel_err(loss_p, loss_s) < 1e-3
+    assert grads_p.keys() == grads_s.keys() and grads_s
+    for name, g in grads_s.items():
+        assert rel_err(grads_p[name], g) < 3e-2, name
