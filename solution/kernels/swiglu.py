@@ -293,12 +293,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bump_version(*tensors: torch.Tensor) -> None:
-    """Mark tensors as modified in place, so autograd refuses to reuse them (private torch API;
-    skipped when missing)."""
-    bump = getattr(torch._C, "_increment_version", None)
-    if bump is not None:
-        for t in tensors:
-            bump(t)
+    """Mark tensors as modified in place, so autograd refuses to reuse them: each tensor's version
+    counter rises by one (torch.autograd.graph.increment_version, given the tensor itself)."""
+    for t in tensors:
+        torch.autograd.graph.increment_version(t)
 
 
 class _SwiGLU(torch.autograd.Function):
