@@ -14,9 +14,7 @@ then a summary whose first lines are the failed checks. Exit status: 0 every che
 are not failures), 1 a check failed, 2 a bad command line (one ``error:`` line, nothing run).
 
 The checks, in order:
-1. versions: Python, torch, Triton (and whether its launch path is a reviewed one: the direct
-   launch of solution/kernels/_launches.py; SKIP, not a failure, when not), transformers, peft,
-   bitsandbytes, trl; the libraries through
+1. versions: Python, torch, Triton, transformers, peft, bitsandbytes, trl; the libraries through
    the same ``check()`` each patch runs in ``apply()`` (for transformers and trl: the sha256 of the
    stock sources the patches mirror, solution/patches/_sources.py), so "accepted" means the patch
    installs here;
@@ -125,19 +123,6 @@ def check_triton() -> Line:
     if version is None:
         return Line("FAIL", "Triton", "не установлен: ядра не запустятся", "not installed: no kernel can run")
     return _accepted(f"Triton {version}", f">= {OLDEST_TRITON[0]}.{OLDEST_TRITON[1]}", triton_too_old(version))
-
-
-def check_launch_path() -> Line:
-    """Whether repeated launches of our kernels may skip ``kernel[grid]`` here (kernels/_launches.py:
-    Triton's launch path is a reviewed one). Not a failure either way: the values are the same."""
-    from solution.kernels._launches import direct_reason
-
-    reason = direct_reason()
-    if reason is None:
-        return Line("OK", "Triton launch path", "проверен: на GPU повторные запуски идут напрямую",
-                    "reviewed: on a GPU, repeated launches call the compiled kernel's launcher directly")
-    return Line("SKIP", "Triton launch path", "каждый запуск через kernel[grid] (те же числа, больше времени CPU)",
-                f"{reason}: every launch through kernel[grid] (the same values, more host time)")
 
 
 def check_library(dist: str, module: str, patches: tuple[str, ...]) -> Line:
@@ -594,8 +579,7 @@ def run_all(emit: Callable[[str], None] = print) -> list[Line]:
             for extra in line.detail.splitlines()[-5:]:
                 emit(f"       {extra}")
 
-    for subject, check in (("Python", check_python), ("torch", check_torch), ("Triton", check_triton),
-                           ("Triton launch path", check_launch_path)):
+    for subject, check in (("Python", check_python), ("torch", check_torch), ("Triton", check_triton)):
         record(_run(subject, check))
     for dist, module, patches in LIBRARIES:
         record(_run(dist, check_library, dist, module, patches))

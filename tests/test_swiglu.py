@@ -166,6 +166,17 @@ def test_overlap_detection():
     assert not sw._overlap(torch.zeros(3), torch.zeros(3))
 
 
+def test_bump_version_raises_each_counter_by_exactly_one():
+    """_bump_version marks each tensor modified once, however many rows it has (a tensor given as a
+    list of tensors would be iterated by its first dimension: one bump per row)."""
+    a, b = torch.zeros(4096, 8), torch.zeros(3, 2)
+    va, vb = a._version, b._version
+    sw._bump_version(a, b)
+    assert (a._version, b._version) == (va + 1, vb + 1)
+    sw._bump_version(a)
+    assert (a._version, b._version) == (va + 2, vb + 1)
+
+
 def test_no_grad_path_and_launch_count(device):
     g, u, _ = _inputs((5, 70), torch.float16, device, seed=5)
     before_f, before_b = LAUNCHES["swiglu_fwd"], LAUNCHES["swiglu_bwd"]

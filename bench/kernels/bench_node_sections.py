@@ -6,28 +6,18 @@ bench_layer_host.py, which times whole layers).
 The node variant of bench_layer_host.py (4 layers, graphs off, the same batch). Each function in
 ``TARGETS`` is wrapped by a timer (two ``perf_counter_ns`` reads and a list append a call, ~0.5 us)
 that keeps its inclusive time and its own time (inclusive minus the wrapped calls under it); 20
-steps are timed that way (launches through the direct path, kernels/_launches.py). Before that,
-the step timed with the direct path on and off, in pairs, and with attention's way in and out
-through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) on and off, in pairs, and with prepared launches
-(kernels/_launches.launch_prepared) on and off, in pairs, and their native launch
-(kernels/_launches.raw_launcher) against the launcher's call, in pairs, and with the MLP's gate and up as one GEMM
-($SOLUTION_GATE_UP_GEMM) and q's and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM) on and off, in pairs
-(bench/pairs.py: the arm that runs first alternates; each pair comparison reports the arms' medians,
-the median and quartiles of the pairs' differences, how many pairs had the "on" arm faster, and
-"no difference shown" where the quartiles straddle zero). The table gives, per layer (forward + backward), the calls, the
-inclusive and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how
-much the timers themselves add. Then a launch table: one of the node's real launches
-(``nf4_dequant_cast_kernel`` as q's forward calls it) timed 2,000 times through ``kernel[grid]``
-and through the compiled kernel's launcher directly (what a launcher that skips Triton's per-call
-binding would cost), and Triton's binder alone and with the key and its lookup (the direct path's
-share), with the GPU kept busy so that only host time is timed; and a table of the GEMM calls'
+steps are timed that way. The table gives, per layer (forward + backward), the calls, the inclusive
+and the own microseconds of each target; "step, unwrapped" and "step, wrapped" say how much the
+timers themselves add. Targets that the code no longer has are listed and skipped. Then a launch
+table: one of the node's real launches (``nf4_dequant_cast_kernel`` as q's forward calls it) timed
+2,000 times through ``kernel[grid]`` and through ``launch()`` (kernels/_launches.py: the same call,
+counted), with the GPU kept busy so that only host time is timed; and a table of the GEMM calls'
 host cost as torch is asked for them (F.linear with and without autocast, 3-D / 2-D, bias or not;
 torch.matmul, mm, addmm). At one fixed shape they differ by a few us (autocast ~1 us a call); the
 cost of a new shape: bench_gemm_shapes.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import statistics
@@ -40,7 +30,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from bench.kernels.bench_layer_host import LAYERS, _timed_ms, build, setup, step_fn  # noqa: E402
-from bench import pairs  # noqa: E402
 
 STEPS = 20
 
@@ -121,32 +110,19 @@ class Timers:
 
 
 def time_launches(cap: dict, reps: int = 2000) -> dict:
-    """The launch of ``cap`` (captured from a real node call) timed both ways, host only."""
-    from triton import knobs
-    from triton.runtime import driver
+    """The launch of ``cap`` (captured from a real node call) timed through ``kernel[grid]`` and
+    through ``launch()``, host only."""
+    from solution.kernels import _launches
 
-    jitf, args, kwargs, grid, kernel = cap["jit"], cap["args"], cap["kwargs"], cap["grid"], cap["k"]
+    jitf, args, kwargs, grid = cap["jit"], cap["args"], cap["kwargs"], cap["grid"]
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
 
     def busy():
         for _ in range(6):
             a @ a  # ~ms of GPU work: launches below only queue
 
-    grid3 = tuple(grid) + (1,) * (3 - len(grid))
-    bound = list(args) + [kwargs[p.name] for p in jitf.params[len(args):] if p.name in kwargs]
-    dev = driver.active.get_current_device()
     rows = {}
-    from solution.kernels import _launches
-
-    binder = jitf.device_caches[dev][4]
-    cache = {}
-
-    def key_of():
-        bound_, spec, options = binder(*args, **kwargs)
-        return (id(jitf), dev, tuple(spec), tuple(options.items()))
-
-    for label in ("kernel[grid]", "direct launcher", "launch(), direct path", "binder only",
-                  "binder + key + lookup", "kernel[grid]"):
+    for label in ("kernel[grid]", "launch()", "kernel[grid]"):
         ts = []
         for _ in range(5):
             busy()
@@ -154,21 +130,9 @@ def time_launches(cap: dict, reps: int = 2000) -> dict:
             if label == "kernel[grid]":
                 for _ in range(reps // 5):
                     jitf[grid](*args, **kwargs)
-            elif label == "launch(), direct path":
+            else:
                 for _ in range(reps // 5):
                     _launches.launch(jitf, grid, "bench", *args, **kwargs)
-            elif label == "binder only":
-                for _ in range(reps // 5):
-                    binder(*args, **kwargs)
-            elif label == "binder + key + lookup":
-                for _ in range(reps // 5):
-                    cache.get(key_of())
-            else:
-                run, fnc, meta = kernel.run, kernel.function, kernel.packed_metadata
-                for _ in range(reps // 5):
-                    stream = driver.active.get_current_stream(dev)
-                    run(*grid3, stream, fnc, meta, None, knobs.runtime.launch_enter_hook,
-                        knobs.runtime.launch_exit_hook, *bound)
             ts.append((time.perf_counter_ns() - t0) / (reps // 5) / 1e3)
             torch.cuda.synchronize()
         rows.setdefault(label, []).append(statistics.median(ts))
@@ -220,8 +184,6 @@ def main() -> None:
     import triton.runtime.jit as jit
 
     import solution
-    from solution import settings as settings_mod
-    from solution.kernels import _launches
     from solution.settings import Settings
 
     solution.revert()
@@ -236,61 +198,14 @@ def main() -> None:
         def timed_steps():
             return statistics.median(_timed_ms(step) for _ in range(STEPS))
 
-        def paired(on: str, off: str, switch, diff: str) -> dict:
-            """The step timed with ``switch(True)`` (arm ``on``) and ``switch(False)`` (arm ``off``)
-            in STEPS pairs, the arm that goes first alternating (bench/pairs.py); the medians of each
-            arm and of the pairs' differences, their quartiles, how many pairs had ``on`` faster, and
-            the verdict (a difference whose quartiles straddle zero is not shown), in rows labelled
-            ``diff`` (e.g. "qkv_rope on - off") and what each is. Leaves the switch on."""
-            times = {True: [], False: []}
-            for i in range(STEPS):
-                for state in pairs.order(i):
-                    switch(state)
-                    times[state].append(_timed_ms(step))
-            switch(True)
-            s = pairs.summary(times[True], times[False])
-            return {on: s["on"], off: s["off"], f"{diff}, median of pairs": s["diff"],
-                    f"{diff}, quartiles of pairs": f"{s['q1']:.2f} / {s['q3']:.2f}",
-                    f"{diff}, pairs with {on} faster": f"{s['on_faster']} of {s['n']}: {pairs.verdict(s)}"}
-
-        def set_prepared(on: bool) -> None:
-            _launches._state["prepared"] = on
-
-        on_settings = settings_mod.current()
-        direct_rows = paired("direct", "kernel[grid]", _launches.set_direct, "direct - kernel[grid]")
-        # attention's way in and out through kernels/qkv_rope.py ($SOLUTION_QKV_ROPE) or the launches
-        # it replaces (the node reads the setting once per step)
-        direct_rows.update(paired("qkv_rope on", "qkv_rope off",
-                                  lambda on: settings_mod.activate(dataclasses.replace(on_settings, qkv_rope=on)),
-                                  "qkv_rope on - off"))
-        # prepared launches (kernels/_launches.launch_prepared) or launch()
-        direct_rows.update(paired("prepared on", "prepared off", set_prepared, "prepared on - off"))
-
-        def set_raw(on: bool) -> None:
-            _launches._state["raw"] = on
-
-        # a prepared launch through the launcher's native launch (kernels/_launches.raw_launcher) or its __call__
-        direct_rows.update(paired("native launch", "launcher call", set_raw, "native launch - launcher call"))
-        # the MLP's gate and up as one GEMM ($SOLUTION_GATE_UP_GEMM: each layer's plan keeps it) and q's
-        # and v's LoRA A GEMMs batched ($SOLUTION_LORA_BMM: the node reads it once per step)
-        from solution.step import layer as layer_mod
-
-        plans = [p for p in layer_mod._PLANS.values() if isinstance(p, layer_mod.LayerPlan)]
-        applies = {id(p): p.gate_up for p in plans}
-
-        def set_gate_up(on: bool) -> None:
-            for p in plans:
-                p.gate_up = on and applies[id(p)]
-
-        if any(applies.values()):
-            direct_rows.update(paired("gate_up on", "gate_up off", set_gate_up, "gate_up on - off"))
-        direct_rows.update(paired("lora_bmm on", "lora_bmm off",
-                                  lambda on: settings_mod.activate(dataclasses.replace(on_settings, lora_bmm=on)),
-                                  "lora_bmm on - off"))
         plain_ms = timed_steps()
         timers = Timers()
+        missing = []
         for owner, name, label in targets():
-            timers.wrap(owner, name, label)
+            if hasattr(owner, name):
+                timers.wrap(owner, name, label)
+            else:
+                missing.append(label)
         for _ in range(2):
             step()
         for d in (timers.incl, timers.own, timers.calls):
@@ -298,19 +213,17 @@ def main() -> None:
                 d[k] = 0
         wrapped_ms = timed_steps()
         timers.unwrap()
-        # one real launch of the node, captured, then timed both ways
+        # one real launch of the node, captured, then timed through kernel[grid] and launch()
         cap = {}
         orig = jit.JITFunction.run
 
         def grab(self, *a, grid, warmup, **kw):
             kernel = orig(self, *a, grid=grid, warmup=warmup, **kw)
-            if self.fn.__name__ == "nf4_dequant_cast_kernel" and "k" not in cap:
-                cap.update(k=kernel, jit=self, args=a, kwargs=dict(kw), grid=grid)
+            if self.fn.__name__ == "nf4_dequant_cast_kernel" and "jit" not in cap:
+                cap.update(jit=self, args=a, kwargs=dict(kw), grid=grid)
             return kernel
         jit.JITFunction.run = grab
-        _launches.set_direct(False)  # every launch through JITFunction.run, so that grab sees one
         step()
-        _launches.set_direct(True)
         jit.JITFunction.run = orig
         torch.cuda.synchronize()
         launches = time_launches(cap) if cap else {}
@@ -324,10 +237,8 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: |")
     for lab, c, inc, own in rows:
         print(f"| {lab} | {c:.1f} | {inc:.1f} | {own:.1f} |")
-    print(f"\n| step ({LAYERS} layers), paired arms | ms, median of {STEPS} |")
-    print("| --- | ---: |")
-    for k, v in direct_rows.items():
-        print(f"| {k} | {v:.2f} |" if isinstance(v, float) else f"| {k} | {v} |")
+    if missing:
+        print(f"\ntargets not in this code (skipped): {', '.join(missing)}")
     print("\n| launch of nf4_dequant_cast_kernel | host us / call |")
     print("| --- | ---: |")
     for k, v in launches.items():
@@ -338,8 +249,8 @@ def main() -> None:
         print(f"| {k} | {v:.2f} |")
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(0), "plain_ms": plain_ms, "wrapped_ms": wrapped_ms,
-                   "rows": rows, "launches": launches,
-                   "direct_steps": direct_rows, "gemm_calls": gemms}, f, indent=1)
+                   "rows": rows, "missing_targets": missing, "launches": launches, "gemm_calls": gemms},
+                  f, indent=1)
 
 
 if __name__ == "__main__":

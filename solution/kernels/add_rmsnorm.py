@@ -53,7 +53,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from solution.kernels import rmsnorm as _rms
-from solution.kernels._launches import cdiv, launch_prepared, spec_key
+from solution.kernels._launches import cdiv, launch
 from solution.kernels.rmsnorm import (_TRITON_TYPE, _as_rows, _launch_backward_dw, _rms_grad_rows, _rms_scale_rows,
                                       _row_config, _row_tile, _rows_per_program, rmsnorm_supported)
 
@@ -126,11 +126,6 @@ def _grad_dtypes(res_dtype: torch.dtype, x_dtype: torch.dtype, need_res: bool, n
     return dtypes
 
 
-# launch_prepared's compiled kernels (kernels/_launches.py): the key holds the constexprs, the warps,
-# every pointer's dtype and alignment and every specialized integer's (n_rows is not specialized)
-_SITES: dict = {"fwd": {}, "bwd": {}}
-
-
 def _launch_forward(r2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float, shape):
     n_rows, n_cols = x2.shape
     h_dtype = torch.promote_types(r2.dtype, x2.dtype)
@@ -140,10 +135,9 @@ def _launch_forward(r2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, ep
     if n_rows > 0:
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
-        ptrs, ints = (r2, x2, weight, h, y, rstd), (r2.stride(0), x2.stride(0), n_cols)
-        launch_prepared(_SITES["fwd"], (rows, block, warps, *spec_key(ptrs, ints)), _add_rmsnorm_fwd_kernel,
-                        (cdiv(n_rows, rows),), "_add_rmsnorm_fwd_kernel",
-                        (*ptrs, n_rows, *ints, float(eps), rows, block), {"num_warps": warps})
+        launch(_add_rmsnorm_fwd_kernel, (cdiv(n_rows, rows),), "_add_rmsnorm_fwd_kernel",
+               r2, x2, weight, h, y, rstd, n_rows, r2.stride(0), x2.stride(0), n_cols, float(eps), rows, block,
+               num_warps=warps)
     return h, y, rstd
 
 
@@ -155,12 +149,10 @@ def _launch_backward(h2, weight, gy2, gh2, rstd, dtypes):
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
         gh_arg = h2 if gh2 is None else gh2  # placeholder of h's dtype, never read when absent
-        ptrs = (h2, weight, gy2, gh_arg, rstd, outs[0], outs[-1])
-        ints = (gy2.stride(0), 0 if gh2 is None else gh2.stride(0), n_cols)
-        consts = (gh2 is not None, len(outs) == 2, rows, block)
-        launch_prepared(_SITES["bwd"], (*consts, warps, *spec_key(ptrs, ints)), _add_rmsnorm_bwd_kernel,
-                        (cdiv(n_rows, rows),), "_add_rmsnorm_bwd_kernel",
-                        (*ptrs, n_rows, *ints, *consts), {"num_warps": warps})
+        launch(_add_rmsnorm_bwd_kernel, (cdiv(n_rows, rows),), "_add_rmsnorm_bwd_kernel",
+               h2, weight, gy2, gh_arg, rstd, outs[0], outs[-1], n_rows,
+               gy2.stride(0), 0 if gh2 is None else gh2.stride(0), n_cols,
+               gh2 is not None, len(outs) == 2, rows, block, num_warps=warps)
     return outs
 
 

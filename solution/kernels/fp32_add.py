@@ -35,7 +35,7 @@ import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
 from solution.kernels._device import runs_here
-from solution.kernels._launches import cdiv, launch_prepared, spec_key
+from solution.kernels._launches import cdiv, launch
 
 GPU_BLOCK = 2048
 GPU_NUM_WARPS = 4
@@ -76,14 +76,8 @@ def add_as_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     out = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     n = out.numel()
     block = GPU_BLOCK if out.device.type == "cuda" else INTERPRETER_BLOCK
-    # prepared launch (kernels/_launches.py): n is not specialized; the key holds the block and
-    # spec_key of the pointers (their dtypes and 16-byte alignment), all that can change here
-    launch_prepared(_SITE, (block, *spec_key((a, b, out), ())), fp32_add_kernel, (cdiv(n, block),), "fp32_add_kernel",
-                    (a, b, out, n, block), {"num_warps": GPU_NUM_WARPS})
+    launch(fp32_add_kernel, (cdiv(n, block),), "fp32_add_kernel", a, b, out, n, block, num_warps=GPU_NUM_WARPS)
     return out
-
-
-_SITE: dict = {}  # launch_prepared's compiled kernels of add_as_fp32
 
 
 class _ResidualAdd(torch.autograd.Function):

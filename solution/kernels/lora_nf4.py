@@ -49,7 +49,7 @@ import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
 from solution.kernels._device import runs_here
-from solution.kernels._launches import cdiv, launch, launch_prepared
+from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
 GPU_BLOCK = 2048
@@ -197,9 +197,6 @@ def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: t
     return a_out, b_out
 
 
-_QUAD_SITE: dict = {}  # launch_prepared's compiled quad_cast_kernel
-
-
 def cast_four(tensors, dtypes, outs=None):
     """[t.to(dt) for t, dt in zip(tensors, dtypes)] for four tensors, in one launch where each is a
     ``cast_pair`` cast (fp32 -> fp16 or fp16 -> fp32) of a contiguous tensor on one device where our
@@ -207,7 +204,7 @@ def cast_four(tensors, dtypes, outs=None):
     the one launch, a contiguous tensor of the result's shape and dtype to write each cast into, or
     None (a new one); ignored by the fallbacks."""
     a, b, c, d = tensors
-    src, dst = a.dtype, dtypes[0]
+    dst = dtypes[0]
     if not _one_launch_casts(tensors, dtypes):
         return [*cast_pair(a, b, dtypes[0], dtypes[1]), *cast_pair(c, d, dtypes[2], dtypes[3])]
     outs = [torch.empty(t.shape, dtype=dst, device=a.device) if o is None else o
@@ -216,9 +213,8 @@ def cast_four(tensors, dtypes, outs=None):
     args = []
     for t, o, n in zip(tensors, outs, ns):
         args += (t, o, n)
-    key = (src, dst, *(t.data_ptr() & 15 for t in tensors), *(o.data_ptr() & 15 for o in outs))
     grid = (sum(cdiv(n, PAIR_CAST_BLOCK) for n in ns),)
-    launch_prepared(_QUAD_SITE, key, quad_cast_kernel, grid, "quad_cast", (*args, PAIR_CAST_BLOCK), {"num_warps": 4})
+    launch(quad_cast_kernel, grid, "quad_cast", *args, PAIR_CAST_BLOCK, num_warps=4)
     return outs
 
 

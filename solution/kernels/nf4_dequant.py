@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
-from solution.kernels._launches import cdiv, launch_prepared
+from solution.kernels._launches import cdiv, launch
 
 KERNEL_NAME = "nf4_dequant"
 
@@ -282,7 +282,7 @@ class DequantPlan:
 
     __slots__ = ("qs", "absmax_src", "state2", "absmax2_src", "code2_src", "offset_src", "ptr",
                  "shape", "numel", "device", "args", "sizes", "n_deq_programs",
-                 "cast_block", "blocks", "options", "sites")
+                 "cast_block", "blocks", "options")
 
     def __init__(self, weight: torch.Tensor, quant_state):
         reason = unsupported_reason(weight, quant_state)
@@ -320,11 +320,9 @@ class DequantPlan:
         self.n_deq_programs = cdiv(n_blocks, nb)
         self.args = (packed, absmax, code2, absmax2, offset, _nf4_lut(dev))
         self.sizes = (n, (n + 1) // 2, n_blocks)
-        # the kernels' block constexprs, positionally in signature order (BLOCKSIZE, NESTED, NESTED_BS,
-        # NB), for launch_prepared
+        # the kernels' block constexprs, positionally in signature order (BLOCKSIZE, NESTED, NESTED_BS, NB)
         self.blocks = (bs, bool(qs.nested), nested_bs, nb)
         self.options = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
-        self.sites: dict = {}  # launch_prepared's compiled kernels, by ``launch``'s key
 
     def matches(self, weight: torch.Tensor, quant_state) -> bool:
         """Is this plan still the one for ``weight`` / ``quant_state``? (identity checks + the
@@ -348,14 +346,9 @@ class DequantPlan:
         cast_b=1: b16 = fp16(b), cast_b=2: b16 = fp16(fp16(a) * scaling). a, b, a16, b16: contiguous,
         same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``: the casts only.
         round_bf16: round the weight through bf16 first (bnb's backward for bf16 states)."""
-        # Prepared launches (kernels/_launches.py): the key holds what can change Triton's
-        # specialization from call to call here; the plan's own tensors, sizes and block
-        # constants are fixed while the plan ``matches``; n_cast is not specialized (int32:
-        # < MAX_CAST_ELEMENTS), scaling is an fp32 scalar.
         if a is None:
-            launch_prepared(self.sites, (round_bf16, out.dtype, out.data_ptr() & 15), nf4_dequant_kernel,
-                            (self.n_deq_programs,), KERNEL_NAME,
-                            (*self.args, out, *self.sizes, *self.blocks, round_bf16), self.options)
+            launch(nf4_dequant_kernel, (self.n_deq_programs,), KERNEL_NAME,
+                   *self.args, out, *self.sizes, *self.blocks, round_bf16, **self.options)
             return
         n_cast = a.numel()
         # unused pointers point at a valid tensor (the kernel never touches them)
@@ -364,13 +357,9 @@ class DequantPlan:
         b16_ = out if b16 is None else b16
         n_deq = self.n_deq_programs if dequant else 0
         grid = (n_deq + cdiv(n_cast, self.cast_block),)
-        key = (dequant, round_bf16, a16 is not None, cast_b, out.dtype, a.dtype, a16_.dtype, b_.dtype, b16_.dtype,
-               out.data_ptr() & 15, a.data_ptr() & 15, a16_.data_ptr() & 15, b_.data_ptr() & 15,
-               b16_.data_ptr() & 15)
-        launch_prepared(self.sites, key, nf4_dequant_cast_kernel, grid,
-                        KERNEL_NAME + "_cast" if dequant else "fp16_cast",
-                        (*self.args, out, *self.sizes, n_deq, a, a16_, b_, b16_, n_cast, float(scaling),
-                         *self.blocks, round_bf16, a16 is not None, cast_b, self.cast_block), self.options)
+        launch(nf4_dequant_cast_kernel, grid, KERNEL_NAME + "_cast" if dequant else "fp16_cast",
+               *self.args, out, *self.sizes, n_deq, a, a16_, b_, b16_, n_cast, float(scaling),
+               *self.blocks, round_bf16, a16 is not None, cast_b, self.cast_block, **self.options)
 
 
 def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,

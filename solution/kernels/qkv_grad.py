@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from solution.kernels._blocks import load_block, store_block
-from solution.kernels._launches import cdiv, launch_prepared, spec_key
+from solution.kernels._launches import cdiv, launch
 
 GPU_BLOCK = 2048
 GPU_NUM_WARPS = 8
@@ -83,16 +83,9 @@ def qkv_grad_sum(aq, bq, mq, ak, av, bv, mv, drop_mode: int, drop_scale: float) 
     mq_ = aq if mq is None else mq
     mv_ = av if mv is None else mv
     ptrs = (aq, bq, mq_, ak, av, bv, mv_, out)
-    # prepared launch (kernels/_launches.py): n is not specialized, drop_scale is an fp32 scalar; the
-    # key holds the constexprs and spec_key of the pointers (no integer is specialized)
-    launch_prepared(_SITE, (drop_mode, block, *spec_key(ptrs, ())), qkv_grad_sum_kernel, (cdiv(n, block),),
-                    "qkv_grad_sum",
-                    (*ptrs, n, float(drop_scale), drop_mode, block),
-                    {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False})
+    launch(qkv_grad_sum_kernel, (cdiv(n, block),), "qkv_grad_sum", *ptrs, n, float(drop_scale), drop_mode, block,
+           num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
     return out
-
-
-_SITE: dict = {}  # launch_prepared's compiled kernels of qkv_grad_sum
 
 
 def sm75_specs():

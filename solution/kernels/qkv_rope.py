@@ -10,8 +10,7 @@ one launch, and attention's input gradients back to the projections' fp16 gradie
    (fp32, k's and v's 6 head copies summed), RoPE's backward, and the casts of q's, k's and v's
    fp32 gradients to fp16 (autograd's casts for the fp16 GEMMs, and fp16(g16 * scaling) for the
    LoRA B output), which ran inside each weight's dequantization launch.
-2. Why that was slow. Each of those launches costs host time (~19 us each through our direct
-   launch on the H200, docs/kernels/direct_launch.md), plus an output allocation, and the
+2. Why that was slow. Each of those launches costs host time, plus an output allocation, and the
    eager step is host-bound on a fast GPU. On the GPU they are full passes through fp32
    intermediates: q [N, 1536] fp32 is written by the combine, read and written by RoPE, read by
    the pad; a GPU-bound T4 pays for that traffic.
@@ -41,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.kernels._launches import cdiv, launch_prepared, pow2_at_least, spec_key
+from solution.kernels._launches import cdiv, launch, pow2_at_least
 
 GPU_NUM_WARPS = 4
 # Tokens per program: one on the GPU (a token's 12 + 2 + 2 heads are ~2,000 elements, a normal
@@ -229,12 +228,9 @@ def forward(bq16, lq16, q_scaling: float, bk16, bv16, lv16, v_scaling: float, co
         ptrs = (bq16, lq16, bk16, bv16, lv16, cos, sin, qp, kp, vp)
         cs_row = cos.stride(1)
         consts = (n_heads, n_kv, rep, half, hq2, pow2_at_least(n_kv), block_t)
-        # prepared launch (kernels/_launches.py): n_tokens is not specialized, the scalings are fp32
-        # scalars; the key holds the constexprs and spec_key of the pointers and of cs_row
-        launch_prepared(_PAD_SITE, (*consts, *spec_key(ptrs, (cs_row,))), qkv_rope_pad_kernel,
-                        (cdiv(n, block_t),), "qkv_rope_pad",
-                        (*ptrs, n, cs_row, float(q_scaling), float(v_scaling), *consts),
-                        {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False})
+        launch(qkv_rope_pad_kernel, (cdiv(n, block_t),), "qkv_rope_pad",
+               *ptrs, n, cs_row, float(q_scaling), float(v_scaling), *consts,
+               num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
     return qp, kp, vp
 
 
@@ -259,16 +255,10 @@ def backward(dq, dk, dv, cos, sin, q_scaling: float, v_scaling: float, n_kv: int
         ptrs = (dq, dk, dv, cos, sin, gq, gsq, gv if gk is None else gk, gv, gsv)
         strides = (dq.stride(1), dq.stride(2), dk.stride(1), dk.stride(2), dv.stride(1), dv.stride(2), cos.stride(1))
         consts = (n_heads, n_kv, rep, half, hq2, pow2_at_least(n_kv), block_t, need_k)
-        # prepared launch: as in ``forward``, with every stride in spec_key
-        launch_prepared(_UNPAD_SITE, (*consts, *spec_key(ptrs, strides)), qkv_rope_unpad_kernel,
-                        (cdiv(n, block_t),), "qkv_rope_unpad",
-                        (*ptrs, n, *strides, float(q_scaling), float(v_scaling), *consts),
-                        {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False})
+        launch(qkv_rope_unpad_kernel, (cdiv(n, block_t),), "qkv_rope_unpad",
+               *ptrs, n, *strides, float(q_scaling), float(v_scaling), *consts,
+               num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
     return gq, gsq, gk, gv, gsv
-
-
-_PAD_SITE: dict = {}  # launch_prepared's compiled kernels of ``forward``
-_UNPAD_SITE: dict = {}  # and of ``backward``
 
 
 def sm75_specs():

@@ -38,7 +38,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from solution.env import interpreter_enabled
-from solution.kernels._launches import cdiv, launch, launch_prepared, pow2_at_least, spec_key
+from solution.kernels._launches import cdiv, launch, pow2_at_least
 
 # Rows longer than this are left to the stock code (one row must fit in one program's registers).
 MAX_HIDDEN = 8192
@@ -213,11 +213,6 @@ def rmsnorm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-# launch_prepared's compiled kernels (kernels/_launches.py): the key holds the block constants, the
-# warps, every pointer's dtype and alignment and every specialized integer's (n_rows is not specialized)
-_SITES: dict = {"fwd": {}, "bwd_dx": {}}
-
-
 def _launch_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     n_rows, n_cols = x2.shape
     out = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x2.dtype, weight.dtype), device=x2.device)
@@ -225,10 +220,9 @@ def _launch_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     if n_rows > 0:
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
-        ptrs, ints = (x2, weight, out, rstd), (x2.stride(0), out.stride(0), n_cols)
-        launch_prepared(_SITES["fwd"], (rows, block, warps, *spec_key(ptrs, ints)), _rmsnorm_fwd_kernel,
-                        (cdiv(n_rows, rows),), "_rmsnorm_fwd_kernel",
-                        (*ptrs, n_rows, *ints, float(eps), rows, block), {"num_warps": warps})
+        launch(_rmsnorm_fwd_kernel, (cdiv(n_rows, rows),), "_rmsnorm_fwd_kernel",
+               x2, weight, out, rstd, n_rows, x2.stride(0), out.stride(0), n_cols, float(eps), rows, block,
+               num_warps=warps)
     return out, rstd
 
 
@@ -238,10 +232,9 @@ def _launch_backward_dx(x2, weight, g2, rstd):
     if n_rows > 0:
         block, warps = _row_config(n_cols)
         rows = _rows_per_program(n_rows, block)
-        ptrs, ints = (x2, weight, g2, rstd, dx), (x2.stride(0), g2.stride(0), dx.stride(0), n_cols)
-        launch_prepared(_SITES["bwd_dx"], (rows, block, warps, *spec_key(ptrs, ints)), _rmsnorm_bwd_dx_kernel,
-                        (cdiv(n_rows, rows),), "_rmsnorm_bwd_dx_kernel",
-                        (*ptrs, n_rows, *ints, rows, block), {"num_warps": warps})
+        launch(_rmsnorm_bwd_dx_kernel, (cdiv(n_rows, rows),), "_rmsnorm_bwd_dx_kernel",
+               x2, weight, g2, rstd, dx, n_rows, x2.stride(0), g2.stride(0), dx.stride(0), n_cols, rows, block,
+               num_warps=warps)
     return dx
 
 

@@ -52,7 +52,7 @@ from triton.language.extra import libdevice
 
 from solution.env import interpreter_enabled
 from solution.kernels._device import kernel_device_reason
-from solution.kernels._launches import cdiv, launch_prepared, spec_key
+from solution.kernels._launches import cdiv, launch
 
 # One launch configuration: tiles of 8 rows x 256 columns (2048 elements, 16 per thread with 4
 # warps, loaded as 16-byte vectors). 256 divides the MLP width 8960 exactly, so no lane is wasted.
@@ -212,28 +212,21 @@ def silu_mode_name(dtype: torch.dtype, device) -> str:
     return "table" if _silu_mode(dtype, device)[0] else "compute"
 
 
-# launch_prepared's compiled kernels (kernels/_launches.py): the key holds the constexprs, every
-# pointer's dtype and alignment and every specialized integer's (n_rows is not specialized)
-_SITES: dict = {"fwd": {}, "bwd": {}}
-
-
 def _launch_fwd(g2, u2, h2, use_table: bool, table, fp32_stock: bool = False) -> None:
     n_rows, n_cols = g2.shape
-    ptrs, ints = (g2, u2, h2, table if use_table else g2), (n_cols, g2.stride(0), u2.stride(0), h2.stride(0))
     block_r, block_c = _blocks()
-    consts = (use_table, not interpreter_enabled(), block_r, block_c, fp32_stock)
-    launch_prepared(_SITES["fwd"], (*consts, *spec_key(ptrs, ints)), _swiglu_fwd_kernel, _grid(n_rows, n_cols),
-                    "swiglu_fwd", (*ptrs, n_rows, *ints, *consts), {"num_warps": NUM_WARPS})
+    launch(_swiglu_fwd_kernel, _grid(n_rows, n_cols), "swiglu_fwd",
+           g2, u2, h2, table if use_table else g2, n_rows, n_cols, g2.stride(0), u2.stride(0), h2.stride(0),
+           use_table, not interpreter_enabled(), block_r, block_c, fp32_stock, num_warps=NUM_WARPS)
 
 
 def _launch_bwd(dh2, g2, u2, dg2, du2, use_table: bool, table, fp32_stock: bool = False) -> None:
     n_rows, n_cols = g2.shape
-    ptrs = (dh2, g2, u2, dg2, du2, table if use_table else g2)
-    ints = (n_cols, dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0))
     block_r, block_c = _blocks()
-    consts = (use_table, not interpreter_enabled(), block_r, block_c, fp32_stock)
-    launch_prepared(_SITES["bwd"], (*consts, *spec_key(ptrs, ints)), _swiglu_bwd_kernel, _grid(n_rows, n_cols),
-                    "swiglu_bwd", (*ptrs, n_rows, *ints, *consts), {"num_warps": NUM_WARPS})
+    launch(_swiglu_bwd_kernel, _grid(n_rows, n_cols), "swiglu_bwd",
+           dh2, g2, u2, dg2, du2, table if use_table else g2, n_rows,
+           n_cols, dh2.stride(0), g2.stride(0), u2.stride(0), dg2.stride(0), du2.stride(0),
+           use_table, not interpreter_enabled(), block_r, block_c, fp32_stock, num_warps=NUM_WARPS)
 
 
 def swiglu_fp16_of_fp32(g16: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
@@ -293,12 +286,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _bump_version(*tensors: torch.Tensor) -> None:
-    """Mark tensors as modified in place, so autograd refuses to reuse them (private torch API;
-    skipped when missing)."""
-    bump = getattr(torch._C, "_increment_version", None)
-    if bump is not None:
-        for t in tensors:
-            bump(t)
+    """Mark tensors as modified in place, so autograd refuses to reuse them: each tensor's version
+    counter rises by one (torch.autograd.graph.increment_version, given the tensor itself)."""
+    for t in tensors:
+        torch.autograd.graph.increment_version(t)
 
 
 class _SwiGLU(torch.autograd.Function):
