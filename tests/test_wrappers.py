@@ -8,14 +8,11 @@ Under gradient checkpointing the packed step calls the layer class's forward its
 makes the model keep stock's forward (``_checkpointing_ok``); inside a layer, the decoder-layer
 node refuses a layer whose modules carry hooks or instance forwards and the modules run (the
 patched module path calls them). Either way the wrapper runs in the forward and in the recompute
-as often as with stock, and the loss and LoRA gradients are stock's up to the patched kernels'
-fp16 rounding (limits as tests/test_unpad.py's packed-vs-stock tests: loss rel 1e-3, gradients
-rel 3e-2, fp16 sums over ~100 tokens; the backward starts from loss x 1024, as GradScaler's
-first steps do, so that the tiny model's fp16 gradients are not subnormal).
+as often as with stock, and the loss and LoRA gradients are as close to stock's as the solution
+is without the wrapper (the backward starts from loss x 1024, as GradScaler's first steps do, so
+that the tiny model's fp16 gradients are not subnormal).
 """
 from __future__ import annotations
-
-from unittest import mock
 
 import pytest
 import torch
@@ -31,9 +28,9 @@ def tiny_dir(tmp_path_factory):
     return write_standin(tmp_path_factory.mktemp("tiny") / "m", size="tiny")
 
 
-def _wrap(model, where: str):
-    """Install the wrapper or hook named by ``where`` on the model's first decoder layer; returns
-    the list that counts its calls."""
+def _wrap(model, where: str | None):
+    """Install the wrapper or hook named by ``where`` on the model's first decoder layer (None:
+    nothing); returns the list that counts its calls."""
     layer = model.base_model.model.model.layers[0]
     calls = []
     if where == "layer forward":
@@ -83,19 +80,38 @@ def _step(model_dir, device, batch, where, reentrant, patched, autocast_ctx):
         grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
         return out.loss.detach().float(), grads, forward_calls, len(calls)
     finally:
-        mock.patch.stopall()
         solution.revert()
+
+
+_UNWRAPPED: dict = {}
+
+
+def _unwrapped_error(model_dir, device, batch, reentrant, autocast_ctx) -> dict:
+    """Per LoRA gradient (and "loss"): how far the solution is from stock on these inputs with no
+    wrapper at all (the packed step's own fp16 rounding), the yardstick of the wrapped runs."""
+    if reentrant not in _UNWRAPPED:
+        loss_s, grads_s, _, _ = _step(model_dir, device, batch, None, reentrant, False, autocast_ctx)
+        loss_p, grads_p, _, _ = _step(model_dir, device, batch, None, reentrant, True, autocast_ctx)
+        err = {n: rel_err(grads_p[n], g) for n, g in grads_s.items()}
+        err["loss"] = rel_err(loss_p, loss_s)
+        _UNWRAPPED[reentrant] = err
+    return _UNWRAPPED[reentrant]
 
 
 @pytest.mark.parametrize("where", ["layer forward", "mlp hook", "q_proj forward"])
 @pytest.mark.parametrize("reentrant", [False, True])
 def test_instance_wrappers_and_hooks_run_as_with_stock(device, tiny_dir, autocast_ctx, where, reentrant):
+    """The wrapper or hook runs as often as with stock (forward and recompute); the loss and every
+    LoRA gradient are as close to stock's as the solution is without any wrapper (within 1.25x that
+    distance, or the packed-vs-stock limits where that is smaller): a wrapper costs nothing in accuracy."""
     batch = _right_padded_batch([30, 12, 33], 33, vocab=100, device=device)
+    base = _unwrapped_error(tiny_dir, device, batch, reentrant, autocast_ctx)
     loss_s, grads_s, fwd_s, all_s = _step(tiny_dir, device, batch, where, reentrant, False, autocast_ctx)
     loss_p, grads_p, fwd_p, all_p = _step(tiny_dir, device, batch, where, reentrant, True, autocast_ctx)
-    assert fwd_s >= 1 and all_s >= 2 * fwd_s  # stock: the forward, and the recompute in backward
-    assert (fwd_p, all_p) == (fwd_s, all_s)
-    assert rel_err(loss_p, loss_s) < 1e-3
+    assert fwd_s >= 1 and (fwd_p, all_p) == (fwd_s, all_s)
+    if where == "layer forward":
+        assert all_s == 2 * fwd_s  # the checkpointed layer's forward, and its recompute in backward
+    assert rel_err(loss_p, loss_s) <= max(1e-3, 1.25 * base["loss"])
     assert grads_p.keys() == grads_s.keys() and grads_s
     for name, g in grads_s.items():
-        assert rel_err(grads_p[name], g) < 3e-2, name
+        assert rel_err(grads_p[name], g) <= max(3e-2, 1.25 * base[name]), name
