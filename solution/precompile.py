@@ -148,7 +148,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 
 # Triton versions whose JITFunction.preload reads one record format: name (the kernel's qualified
 # name), signature, constant_keys / constant_vals, attrs_keys / attrs_vals, options, key; from 3.7
-# also target (set by ``retarget``). Read in each version's runtime/jit.py (2026-12-01): 3.3 checks
+# also target (set by ``retarget``). Read in each version's runtime/jit.py: 3.3 checks
 # the unqualified name, 3.2 and older use another format. Whether a record of one version compiles
 # to the binary another version's launch looks for (the same source hash, attributes and options)
 # is not checked on a GPU: where it does not, the kernel compiles at its first launch, as without a

@@ -70,7 +70,7 @@ def _to_fp16(p, ROUND_BF16: tl.constexpr):
     if ROUND_BF16:
         # fp32 -> bf16 round-to-nearest-even with integer ops, then the exact bf16 -> fp16 cast
         # below: reproduces dequantize_4bit(bf16 state).to(fp16). Finite values and infs round
-        # right; a NaN is kept as it is (issue 16): the integer add would carry its payload into
+        # right; a NaN is kept as it is: the integer add would carry its payload into
         # the exponent / sign (0x7FFFFFFF, the GPU's NaN of inf * 0, would become -0.0).
         bits = p.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000

@@ -7,8 +7,7 @@ torch's generic walk: ``train`` calls itself on every one of the ~1,000 modules,
 goes through ``named_modules`` (a prefix string built for every module and parameter) and
 ``zero_grad`` reads ``.grad`` of every parameter, which for bitsandbytes' 4-bit weights goes
 through their ``__torch_function__``. The same answer every step. Measured by
-``python -m bench.step_walks`` (on the CPU: docs/NOTES.md, seventeenth session); the whole runs
-with it: docs/PERFORMANCE.md.
+``python -m bench.step_walks`` (on the CPU); the whole runs with it: docs/PERFORMANCE.md.
 
 What it does instead, on ``PeftModel`` only:
 - ``parameters(recurse=True)``: one walk over the modules' ``_modules`` and ``_parameters`` dicts,

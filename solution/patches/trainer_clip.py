@@ -8,7 +8,7 @@ and torch's ``clip_grad_norm_`` loops over it twice more (the gradients of the n
 it scales). Each loop reads ``.grad`` of all 450 parameters of the workload's model; for the 196
 bitsandbytes 4-bit weights every such read goes through their ``__torch_function__``. Only the
 112 LoRA weights hold a gradient. Measured on the H200 host (graphs off, one run's host split,
-docs/NOTES.md, twenty-third session): the clip phase 7.3 ms a step.
+bench/host_split.py): the clip phase 7.3 ms a step.
 
 What it does instead: one pass reads every parameter's ``.grad`` with tensor-subclass overrides
 off (bitsandbytes' ``__torch_function__`` hands a ``.grad`` read to torch unchanged: the same

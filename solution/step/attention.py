@@ -155,7 +155,7 @@ def _layout_qkv(module, query, key, value, layout, dtype):
     """q, k, v ([1, heads, N, D] packed) laid out by ``layout`` (the padded batch, or the packed
     rows' own) as [batch, Hq, seqlen, D] views, KV heads repeated, cast to ``dtype``: one launch each.
     ``squeeze(0)``, a view both ways: ``t[0]``'s backward wrote each gradient into a zero-filled
-    full-size tensor (a fill and a copy per input, 0.36 ms a step on the H200; issue 13.2)."""
+    full-size tensor (a fill and a copy per input, 0.36 ms a step on the H200)."""
     groups = getattr(module, "num_key_value_groups", 1)
     return tuple(attn_layout.pad_heads(t.squeeze(0).transpose(0, 1), layout, rep, dtype)
                  for t, rep in ((query, 1), (key, groups), (value, groups)))

@@ -1,4 +1,4 @@
-"""CUDA graphs over the decoder layers (issue 5.4: Python and launch overhead), $SOLUTION_CUDA_GRAPHS.
+"""CUDA graphs over the decoder layers (Python and launch overhead), $SOLUTION_CUDA_GRAPHS.
 
 1. What it replaces. The eager loop over Qwen2's 28 decoder layers in the packed forward
    (solution/step/decoder.py) and autograd's walk back through them: every op of every

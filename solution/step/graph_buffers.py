@@ -86,8 +86,8 @@ class Arena:
 class GradBuffers:
     """The trainable parameters' gradient buffers the backward graphs write: views of one flat
     buffer when the parameters share a dtype and device (the LoRA weights), so that a replay
-    hands autograd its copies with one clone, not one per parameter (112 clones a step before:
-    issue 13.2). Autograd keeps each view as that parameter's ``.grad`` as it kept each clone:
+    hands autograd its copies with one clone, not one per parameter (112 clones a step otherwise).
+    Autograd keeps each view as that parameter's ``.grad`` as it kept each clone:
     the same values and layout, in disjoint memory."""
 
     def __init__(self, params: list[torch.Tensor]):
