@@ -8,6 +8,12 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 . .venv/bin/activate
+# What the editable install below builds with (--no-build-isolation uses this venv's own packages
+# and does not enforce pyproject's build requirements): a fresh Python 3.11 venv has setuptools
+# 65.5 and no wheel, and torch brings setuptools only on Python 3.12+, so bring them first.
+build_prerequisites() {
+  python -m pip install -q "setuptools>=68" wheel
+}
 stamp=.venv/.project-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
@@ -15,6 +21,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   # machines, taken from their local disk; CUDA build from PyPI elsewhere).
   python -c "import torch" 2>/dev/null || python -m pip install -q "torch==2.13.0"
   python -m pip install -q "triton==3.6.0"
+  build_prerequisites
   python -m pip install -q --no-build-isolation -e ".[workload,test]"
   touch "$stamp"
 fi
