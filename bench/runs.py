@@ -71,6 +71,9 @@ RUNS: dict[str, RunSpec] = {spec.name: spec for spec in (
     RunSpec("gpu-bound-sm16", "both variants in a 16-SM partition of the GPU (a GPU-bound machine); the solution "
             "at its defaults", "оба варианта в разделе GPU из 16 SM (машина, упирающаяся в GPU); решение "
             "с настройками по умолчанию", sms=16),
+    RunSpec("gpu-bound-sm8", "both variants in an 8-SM partition of the GPU (the smallest a green context gives on "
+            "an H200: the nearest a T4); the solution at its defaults", "оба варианта в разделе GPU из 8 SM (самый "
+            "малый раздел на H200: ближе всего к T4); решение с настройками по умолчанию", sms=8),
     RunSpec("ckpt", "training.gradient_checkpointing: true for both", "training.gradient_checkpointing: true "
             "у обоих", workload={"training.gradient_checkpointing": True}, profiled=False),
     RunSpec("long", "every row over max_length: every batch 4 x 512, no padding",
