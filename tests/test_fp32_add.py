@@ -69,8 +69,7 @@ def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
     output, the input gradient or any parameter gradient. Attention runs on SDPA's math backend:
     the memory-efficient kernel's backward is not bitwise reproducible run to run on a GPU (the
     first GPU run of this test failed on that, not on the add), and bit equality is the claim.
-    The MLP is the two-GEMM one ($SOLUTION_GATE_UP_GEMM=0), whose backward adds its two input
-    gradients with the kernel (the default one-GEMM MLP has no such add)."""
+    The MLP's backward adds its two input gradients with the kernel."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import solution
@@ -84,7 +83,6 @@ def test_decoder_layer_residual_add_with_nf4_mlp(device, monkeypatch):
     layer.mlp.up_proj = make_linear4bit(h, i, bias=False, device=device, seed=2)
     layer.mlp.down_proj = make_linear4bit(i, h, bias=False, device=device, seed=3)
     runs = {}
-    monkeypatch.setenv("SOLUTION_GATE_UP_GEMM", "0")
     try:
         for flag in ("1", "0"):
             if flag == "0":  # the reference: torch's promoted adds where the kernel runs

@@ -16,7 +16,6 @@ import torch
 from solution.kernels import _launches
 from solution.step.layer import CHECKPOINT_COUNT as CKPT
 from solution.step.layer import NODE_COUNT as NODE
-from tests.conftest import rel_err
 from tests.test_unpad import _right_padded_batch, qlora_tiny_model
 
 
@@ -32,10 +31,6 @@ def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt
 
     solution.revert()
     skip = frozenset() if node else frozenset({"qwen2_layer_node"})
-    settings_kw.setdefault("eager_bucket", 0)  # the rows as they are (auto would bucket from step 2 on a GPU)
-    # the bit tests compare the node with the module path: unbatched LoRA GEMMs unless asked (the
-    # default, batched, may sum in another order on a GPU: test_node_with_lora_bmm's tolerances)
-    settings_kw.setdefault("lora_bmm", False)
     installed = solution.apply(verbose=False, settings=Settings(skip_patches=skip, cuda_graphs="0", precompile=False,
                                                                 **settings_kw))
     assert ("qwen2_layer_node" in installed) == node
@@ -103,87 +98,42 @@ def tiny_dir(tmp_path_factory):
 def test_node_gives_the_module_path_bits(device, tiny_dir, autocast_ctx, dropout):
     """Two steps (the second reuses the plans: the per-step check and the cached state), right
     padding with rows of different lengths and one full row. Layer 0's input needs no gradient
-    (the embedding is frozen): its node skips the input-gradient work, as the modules do."""
+    (the embedding is frozen): its node skips the input-gradient work, as the modules do.
+    Attention's way in and out is kernels/qkv_rope.py, once a layer each way (the modules' separate
+    launches, lora_combine among them, do not run), and q's and v's four LoRA weights are cast in
+    one launch each way."""
     batch = _batch(device, [40, 17, 64, 9])
     node = _step(tiny_dir, device, batch, True, autocast_ctx, dropout=dropout, steps=2)
     mods = _step(tiny_dir, device, batch, False, autocast_ctx, dropout=dropout, steps=2)
     _assert_same_bits(node, mods)
+    launches, layers = node[3], node[3][NODE]
+    assert launches.get("qkv_rope_pad", 0) == layers and launches.get("qkv_rope_unpad", 0) == layers, launches
+    assert launches.get("lora_combine", 0) == 0 and launches.get("quad_cast", 0) == 2 * layers, launches
+    assert mods[3].get("qkv_rope_pad", 0) == 0 and mods[3].get("lora_combine", 0) > 0, mods[3]
 
 
-def test_node_without_qkv_rope_gives_the_same_bits(device, tiny_dir, autocast_ctx):
-    """$SOLUTION_QKV_ROPE=0: the node's old launches around attention (lora_combine, k's cast, RoPE,
-    the layout kernels; cast_pair) give the module path's bits too, and kernels/qkv_rope.py does
-    not run; on (the default) it runs, once a layer each way."""
-    batch = _batch(device, [40, 17, 64, 9])
-    off = _step(tiny_dir, device, batch, True, autocast_ctx, qkv_rope=False)
-    on = _step(tiny_dir, device, batch, True, autocast_ctx)
-    mods = _step(tiny_dir, device, batch, False, autocast_ctx)
-    _assert_same_bits(off, mods)
-    _assert_same_bits(on, mods)
-    assert off[3].get("qkv_rope_pad", 0) == 0 and off[3].get("lora_combine", 0) > 0, off[3]
-    layers = on[3][NODE]
-    assert on[3].get("qkv_rope_pad", 0) == layers and on[3].get("qkv_rope_unpad", 0) == layers, on[3]
-    assert on[3].get("lora_combine", 0) == 0 and on[3].get("quad_cast", 0) == 2 * layers, on[3]
+def test_node_refuses_where_qkv_rope_does_not_take_the_shapes(device, tmp_path_factory, autocast_ctx, monkeypatch):
+    """The node's only way in and out of attention is kernels/qkv_rope.py: a head_dim its kernels
+    do not take (24: half 12, not a power of two) makes the node refuse the layers, which run as
+    modules (their attention through the separate launches), said once. The values are the module
+    path's bits, since it is the module path."""
+    from solution.step import layer as layer_node
+    from workload import model_standin
 
-
-def test_node_with_gate_up_as_one_gemm_gives_the_module_path_bits(device, tiny_dir, autocast_ctx):
-    """$SOLUTION_GATE_UP_GEMM=1 (the default): the node and the module path run the same one-GEMM MLP
-    (kernels/nf4_mlp.py, ``gate_up``), so they still give each other's bits; the MLP's fp32 add of
-    the two input gradients is gone (one fp32_add a layer left: the residual's), and the loss stays
-    within fp16 rounding of the two-GEMM path's (its backward sums in another order)."""
-    batch = _batch(device, [40, 17, 64, 9])
-    # the backward from a scaled loss, as the workload's GradScaler starts it: without one the tiny
-    # model's fp16 gradients are ~1e-7, fp16 subnormals, where one rounding is a few % (the first GPU
-    # run of this test: 3.7e-2 on layer 0's q lora_B without a scale)
-    scale = 1024.0
-    node = _step(tiny_dir, device, batch, True, autocast_ctx, gate_up_gemm=True, loss_scale=scale)
-    mods = _step(tiny_dir, device, batch, False, autocast_ctx, gate_up_gemm=True, loss_scale=scale)
-    two = _step(tiny_dir, device, batch, True, autocast_ctx, gate_up_gemm=False, loss_scale=scale)
-    _assert_same_bits(node, mods)
-    layers = node[3][NODE]
-    assert node[3].get("fp32_add_kernel", 0) == layers and two[3].get("fp32_add_kernel", 0) == 2 * layers, \
-        (node[3], two[3])
-    print("gate_up vs two GEMMs: loss max rel", ((node[0] - two[0]).abs() / two[0].abs()).max().item(),
-          "LoRA grads max rel err", max(rel_err(node[1][n], g) for n, g in two[1].items()))
-    # the loss is the forward's (equal on the CPU interpreter); the LoRA gradients carry the MLP's
-    # other rounding of its input gradient back through the layers: a few fp16 roundings (4.9e-4
-    # each) norm-wise, 1.9e-3 measured on the CPU; 1e-2 leaves room for the GPU's GEMMs
-    torch.testing.assert_close(node[0], two[0], rtol=1e-3, atol=0)
-    for name, g in two[1].items():
-        assert rel_err(node[1][name], g) < 1e-2, name
-
-
-@pytest.mark.parametrize("dropout", [0.05, 0.0])
-def test_node_with_lora_bmm(device, tiny_dir, autocast_ctx, dropout, monkeypatch):
-    """$SOLUTION_LORA_BMM=1 (the default): q's and v's LoRA A GEMMs batched (one batched GEMM forward, two
-    backward, a layer). The dropout draws stay stock's (the generator ends where the module path
-    leaves it); the batched GEMMs may sum in another order than the two unbatched ones, so the
-    loss and the LoRA gradients are compared within fp16 rounding (measured on the CPU: printed).
-    Without dropout (p == 0) there is no dropout(x) to batch: the unbatched path, the same bits."""
-    calls = []
-    bmm = torch.bmm
-
-    def counted(*a, **k):
-        calls.append(a[0].shape)
-        return bmm(*a, **k)
-
-    monkeypatch.setattr(torch, "bmm", counted)
-    batch = _batch(device, [40, 17, 64, 9])
-    pair = _step(tiny_dir, device, batch, True, autocast_ctx, dropout=dropout, lora_bmm=True, steps=2)
-    mods = _step(tiny_dir, device, batch, False, autocast_ctx, dropout=dropout, steps=2)
-    if dropout == 0.0:
-        assert not calls
-        _assert_same_bits(pair, mods)
-        return
-    layers = pair[3][NODE]  # layer forwards over the two steps
-    # one batched GEMM forward and two backward a layer; layer 0 (input without a gradient) one backward
-    assert len(calls) == 3 * layers - 2, (len(calls), layers)
-    assert (pair[2] == mods[2]) if isinstance(pair[2], int) else torch.equal(pair[2], mods[2])  # the same draws
-    print("lora_bmm vs modules: loss max rel", ((pair[0] - mods[0]).abs() / mods[0].abs()).max().item(),
-          "LoRA grads max rel err", max(rel_err(pair[1][n], g) for n, g in mods[1].items()))
-    torch.testing.assert_close(pair[0], mods[0], rtol=1e-3, atol=0)
+    monkeypatch.setitem(model_standin.SIZES, "tiny_hd24", {**model_standin.TINY_OVERRIDES, "head_dim": 24})
+    model_dir = model_standin.write_standin(tmp_path_factory.mktemp("hd24") / "m", size="tiny_hd24")
+    said = []
+    monkeypatch.setattr(layer_node, "say_once", said.append)
+    batch = _batch(device, [30, 17, 33])
+    refused = _step(model_dir, device, batch, True, autocast_ctx, steps=2)
+    mods = _step(model_dir, device, batch, False, autocast_ctx, steps=2)
+    assert refused[3].get(NODE, 0) == 0 and refused[3].get("qkv_rope_pad", 0) == 0, refused[3]
+    assert any("kernels/qkv_rope.py does not take" in m and "head_dim 24" in m for m in said), said
+    assert torch.equal(refused[0], mods[0]), (refused[0], mods[0])
+    assert set(refused[1]) == set(mods[1]) and any("lora_B" in n for n in mods[1])
     for name, g in mods[1].items():
-        assert rel_err(pair[1][name], g) < 1e-2, name
+        assert torch.equal(refused[1][name], g), name
+    assert (refused[2] == mods[2]) if isinstance(mods[2], int) else torch.equal(refused[2], mods[2])
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -200,12 +150,6 @@ def test_node_under_gradient_checkpointing(device, tiny_dir, autocast_ctx, reent
     # embedding's output requires grad under checkpointing)
     assert node[3][NODE] == 4 and node[3]["qkv_grad_sum"] == 2
     assert node[3][CKPT] == 2  # both layers through the node's own checkpointing
-    if not reentrant:  # the batched LoRA GEMMs recompute under the node's checkpointing too (CPU: the same bits)
-        pair = _step(tiny_dir, device, batch, True, autocast_ctx, ckpt=reentrant, lora_bmm=True)
-        assert pair[3][CKPT] == 2
-        assert (pair[2] == mods[2]) if isinstance(pair[2], int) else torch.equal(pair[2], mods[2])
-        torch.testing.assert_close(pair[0], mods[0], rtol=1e-3, atol=0)
-        assert all(rel_err(pair[1][n], g) < 1e-2 for n, g in mods[1].items())
 
 
 def test_node_inside_another_checkpoint_function(device, tiny_dir, autocast_ctx, monkeypatch):
@@ -368,76 +312,3 @@ def test_checkpointed_node_takes_its_masks_again_from_a_source(device, tiny_dir,
     assert set(ckpt[2]) == set(plain[2]) and any("lora_B" in n for n in plain[2])
     for name, g in plain[2].items():
         assert torch.equal(ckpt[2][name], g), name
-
-
-def test_eager_bucket_only_where_attention_keeps_the_filler_apart(device, tiny_dir, autocast_ctx, monkeypatch):
-    """On the padded layout a filler row would share positions with the real tokens it copies and
-    take their gradients in backward (a GPU run of test_unpad's SFT test showed grad_norm 1.62
-    against stock's 0.33 before this guard): the eager bucket is not applied there
-    (``attention.filler_row_apart``), and the padded layout refuses a filler row outright."""
-    from solution.settings import Settings
-    from solution.step import attention, decoder, packing
-
-    assert attention.filler_row_apart(128, torch.float16) and attention.filler_row_apart(64, torch.float32)
-    assert not attention.filler_row_apart(20, torch.float16)  # heads variable-length attention does not take
-    assert not attention.filler_row_apart(128, torch.bfloat16)
-    with pytest.raises(RuntimeError, match="filler row"):
-        attention._refuse_padded_layout(packing.make_unpadded([3, 5], 5, torch.device("cpu"), extra=2))
-    attention._refuse_padded_layout(packing.make_unpadded([3, 5], 5, torch.device("cpu")))  # no filler: fine
-    from solution import settings
-    monkeypatch.setattr(settings, "_active", Settings(attn_varlen=False))
-    assert not attention.filler_row_apart(128, torch.float16)
-    monkeypatch.setattr(settings, "_active", None)
-
-    rows = []
-    bucketed_fn = decoder.eager_bucketed
-
-    def recorded(info, dev, model):
-        out = bucketed_fn(info, dev, model)
-        rows.append((info.n_tokens, out.n_tokens))
-        return out
-
-    monkeypatch.setattr(decoder, "eager_bucketed", recorded)
-    batch = _batch(device, [40, 17, 64, 9])
-    plain = _step(tiny_dir, device, batch, False, autocast_ctx, steps=2, attn_varlen=False)
-    asked = _step(tiny_dir, device, batch, False, autocast_ctx, steps=2, attn_varlen=False, eager_bucket=16)
-    assert rows and all(a == b for a, b in rows), rows  # asked for, not applied: the padded layout
-    assert torch.equal(plain[0], asked[0])
-    for name, g in plain[1].items():
-        assert torch.equal(asked[1][name], g), name
-
-
-@pytest.mark.parametrize("node, ckpt", [(True, None), (False, None), (True, False)])
-def test_eager_bucket_keeps_the_values(device, tiny_dir, autocast_ctx, node, ckpt, monkeypatch):
-    """$SOLUTION_EAGER_BUCKET: the eager layers run on the packed tokens plus a filler row (the
-    token count rounded up to a multiple of the bucket; step/decoder.py, ``eager_bucketed``). The
-    filler attends only to itself and its outputs are dropped, so the loss and the LoRA gradients
-    are the unbucketed run's (to fp16 GEMM rounding: cuBLAS may pick other kernels for the other
-    row count; on the CPU the same bits) and the generator ends where it did (the same draws), with
-    the node's own gradient checkpointing too (its recompute runs on the same filler row)."""
-    from solution.step import decoder
-
-    rows = []
-    bucketed_fn = decoder.eager_bucketed
-
-    def recorded(info, dev, model):  # (real tokens, the layers' tokens) of each eager forward
-        out = bucketed_fn(info, dev, model)
-        rows.append((info.n_tokens, out.n_tokens))
-        return out
-
-    monkeypatch.setattr(decoder, "eager_bucketed", recorded)
-    batch = _batch(device, [40, 17, 64, 9])
-    plain = _step(tiny_dir, device, batch, node, autocast_ctx, ckpt=ckpt, steps=2)
-    assert rows and all(a == b for a, b in rows)  # eager_bucket=0 (_step's default): the rows as they are
-    rows.clear()
-    bucketed = _step(tiny_dir, device, batch, node, autocast_ctx, ckpt=ckpt, steps=2, eager_bucket=16)
-    assert rows and all(b > a and b % 16 == 0 for a, b in rows), rows
-    (loss_p, grads_p, rng_p, _), (loss_b, grads_b, rng_b, _) = plain, bucketed
-    assert (rng_p == rng_b) if isinstance(rng_p, int) else torch.equal(rng_p, rng_b)
-    assert (bucketed[3].get(NODE, 0) > 0) == node
-    if device == "cpu":
-        assert torch.equal(loss_p, loss_b)
-    torch.testing.assert_close(loss_b, loss_p, rtol=2e-3, atol=0)
-    assert set(grads_p) == set(grads_b)
-    for name, g in grads_p.items():
-        torch.testing.assert_close(grads_b[name], g, rtol=2e-2, atol=1e-5, msg=name)

@@ -16,7 +16,7 @@ import solution._apply as apply_mod
 from solution.kernels import _launches, nf4_mlp, swiglu
 from solution.patches._bnb import linear_plan
 from solution.settings import Settings
-from tests.conftest import HAS_CUDA, rel_err
+from tests.conftest import HAS_CUDA
 from tests.test_nf4_linear import bnb_dequant_rows, make_linear4bit
 
 H, I = 64, 192  # hidden / intermediate sizes (multiples of bnb's blocksize 64)
@@ -62,9 +62,7 @@ def _tol():
 
 @pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
 def test_fused_mlp_matches_stock_bnb(policy, mlp_patches, device, monkeypatch):
-    """The two-GEMM block ($SOLUTION_GATE_UP_GEMM=0) under each policy: stock's numbers (bits on
-    the GPU). The default one-GEMM gate and up ("speed") is ``test_gate_up_as_one_gemm``'s."""
-    monkeypatch.setenv("SOLUTION_GATE_UP_GEMM", "0")
+    """The block under each policy: stock's numbers (bits on the GPU)."""
     mlp = nf4_mlp_module(device)
     x, dy = inputs(device)
     y_s, dx_s = run(mlp, x, dy)  # stock: bnb + transformers
@@ -111,52 +109,6 @@ def test_memory_policy_saves_input_only_and_gives_the_same_bits(device):
     for policy in ("balanced", "memory"):
         assert torch.equal(results["speed"][0], results[policy][0])
         assert torch.equal(results["speed"][1], results[policy][1])
-
-
-def test_gate_up_as_one_gemm(mlp_patches, device, monkeypatch):
-    """$SOLUTION_GATE_UP_GEMM=1 (the default; "speed"): one GEMM each way for gate and up. The forward's dot
-    products are the two-GEMM path's (asserted within fp16 rounding; equal bits expected where the
-    GEMM library keeps its summation order for the wider GEMM, printed); the backward sums the two
-    projections' gradients in one fp32 accumulation instead of two fp16 roundings added in fp32, so
-    dx stays within a few fp16 roundings of stock's (TOLERANCE of solution/selfcheck.py, norm-wise).
-    One [rows, 2 x I] fp16 tensor is kept for the backward instead of two [rows, I]."""
-    from solution.selfcheck import TOLERANCE
-
-    mlp = nf4_mlp_module(device)
-    x, dy = inputs(device)
-    y_s, dx_s = run(mlp, x, dy)  # stock: bnb + transformers
-    monkeypatch.setenv("SOLUTION_GATE_UP_GEMM", "1")
-    installed = mlp_patches.apply(verbose=False)
-    assert "gate and up as one GEMM" in installed["qwen2_mlp"]
-    before = dict(_launches.LAUNCHES)
-    y, dx = run(mlp, x, dy)
-    grew = {k: v - before.get(k, 0) for k, v in _launches.LAUNCHES.items() if v != before.get(k, 0)}
-    assert grew.get("swiglu_bwd") == 1 and "fp32_add_kernel" not in grew, grew  # no fp32 add of dxg + dxu
-    print(f"gate_up one GEMM on {device}: forward equal to stock bits: {torch.equal(y.float(), y_s)}; "
-          f"dx rel err {rel_err(dx, dx_s):.2e}")
-    rtol, atol = (2e-3, 1e-5)
-    torch.testing.assert_close(y.float(), y_s, rtol=rtol, atol=atol)
-    assert dx.dtype == torch.float32 and dx.shape == x.shape
-    assert rel_err(dx, dx_s) < TOLERANCE
-    plans = [linear_plan(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-    _, sizes = _saved_by(plans, x, dy, policy="speed", gate_up=True)
-    assert sizes == [((x.numel() // H, 2 * I), torch.float16)]
-
-
-@pytest.mark.parametrize("policy", ["balanced", "memory"])
-def test_gate_up_leaves_the_other_policies_as_they_are(policy, device):
-    """``gate_up`` applies to "speed" only: under the other policies the block is the two-GEMM one,
-    the same bits."""
-    mlp = nf4_mlp_module(device)
-    x, dy = inputs(device)
-    plans = [linear_plan(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
-    assert not nf4_mlp.gate_up_applies(policy, plans[0], plans[1])
-    outs = []
-    for gate_up in (False, True):
-        xr = x.detach().clone().requires_grad_()
-        y = nf4_mlp.nf4_mlp(xr, *plans, policy=policy, gate_up=gate_up)
-        outs.append((y, *torch.autograd.grad(y, xr, dy.half())))
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def test_second_backward_through_the_graph_raises(device):

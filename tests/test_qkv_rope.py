@@ -1,5 +1,5 @@
-"""qkv_rope (solution/kernels/qkv_rope.py) against the launches it replaces in the decoder-layer
-node: forward lora_combine (q, v), k's fp32 cast, RoPE (rope._launch), the three pad launches
+"""qkv_rope (solution/kernels/qkv_rope.py), the decoder-layer node's way in and out of attention,
+against the module path's launches it replaces: forward lora_combine (q, v), k's fp32 cast, RoPE (rope._launch), the three pad launches
 (attn_layout._launch_pad: KV heads repeated, fp16); backward the three unpad launches (fp32, KV
 head sums), RoPE's backward and the fp16 casts of the dequantization launches (g16 and
 fp16(g16 * scaling)). The same fp32 operations in the same order: the same bits, at odd token

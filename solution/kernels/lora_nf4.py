@@ -197,18 +197,15 @@ def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: t
     return a_out, b_out
 
 
-def cast_four(tensors, dtypes, outs=None):
+def cast_four(tensors, dtypes):
     """[t.to(dt) for t, dt in zip(tensors, dtypes)] for four tensors, in one launch where each is a
     ``cast_pair`` cast (fp32 -> fp16 or fp16 -> fp32) of a contiguous tensor on one device where our
-    kernels run, all the same way; otherwise ``cast_pair`` twice (its own fallbacks). ``outs``: for
-    the one launch, a contiguous tensor of the result's shape and dtype to write each cast into, or
-    None (a new one); ignored by the fallbacks."""
+    kernels run, all the same way; otherwise ``cast_pair`` twice (its own fallbacks)."""
     a, b, c, d = tensors
     dst = dtypes[0]
     if not _one_launch_casts(tensors, dtypes):
         return [*cast_pair(a, b, dtypes[0], dtypes[1]), *cast_pair(c, d, dtypes[2], dtypes[3])]
-    outs = [torch.empty(t.shape, dtype=dst, device=a.device) if o is None else o
-            for t, o in zip(tensors, outs or (None,) * 4)]
+    outs = [torch.empty(t.shape, dtype=dst, device=a.device) for t in tensors]
     ns = [t.numel() for t in tensors]
     args = []
     for t, o, n in zip(tensors, outs, ns):
@@ -356,15 +353,14 @@ def _fusable(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS
 
 
-def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None, xd16_out=None):
+def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None):
     """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32 and
     contiguous ones; others are cast by torch, with its layout rules). xd a ``_Deferred``: the
     launch computes fp16((x * drop_mask) * scale) itself. ``x16`` given (fp16(x), made by an
-    earlier launch): x is not cast again. ``xd16_out``: a contiguous fp16 tensor of x's shape that
-    the launch writes fp16(dropout(x)) into, where the launch casts it (then xd16 is xd16_out)."""
+    earlier launch): x is not cast again."""
     w16 = plan.weight16()
     if isinstance(xd, _Deferred):  # lora_dropout checked that x is fusable
-        xd16 = torch.empty(x.shape, dtype=torch.float16, device=x.device) if xd16_out is None else xd16_out
+        xd16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
         if x16 is None:
             x16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
             plan.dq.launch(w16, a=x, a16=x16, b=drop_mask, b16=xd16, cast_b=3, scaling=xd.scale)
@@ -380,7 +376,7 @@ def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None,
     if xd is None:
         xd16 = x16
     elif _fusable(xd):
-        xd16 = torch.empty(xd.shape, dtype=torch.float16, device=xd.device) if xd16_out is None else xd16_out
+        xd16 = torch.empty(xd.shape, dtype=torch.float16, device=xd.device)
         jobs.append((xd, xd16))
     else:
         xd16 = xd if xd.dtype == torch.float16 else xd.to(torch.float16)
@@ -393,21 +389,19 @@ def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None,
     return w16, x16, xd16
 
 
-def lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling, x16=None):
-    """One LoRA-NF4 projection's forward: (out, x16, saved), saved = (xd16, h16, a16, b16) what its
-    backward needs (``lora_backward_parts``). ``x16``: fp16(x) made by an earlier launch (another
-    projection of the same x): then this launch dequantizes W and makes only dropout's fp16 value
-    (the same bits: a cast is a cast). Shared by LoraNF4Function and the decoder-layer node
-    (solution/step/layer.py)."""
-    base16, lora16, x16, saved = lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16)
-    return lora_combine(base16, lora16, scaling, x.dtype), x16, saved
+def lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling):
+    """One LoRA-NF4 projection's forward (LoraNF4Function's): (out, saved), saved = (xd16, h16, a16,
+    b16) what its backward needs (``lora_backward_parts``)."""
+    base16, lora16, _, saved = lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16)
+    return lora_combine(base16, lora16, scaling, x.dtype), saved
 
 
 def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None, ab16=None):
     """``lora_forward_parts`` up to its GEMMs: (base16, lora16, x16, saved), the fp16 base output
     (bias included) and the fp16 LoRA B output, which ``lora_combine`` sums as peft does (the
-    decoder-layer node sums them in kernels/qkv_rope.py instead, with the same operations).
-    ``ab16``: (fp16 A, fp16 B) cast by the caller (the node casts q's and v's in one launch)."""
+    decoder-layer node, solution/step/layer.py, sums them in kernels/qkv_rope.py instead, with the
+    same operations). ``ab16``: (fp16 A, fp16 B) cast by the caller (the node casts q's and v's in
+    one launch)."""
     w16, x16, xd16 = dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
     base16 = F.linear(x16, w16, bias16)
     # autocast's two casts, one launch
@@ -433,19 +427,19 @@ def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, 
     gs16 = torch.empty(g.shape, dtype=torch.float16, device=g.device)
     plan.dq.launch(w16, plan.round_bwd, dequant=need_x, a=g, a16=None if g16 is g else g16,
                    b16=gs16, cast_b=2, scaling=scaling)
-    return (g16, *_lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype))
+    grad_xd16, grad_a, grad_b = _lora_backward_gemms(gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype)
+    grad_base16 = torch.matmul(g16, w16) if need_x else None
+    return g16, grad_base16, grad_xd16, grad_a, grad_b
 
 
-def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast=True):
+def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b):
     """``lora_backward_parts`` from the two fp16 gradients the caller made (g16 = fp16(grad_out),
-    gs16 = fp16(g16 * scaling): the decoder-layer node's kernels/qkv_rope.py): W dequantized
-    (only when the input gradient is needed), then the GEMMs and the A / B gradients' casts.
-    Returns (grad_base16, grad_xd16, grad_a, grad_b). ``cast=False``: grad_a and grad_b stay fp16
-    (the node casts q's and v's in one launch)."""
-    w16 = plan.weight16()
-    if need_x:
-        plan.dq.launch(w16, plan.round_bwd)
-    return _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast)
+    gs16 = fp16(g16 * scaling): the decoder-layer node's kernels/qkv_rope.py): the LoRA GEMMs, then
+    the base weight's input gradient (``LinearPlan.input_grad16``, only when need_x). Returns
+    (grad_base16, grad_xd16, grad_a, grad_b), all fp16: the node casts q's and v's A and B
+    gradients to the weights' dtypes in one launch."""
+    grad_xd16, grad_a, grad_b = _lora_backward_gemms(gs16, saved, need_x, need_a, need_b, None, None, cast=False)
+    return (plan.input_grad16(g16) if need_x else None), grad_xd16, grad_a, grad_b
 
 
 def cast_grads(grad_a, grad_b, a_dtype, b_dtype):
@@ -456,12 +450,12 @@ def cast_grads(grad_a, grad_b, a_dtype, b_dtype):
     return None if grad_a is None else grad_a.to(a_dtype), None if grad_b is None else grad_b.to(b_dtype)
 
 
-def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast=True):
-    """The LoRA projection's backward GEMMs (w16: W dequantized, when need_x): (grad_base16,
-    grad_xd16, grad_a, grad_b)."""
+def _lora_backward_gemms(gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast=True):
+    """The LoRA side's backward GEMMs: (grad_xd16, grad_a, grad_b); grad_a and grad_b cast to
+    a_dtype / b_dtype (``cast_grads``) unless ``cast`` is False."""
     xd16, h16, a16, b16 = saved
     n_out, r, n_in = gs16.shape[-1], h16.shape[-1], xd16.shape[-1]
-    grad_a = grad_b = grad_base16 = grad_xd16 = None
+    grad_a = grad_b = grad_xd16 = None
     if need_b:  # lora_B: grad_weight = gs^T h (fp16, cast to B's dtype below)
         grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r))
     if need_a or need_x:
@@ -472,8 +466,7 @@ def _lora_backward_gemms(w16, g16, gs16, saved, need_x, need_a, need_b, a_dtype,
         grad_a, grad_b = cast_grads(grad_a, grad_b, a_dtype, b_dtype)
     if need_x:
         grad_xd16 = torch.matmul(grad_h16, a16)
-        grad_base16 = torch.matmul(g16, w16)
-    return grad_base16, grad_xd16, grad_a, grad_b
+    return grad_xd16, grad_a, grad_b
 
 
 class LoraNF4Function(torch.autograd.Function):
@@ -488,7 +481,7 @@ class LoraNF4Function(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode, drop_scale, scaling):
-        out, _, saved = lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling)
+        out, saved = lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling)
         ctx.save_for_backward(*saved, drop_mask)
         ctx.plan, ctx.scaling = plan, scaling
         ctx.drop_mode, ctx.drop_scale = drop_mode, drop_scale

@@ -65,14 +65,6 @@ def scratch_buffer(device: torch.device, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def pair_weight16(first: "LinearPlan", second: "LinearPlan") -> torch.Tensor:
-    """A [first.n_out + second.n_out, k] fp16 view of the shared scratch buffer, for two weights of
-    the same input width dequantized one above the other (first's rows, then second's) and
-    multiplied by one GEMM (kernels/nf4_mlp.py, ``gate_up``). Grows the scratch buffer once; the
-    plans' own views (``weight16``) notice and take the new buffer."""
-    return scratch_buffer(first.device, first.dq.numel + second.dq.numel).view(first.n_out + second.n_out, first.k)
-
-
 def release_scratch() -> None:
     """Drop the scratch buffers (a plan still holding a view of one keeps it alive until that
     plan is dropped or next used: solution/patches/_bnb.py's ``release`` drops the layers' plans too)."""
@@ -135,12 +127,11 @@ class LinearPlan:
             self.w16 = flat.view(self.dq.shape)
         return self.w16
 
-    def dequant_and_cast(self, t: torch.Tensor, round_bf16: bool = False, out: torch.Tensor | None = None):
-        """(w16, t16): dequantize the weight into the scratch buffer (or into ``out``, a contiguous
-        fp16 [out, in] tensor) and cast ``t`` (activations or a gradient) to fp16 in the same launch
-        when it is fp32 and contiguous; otherwise torch casts it (bf16, strided: torch's own layout
-        rules) and the launch only dequantizes."""
-        w16 = self.weight16() if out is None else out
+    def dequant_and_cast(self, t: torch.Tensor, round_bf16: bool = False):
+        """(w16, t16): dequantize the weight into the scratch buffer and cast ``t`` (activations or a
+        gradient) to fp16 in the same launch when it is fp32 and contiguous; otherwise torch casts it
+        (bf16, strided: torch's own layout rules) and the launch only dequantizes."""
+        w16 = self.weight16()
         if t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS:
             t16 = torch.empty(t.shape, dtype=torch.float16, device=t.device)
             self.dq.launch(w16, round_bf16, a=t, a16=t16)
@@ -148,6 +139,15 @@ class LinearPlan:
             t16 = t if t.dtype == torch.float16 else t.to(torch.float16)
             self.dq.launch(w16, round_bf16)
         return w16, t16
+
+    def input_grad16(self, g16: torch.Tensor) -> torch.Tensor:
+        """g16 @ W for an fp16 output gradient g16 [..., out]: the weight dequantized with bnb's
+        backward rounding chain (``round_bwd``) into the scratch buffer, then ``torch.matmul``, as
+        bnb's MatMul4Bit backward computes the input gradient (fp16 [..., in]). The GEMM is queued
+        right after the dequantization, so no other weight can take the buffer in between."""
+        w16 = self.weight16()
+        self.dq.launch(w16, self.round_bwd)
+        return torch.matmul(g16, w16)
 
 
 def input_reason(plan: LinearPlan, x: torch.Tensor) -> str | None:

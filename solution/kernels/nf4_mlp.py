@@ -31,7 +31,7 @@ Every rounding is stock's: the loss and every gradient are the same numbers (tes
 stock bit for bit where the GPU gives the same GEMM kernels, and within fp16 noise otherwise).
 
 The memory policy (the ``policy`` argument: SOLUTION_MEMORY_POLICY, read by apply() and passed by
-solution/patches/qwen2_mlp.py; the choice of issue 5.2):
+solution/patches/qwen2_mlp.py):
   "speed" (default): save g16 and u16 (2 x T x 8960 x 2 bytes per layer).
   "balanced": save x16 and g16 (T x (1536 + 8960) x 2 bytes, 1.7x less) and recompute u16 in
       backward: one more NF4 dequantization and GEMM per layer.
@@ -40,24 +40,6 @@ solution/patches/qwen2_mlp.py; the choice of issue 5.2):
   The recomputed values are the forward's bit for bit: the same kernels on the same inputs.
 Any other value makes apply() raise a clear error before it installs anything; apply() reports
 the policy in use.
-
-One GEMM for gate and up (``gate_up=True``: $SOLUTION_GATE_UP_GEMM, on by default; only with the
-"speed" policy; measured: docs/kernels/nf4_mlp.md). What it replaces: the two projections' GEMMs of the
-forward (x16 @ Wg, x16 @ Wu) and of the backward (dg16 @ Wg, du16 @ Wu), four cuBLAS calls, plus
-the fp32 add of the two input gradients. Why: on the eager step each cuBLAS call costs ~20-40 us
-of host time (docs/layer_node.md), and the sum is one more launch. What it does instead: Wg and Wu
-are dequantized one above the other into one [2 x 8960, 1536] fp16 buffer (two launches, as
-before), and one GEMM each way uses it: gu16 = x16 @ [Wg; Wu]^T ([T, 2 x 8960], g16 and u16 its
-two column halves, read by SwiGLU with their row stride), and dx16 = [dg16 | du16] @ [Wg; Wu]
-(SwiGLU's backward writes dg and du into gu16's halves in place), cast to fp32. Numerics: the
-forward computes the same dot products (each output element sums x16 times its weight row over
-the same 1536 inputs); cuBLAS may choose another kernel for the wider GEMM, so the bits are
-expected equal, not guaranteed (the GPU test says which). The backward sums differently: stock
-rounds dg16 @ Wg and du16 @ Wu to fp16 each and adds them in fp32; here one GEMM accumulates all
-2 x 8960 products in fp32 and rounds once to fp16 (no less accurate; not stock's bits), so
-gradients differ from stock's within fp16 rounding; tests/test_nf4_mlp.py states the tolerance.
-Memory: the scratch buffer grows from one weight to two (+27.5 MB); the saved activations are the
-same bytes (gu16 instead of g16 and u16).
 
 Correctness risks: (1) the backward overwrites the saved g16 / u16 with dg / du (they are private
 to this function); a second backward through the same graph (retain_graph=True) would read
@@ -73,25 +55,18 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from solution.kernels import fp32_add
-from solution.kernels.nf4_linear import LinearPlan, pair_weight16
+from solution.kernels.nf4_linear import LinearPlan
 from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of_fp32
 from solution.settings import MEMORY_POLICIES
 
 
-def mlp_forward(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan, gate_up: bool = False):
-    """(y16 [..., H], g16, u16, x16) for fp32 x [..., H]: the block's forward, kept activations.
-    ``gate_up``: one GEMM for gate and up (module doc); then (y16, gu16, None, x16), gu16 the one
-    [T, 2 x I] tensor whose column halves are g16 and u16."""
+def mlp_forward(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan):
+    """(y16 [..., H], g16, u16, x16) for fp32 x [..., H]: the block's forward, kept activations."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
-    if gate_up:
-        gu16, x16 = _gate_up_one_gemm(x2, gate, up)
-        h16 = swiglu_fp16_of_fp32(gu16[:, :gate.n_out], gu16[:, gate.n_out:])
-        g16, u16 = gu16, None
-    else:
-        g16, u16, x16 = _gate_up(x2, gate, up)
-        h16 = swiglu_fp16_of_fp32(g16, u16)
+    g16, u16, x16 = _gate_up(x2, gate, up)
+    h16 = swiglu_fp16_of_fp32(g16, u16)
     wd, _ = down.dequant_and_cast(h16)
     y = F.linear(h16, wd)
     return y.view(*x.shape[:-1], y.shape[-1]), g16, u16, x16
@@ -104,26 +79,14 @@ def _gate_up(x2: torch.Tensor, gate: LinearPlan, up: LinearPlan):
     return g16, _project16(x16, up), x16
 
 
-def _gate_up_one_gemm(x2: torch.Tensor, gate: LinearPlan, up: LinearPlan):
-    """(gu16, x16): Wg and Wu dequantized one above the other (x cast in gate's launch), then
-    gu16 = x16 @ [Wg; Wu]^T [T, 2 x I], g16 and u16 its column halves."""
-    w = pair_weight16(gate, up)
-    _, x16 = gate.dequant_and_cast(x2, out=w[:gate.n_out])
-    up.dq.launch(w[gate.n_out:])
-    return F.linear(x16, w), x16
-
-
 def _project16(x16: torch.Tensor, plan: LinearPlan) -> torch.Tensor:
     """x16 @ W^T for fp16 x16: a dequantization launch (no cast) and the GEMM."""
     w16, _ = plan.dequant_and_cast(x16)
     return F.linear(x16, w16)
 
 
-def mlp_saved(policy: str, x16, g16, u16, gate_up: bool = False) -> tuple:
-    """What the backward keeps under ``policy`` (the module doc); with ``gate_up`` ("speed" only),
-    gu16, the one [T, 2 x I] tensor that ``mlp_forward`` returned in g16's place."""
-    if gate_up:
-        return (g16,)
+def mlp_saved(policy: str, x16, g16, u16) -> tuple:
+    """What the backward keeps under ``policy`` (the module doc)."""
     if policy == "memory":
         return (x16,)
     if policy == "balanced":
@@ -131,26 +94,15 @@ def mlp_saved(policy: str, x16, g16, u16, gate_up: bool = False) -> tuple:
     return (g16, u16)
 
 
-def mlp_backward(plans, policy: str, saved: tuple, dy2: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+def mlp_backward(plans, policy: str, saved: tuple, dy2: torch.Tensor) -> torch.Tensor:
     """The block's input gradient (2-D fp32 [T, H]) from its output gradient ``dy2`` (2-D, fp32 or
     fp16; an fp32 gradient is cast to fp16 in the down weight's dequantization launch, the bits
-    autograd's cast gives) and the tensors ``mlp_saved`` kept. Overwrites the saved g16 / u16.
-    ``gate_up``: as ``mlp_forward`` made them (one GEMM for gate and up)."""
+    autograd's cast gives) and the tensors ``mlp_saved`` kept. Overwrites the saved g16 / u16."""
     gate, up, down = plans
     if not dy2.is_contiguous():
         dy2 = dy2.contiguous()
     wd, dy16 = down.dequant_and_cast(dy2, down.round_bwd)  # fp16 dy: a dequantization only
     dh16 = torch.matmul(dy16, wd)
-    if gate_up:
-        (gu16,) = saved
-        i = gate.n_out
-        g16, u16 = gu16[:, :i], gu16[:, i:]
-        swiglu_backward_fp16_of_fp32(dh16, g16, u16, g16, u16)  # [dg | du], in place
-        del dh16
-        w = pair_weight16(gate, up)
-        gate.dq.launch(w[:i], gate.round_bwd)
-        up.dq.launch(w[i:], up.round_bwd)
-        return torch.matmul(gu16, w).to(torch.float32)  # one fp32 accumulation over 2 x I, one rounding
     if policy == "memory":
         (x16,) = saved
         g16, u16, _ = _gate_up(x16, gate, up)
@@ -161,12 +113,10 @@ def mlp_backward(plans, policy: str, saved: tuple, dy2: torch.Tensor, gate_up: b
         g16, u16 = saved
     swiglu_backward_fp16_of_fp32(dh16, g16, u16, g16, u16)  # dg -> g16, du -> u16, in place
     del dh16
-    wg, _ = gate.dequant_and_cast(g16, gate.round_bwd)
-    dxg = torch.matmul(g16, wg)
-    wu, _ = up.dequant_and_cast(u16, up.round_bwd)
+    dxg = gate.input_grad16(g16)
     # one Triton pass for fp32(dxg) + fp32(dxu): the fp32 sum autograd makes of the two projections'
     # input gradients (fp32_add.py)
-    return fp32_add.add_as_fp32(dxg, torch.matmul(u16, wu))
+    return fp32_add.add_as_fp32(dxg, up.input_grad16(u16))
 
 
 class NF4MLPFunction(torch.autograd.Function):
@@ -174,13 +124,13 @@ class NF4MLPFunction(torch.autograd.Function):
     (see the module doc); gradient for x only (the three weights are frozen)."""
 
     @staticmethod
-    def forward(ctx, x, gate, up, down, policy, gate_up=False):
-        y, g16, u16, x16 = mlp_forward(x, gate, up, down, gate_up)
+    def forward(ctx, x, gate, up, down, policy):
+        y, g16, u16, x16 = mlp_forward(x, gate, up, down)
         ctx.plans = (gate, up, down)
-        ctx.policy, ctx.gate_up = policy, gate_up
+        ctx.policy = policy
         ctx.x_shape = x.shape
         ctx.consumed = False
-        ctx.save_for_backward(*mlp_saved(policy, x16, g16, u16, gate_up))
+        ctx.save_for_backward(*mlp_saved(policy, x16, g16, u16))
         return y
 
     @staticmethod
@@ -191,24 +141,16 @@ class NF4MLPFunction(torch.autograd.Function):
                                "(the first one reused the saved activations' memory)")
         saved = ctx.saved_tensors
         ctx.consumed = True
-        dx = mlp_backward(ctx.plans, ctx.policy, saved, dy.reshape(-1, dy.shape[-1]), ctx.gate_up)
-        return dx.view(ctx.x_shape), None, None, None, None, None
-
-
-def gate_up_applies(policy: str, gate: LinearPlan, up: LinearPlan) -> bool:
-    """One GEMM for gate and up can take this block: the "speed" policy (the other policies keep
-    g16 or neither, which a [T, 2 x I] buffer would not save) and the two weights of one width."""
-    return policy == "speed" and gate.k == up.k
+        dx = mlp_backward(ctx.plans, ctx.policy, saved, dy.reshape(-1, dy.shape[-1]))
+        return dx.view(ctx.x_shape), None, None, None, None
 
 
 def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
-            policy: str = "speed", gate_up: bool = False) -> torch.Tensor:
+            policy: str = "speed") -> torch.Tensor:
     """The MLP block on our path (the caller checked the conditions in the module doc); returns
-    fp16. ``policy``: "speed", "balanced" or "memory" (the module doc); ``gate_up``: one GEMM for
-    gate and up where ``gate_up_applies``."""
+    fp16. ``policy``: "speed", "balanced" or "memory" (the module doc)."""
     if policy not in MEMORY_POLICIES:
         raise ValueError(f"nf4_mlp: unknown memory policy {policy!r}")
-    gate_up = gate_up and gate_up_applies(policy, gate, up)
     if torch.is_grad_enabled() and x.requires_grad:
-        return NF4MLPFunction.apply(x, gate, up, down, policy, gate_up)
-    return mlp_forward(x, gate, up, down, gate_up)[0]
+        return NF4MLPFunction.apply(x, gate, up, down, policy)
+    return mlp_forward(x, gate, up, down)[0]

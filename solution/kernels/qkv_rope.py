@@ -1,15 +1,16 @@
 """Attention's way in and out for the decoder-layer node: q / k / v to attention's fp16 inputs in
 one launch, and attention's input gradients back to the projections' fp16 gradients in one launch.
 
-1. What it replaces. In the decoder-layer node (solution/step/layer.py) the three projections'
-   outputs went to attention through seven launches: ``lora_combine`` for q and for v (fp32
-   q = fp32(base) + fp32(fp16(lora * scaling)), peft's sum), k's fp16 -> fp32 cast (bnb returns
-   x's dtype), RoPE on q and k (rope.py, fp32), then three ``pad_rows_kernel`` launches
-   (attn_layout.py) that repeat k's and v's 2 heads to 12 (repeat_kv) and cast q, k, v to fp16
-   (autocast's cast inside SDPA). The backward mirrored it with four: three ``unpad_rows_kernel``
+1. What it replaces. On the module path the three projections' outputs go to attention through
+   seven launches: ``lora_combine`` for q and for v (fp32 q = fp32(base) + fp32(fp16(lora *
+   scaling)), peft's sum), k's fp16 -> fp32 cast (bnb returns x's dtype), RoPE on q and k
+   (rope.py, fp32), then three ``pad_rows_kernel`` launches (attn_layout.py) that repeat k's and
+   v's 2 heads to 12 (repeat_kv) and cast q, k, v to fp16 (autocast's cast inside SDPA). The
+   backward mirrors it with four: three ``unpad_rows_kernel``
    (fp32, k's and v's 6 head copies summed), RoPE's backward, and the casts of q's, k's and v's
    fp32 gradients to fp16 (autograd's casts for the fp16 GEMMs, and fp16(g16 * scaling) for the
-   LoRA B output), which ran inside each weight's dequantization launch.
+   LoRA B output), which run inside each weight's dequantization launch. The decoder-layer node
+   (solution/step/layer.py) runs this file's two launches instead.
 2. Why that was slow. Each of those launches costs host time, plus an output allocation, and the
    eager step is host-bound on a fast GPU. On the GPU they are full passes through fp32
    intermediates: q [N, 1536] fp32 is written by the combine, read and written by RoPE, read by
@@ -30,7 +31,8 @@ one launch, and attention's input gradients back to the projections' fp16 gradie
    and by the node's tests against the module path (tests/test_qkv_rope.py,
    tests/test_layer_node.py). (b) Shapes: head_dim even with a power-of-two half (one half-row is
    one tl.arange), cos / sin [1, N, head_dim] with unit stride on the last dim; the node checks
-   ``supported`` and keeps the seven / four launches otherwise. (c) Layout: q, k, v [N, heads *
+   ``supported`` and refuses the layer otherwise (it runs as modules, with the seven / four
+   launches). (c) Layout: q, k, v [N, heads *
    head_dim] contiguous; attention's tensors [N, heads, head_dim] with unit stride on head_dim.
 5. How it was measured: docs/kernels/qkv_rope.md.
 """

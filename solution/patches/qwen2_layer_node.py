@@ -127,7 +127,6 @@ def build(layer, x):
     from transformers.models.qwen2 import modeling_qwen2 as mq
 
     from solution import settings
-    from solution.kernels import nf4_mlp
     from solution.kernels.rmsnorm import rmsnorm_supported
     from solution.patches import _bnb, peft_lora_bnb
     from solution.patches.qwen2_mlp import _silu_types
@@ -204,9 +203,7 @@ def build(layer, x):
     valid = _validator(layer, [(attn.q_proj, q.dropout), (attn.v_proj, v.dropout)], linears)
     return LayerPlan(q=q, v=v, k=plans["k_proj"], k_bias16=_bnb.linear4bit_bias(attn.k_proj), o=plans["o_proj"],
                      mlp=(gate, up, down), policy=cur.memory_policy,
-                     gate_up=False,
-                     norm1_w=norms[0].weight,
-                     norm2_w=norms[1].weight, eps1=float(norms[0].variance_epsilon),
+                     norm1_w=norms[0].weight, norm2_w=norms[1].weight, eps1=float(norms[0].variance_epsilon),
                      eps2=float(norms[1].variance_epsilon), n_heads=n_heads, n_kv=n_kv, head_dim=head_dim,
                      scale=attn.scaling, valid=valid)
 

@@ -78,10 +78,9 @@ def fused_plans(mlp, x: torch.Tensor):
     return gate, up, down
 
 
-def make_forward(stock_forward, policy: str = "speed", gate_up: bool = False):
+def make_forward(stock_forward, policy: str = "speed"):
     """Our Qwen2MLP.forward; ``stock_forward`` is the one it replaces (used for every fallback).
-    ``policy``: the fused NF4 MLP's memory policy; ``gate_up``: gate and up as one GEMM where it
-    applies (solution/kernels/nf4_mlp.py)."""
+    ``policy``: the fused NF4 MLP's memory policy (solution/kernels/nf4_mlp.py)."""
     from solution.kernels.nf4_mlp import nf4_mlp
     from solution.kernels.swiglu import swiglu, unsupported_reason
 
@@ -93,7 +92,7 @@ def make_forward(stock_forward, policy: str = "speed", gate_up: bool = False):
         if _callable_directly(self):
             plans = fused_plans(self, x)
             if plans is not None:
-                return nf4_mlp(x, *plans, policy=policy, gate_up=gate_up)
+                return nf4_mlp(x, *plans, policy=policy)
         g = self.gate_proj(x)
         u = self.up_proj(x)
         if unsupported_reason(g, u) is not None:
@@ -109,10 +108,9 @@ def install(swaps) -> str:
     from transformers.models.qwen2 import modeling_qwen2
 
     cur = settings.current()  # read at install; apply() already checked it
-    policy, gate_up = cur.memory_policy, False
+    policy = cur.memory_policy
     cls = modeling_qwen2.Qwen2MLP
-    swaps.set(cls, "forward", make_forward(cls.__dict__["forward"], policy, gate_up))
-    one_gemm = ", gate and up as one GEMM each way" if gate_up and policy == "speed" else ""
+    swaps.set(cls, "forward", make_forward(cls.__dict__["forward"], policy))
     return ("Qwen2MLP.forward: NF4 gate/up/down + SwiGLU as one autograd function with fp16 "
-            f"activations (memory policy {policy!r}{one_gemm}) when the projections are bnb NF4 on our path; "
+            f"activations (memory policy {policy!r}) when the projections are bnb NF4 on our path; "
             "else gate_proj, up_proj, one Triton SwiGLU kernel (backward: one kernel, dg/du in place), down_proj")

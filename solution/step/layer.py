@@ -16,14 +16,19 @@
    the same order (the same dropout draws, the same GEMMs on the same operands), and its backward
    as the reverse sequence, with autograd's own roundings and orders of summation: the loss and
    every gradient are the module path's bits (tests/test_layer_node.py). Bit-preserving savings on
-   top: x is cast to fp16 once for q, k and v (three identical casts before), the MLP's output
-   gradient is cast inside the down weight's dequantization launch, and the three projections'
-   input gradients are summed by one kernel (kernels/qkv_grad.py) instead of five passes.
+   top: x is cast to fp16 once for q, k and v (the module path casts it three times), q's and v's
+   four LoRA weights are cast to fp16 in one launch and their gradients back in one, attention's
+   way in (the LoRA sums, RoPE, the KV heads' repeat, the fp16 casts) and out is one launch each
+   (kernels/qkv_rope.py), the MLP's output gradient is cast inside the down weight's
+   dequantization launch, and the three projections' input gradients are summed by one kernel
+   (kernels/qkv_grad.py) instead of five passes.
 4. Correctness risks. (a) A layer the node does not mirror exactly: any hook, instance-level
    forward, adapter state, dropout, dtype, attention setting or patch the node does not reproduce
-   makes ``plan_for`` answer None and the layer runs as modules (the reason is said once).
-   (b) Numerics: the same kernels in the same order; pinned bit for bit against the module path
-   (CPU interpreter and GPU). (c) Memory: it saves the tensors the module path's nodes saved, no
+   makes ``plan_for`` answer None, and a step kernels/qkv_rope.py does not take (``takes``) is
+   refused too: the layer runs as modules (the reason is said once).
+   (b) Numerics: the same kernels in the same order, or (the savings above) fewer launches doing
+   the same operations in the same order; pinned bit for bit against the module path (CPU
+   interpreter and GPU). (c) Memory: it saves the tensors the module path's nodes saved, no
    more. (d) Gradient checkpointing: where the checkpoint function is torch's plain one
    (``own_checkpoint``) the node checkpoints itself (``_CheckpointedLayerNode``: keeps its input
    and the generator's state, recomputes the same kernels with the same draws in its backward);
@@ -42,18 +47,17 @@ import torch.nn.functional as F
 import torch.utils.checkpoint as torch_checkpoint
 from torch.autograd.function import once_differentiable
 
-from solution import settings
+from solution import state
 from solution.hooks import global_hooks
-from solution.kernels import add_rmsnorm, attn_layout, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm, rope
+from solution.kernels import add_rmsnorm, attn_varlen, fp32_add, nf4_mlp, qkv_rope, rmsnorm
 from solution.kernels._launches import record
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
-from solution.kernels.lora_nf4 import (cast_four, cast_grads, dequant_and_cast_inputs, draws, lora_backward_gemms,
-                                       lora_backward_parts, lora_dropout, lora_forward_gemms, lora_forward_parts)
+from solution.kernels.lora_nf4 import cast_four, cast_grads, lora_backward_gemms, lora_dropout, lora_forward_gemms
 from solution.kernels.qkv_grad import qkv_grad_sum
 from solution.say import say_once
 from solution.step import attention
 
-_PLANS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # layer -> LayerPlan | reason str
+_PLANS: "weakref.WeakKeyDictionary" = state.kept(weakref.WeakKeyDictionary())  # layer -> LayerPlan | reason str
 
 NODE_COUNT = "decoder_layer_node"  # counted in kernels/_launches.LAUNCHES per node forward
 CHECKPOINT_COUNT = "decoder_layer_node_checkpointed"  # per forward of the node's own checkpointing
@@ -79,14 +83,13 @@ class LayerPlan:
     policy. Made once by the planner (solution/patches/qwen2_layer_node.py, which reads the
     bitsandbytes / peft modules); ``valid`` is the planner's per-step check that it still holds."""
 
-    __slots__ = ("q", "v", "k", "k_bias16", "o", "mlp", "policy", "gate_up", "norm1_w", "norm2_w", "eps1", "eps2",
+    __slots__ = ("q", "v", "k", "k_bias16", "o", "mlp", "policy", "norm1_w", "norm2_w", "eps1", "eps2",
                  "n_heads", "n_kv", "head_dim", "groups", "scale", "valid")
 
     def __init__(self, *, q: LoraPlan, v: LoraPlan, k, k_bias16, o, mlp, policy, norm1_w, norm2_w, eps1, eps2,
-                 n_heads, n_kv, head_dim, scale, valid, gate_up: bool = False):
+                 n_heads, n_kv, head_dim, scale, valid):
         self.q, self.v, self.k, self.k_bias16, self.o, self.mlp = q, v, k, k_bias16, o, tuple(mlp)
         self.policy, self.norm1_w, self.norm2_w, self.eps1, self.eps2 = policy, norm1_w, norm2_w, eps1, eps2
-        self.gate_up = gate_up  # the MLP's gate and up as one GEMM (kernels/nf4_mlp.py)
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
         self.groups = n_heads // n_kv
         self.valid = valid
@@ -139,29 +142,21 @@ def forget(layer=None) -> None:
 # -- one step's context ---------------------------------------------------------------------------
 
 class StepContext:
-    """What every layer of one packed forward shares: RoPE's cos / sin [1, N, D] (fp32), the packed
-    batch (``Unpadded``), its one-row layout for attention's layout kernels, the attention dtype,
+    """What every layer of one packed forward shares: RoPE's cos / sin [1, N, D] (contiguous: the
+    kernels read both with cos's strides), the packed batch (``Unpadded``), the attention dtype,
     and where the dropout masks come from (a CUDA graph's slots, or None: draw)."""
 
-    __slots__ = ("cos", "sin", "info", "layout", "mask_source", "attn_dtype", "n", "bnb_fused", "native", "qkv_fused",
-                 "lora_bmm")
+    __slots__ = ("cos", "sin", "info", "mask_source", "attn_dtype", "n", "bnb_fused", "native", "rope_takes")
 
     def __init__(self, cos, sin, info, mask_source=None):
-        from solution.step.packing import packed_layout
-
-        self.cos = cos if cos.stride(-1) == 1 else cos.contiguous()
-        self.sin = sin if sin.stride(-1) == 1 else sin.contiguous()
-        self.info, self.layout, self.mask_source = info, packed_layout(info), mask_source
+        self.cos = cos if cos.is_contiguous() else cos.contiguous()
+        self.sin = sin if sin.is_contiguous() else sin.contiguous()
+        self.info, self.mask_source = info, mask_source
         self.attn_dtype = torch.get_autocast_dtype(cos.device.type)
         self.n = info.n_tokens
         self.native = cos.device.type == "cuda"
         self.bnb_fused: dict = {}
-        # attention's way in and out in one launch each (kernels/qkv_rope.py) where it takes the
-        # tables; the head_dim is checked per layer (``_qkv_fused``)
-        self.qkv_fused = (qkv_rope.supported(self.cos.shape[-1], self.cos)
-                          and self.sin.stride(-1) == 1)
-        # q's and v's LoRA A GEMMs as one batched GEMM each (``_lora_pair_forward16``; $SOLUTION_LORA_BMM)
-        self.lora_bmm = False
+        self.rope_takes: dict = {}  # head_dim -> kernels/qkv_rope.py takes it with these tables
 
     def ok(self, x) -> bool:
         """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
@@ -179,9 +174,20 @@ class StepContext:
 
 def takes(layer, h, ctx: StepContext) -> LayerPlan | None:
     """The layer's plan when the node runs it this step (``ctx.ok(h)`` was checked by the caller
-    for the step), else None: the caller calls the layer as a module."""
+    for the step), else None: the caller calls the layer as a module. Attention's way in and out
+    of the node is kernels/qkv_rope.py only: where it does not take the step (hidden states, and so
+    q, k, v, not fp32; RoPE tables or a head_dim its kernels do not take: ``qkv_rope.supported``),
+    the layer runs as modules (said once), whose attention keeps the separate launches."""
     plan = plan_for(layer, h)
     if plan is None:
+        return None
+    rope_ok = ctx.rope_takes.get(plan.head_dim)
+    if rope_ok is None:
+        rope_ok = ctx.rope_takes[plan.head_dim] = qkv_rope.supported(plan.head_dim, ctx.cos)
+    if not rope_ok or h.dtype != torch.float32:
+        say_once(f"decoder layers run as modules, not as one node: kernels/qkv_rope.py does not take this step "
+                 f"(head_dim {plan.head_dim}, RoPE tables {tuple(ctx.cos.shape)} {ctx.cos.dtype}, "
+                 f"hidden states {h.dtype})")
         return None
     n = ctx.n
     if n * plan.mlp[0].n_out >= MAX_CAST_ELEMENTS:  # the widest activation, int32-indexed by the casts
@@ -236,19 +242,12 @@ def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
 
 # -- the node -------------------------------------------------------------------------------------
 
-def _lora_forward(side: LoraPlan, x3, ctx: StepContext, source, x16=None):
-    """q_proj / v_proj on x3 ([1, N, H] fp32): (out fp32, x16, saved, mask, mode, drop_scale) with
-    the dropout mask drawn as peft's call draws it (over the padded shape), or taken from
-    ``source`` (a packing.DropoutMaskSource: a CUDA graph's slots) when it is not None."""
-    xd, mask, mode, drop_scale = lora_dropout(side.dropout, x3, defer=True, packed=ctx.info,
-                                              mask_source=source)
-    out, x16, saved = lora_forward_parts(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, side.scaling, x16)
-    return out, x16, saved, mask, mode, drop_scale
-
-
 def _lora_forward16(side: LoraPlan, x3, ctx: StepContext, source, ab16, x16=None):
-    """``_lora_forward`` up to the GEMMs: (base16, lora16, x16, saved, mask, mode, drop_scale); the
-    sum of base16 and lora16 is made by kernels/qkv_rope.py. ``ab16``: fp16 A and B (``cast_four``)."""
+    """q_proj / v_proj on x3 ([1, N, H] fp32) up to its GEMMs: (base16, lora16, x16, saved, mask,
+    mode, drop_scale), with the dropout mask drawn as peft's call draws it (over the padded shape),
+    or taken from ``source`` (a packing.DropoutMaskSource: a CUDA graph's slots) when it is not
+    None. The sum of base16 and lora16 is made by kernels/qkv_rope.py. ``ab16``: fp16 A and B
+    (``cast_four``); ``x16``: fp16(x) made by an earlier launch, or None."""
     xd, mask, mode, drop_scale = lora_dropout(side.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
     base16, lora16, x16, saved = lora_forward_gemms(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, x16,
                                                     ab16)
@@ -257,8 +256,8 @@ def _lora_forward16(side: LoraPlan, x3, ctx: StepContext, source, ab16, x16=None
 
 def _lora_grads(grads16, dtypes):
     """The four LoRA weights' fp16 gradients (q's A, B, v's A, B; None where not asked for) in the
-    weights' dtypes: autograd's casts, in one launch when all four are there (``cast_four``), else as
-    ``lora_backward_parts`` casts them per projection."""
+    weights' dtypes: autograd's casts, in one launch when all four are there (``cast_four``), else
+    two at a time (``cast_grads``)."""
     if all(g is not None for g in grads16):
         return cast_four(grads16, dtypes)
     return [*cast_grads(grads16[0], grads16[1], dtypes[0], dtypes[1]),
@@ -267,118 +266,17 @@ def _lora_grads(grads16, dtypes):
 
 def _projections16(plan: LayerPlan, x3, ctx: StepContext, source):
     """q's, k's and v's fp16 GEMM outputs for kernels/qkv_rope.py, in the module path's order (q's
-    dropout drawn first, then v's; x cast to fp16 once): (qb16, ql16, kb16, vb16, vl16, q_saved,
-    v_saved, q_mask, v_mask, mode, drop_scale, pair), ``pair`` True where q's and v's LoRA A GEMMs
-    were batched ($SOLUTION_LORA_BMM, ``_lora_pair_forward16``; q_saved then holds the pair's
-    tensors and v_saved is empty)."""
-    f16 = torch.float16  # autocast's casts of q's and v's LoRA weights, one launch
+    dropout drawn first, then v's; x cast to fp16 once, in q's dequantization launch; q's and v's
+    LoRA weights cast to fp16 in one launch): (qb16, ql16, kb16, vb16, vl16, q_saved, v_saved,
+    q_mask, v_mask, mode, drop_scale)."""
     weights = (plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb)
-    if ctx.lora_bmm and plan.q.wa.shape == plan.v.wa.shape:
-        a2 = torch.empty((2, *plan.q.wa.shape), dtype=f16, device=x3.device)  # q's and v's A one above the other
-        qa16, qb16_w, va16, vb16_w = cast_four(weights, (f16,) * 4, outs=(a2[0], None, a2[1], None))
-        made = _lora_pair_forward16(plan, x3, ctx, source, a2, qb16_w, vb16_w) \
-            if qa16.data_ptr() == a2.data_ptr() else None
-        if made is not None:
-            qb16, ql16, kb16, vb16, vl16, saved, q_mask, v_mask, mode, drop_scale = made
-            return qb16, ql16, kb16, vb16, vl16, saved, (), q_mask, v_mask, mode, drop_scale, True
-    else:
-        qa16, qb16_w, va16, vb16_w = cast_four(weights, (f16,) * 4)
+    qa16, qb16_w, va16, vb16_w = cast_four(weights, (torch.float16,) * 4)
     qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, ctx, source, (qa16, qb16_w))
-    kb16 = _k_forward16(plan, x16)
-    vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, ctx, source, (va16, vb16_w), x16)
-    return qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode, drop_scale, False
-
-
-def _lora_pair_forward16(plan: LayerPlan, x3, ctx: StepContext, source, a2, qb16_w, vb16_w):
-    """q's, k's and v's projections up to their GEMMs as ``_lora_forward16`` (q), k's GEMM and
-    ``_lora_forward16`` (v) make them, with the two LoRA A GEMMs (dropout(x) @ A^T, the same shapes
-    for q and v) as one batched GEMM: dropout(x) of q and of v are written into one [2, N, H] fp16
-    buffer and ``a2`` holds q's and v's fp16 A ([2, r, H], from ``cast_four``). The draws stay in
-    the module path's order (q's, then v's). Returns (qb16, ql16, kb16, vb16, vl16, saved, q_mask,
-    v_mask, mode, drop_scale), saved = (xd2, h2, a2, qb16_w, vb16_w) for ``_lora_pair_backward``;
-    None when a dropout(x) does not go through the cast launches (p == 0, eval, a layout the casts
-    do not take): the caller then runs the unbatched path, which draws nothing twice (nothing was
-    drawn: the check comes first)."""
-    q, v = plan.q, plan.v
-    n, hid = x3.shape[1], x3.shape[2]
-    if not (draws(q.dropout) and draws(v.dropout)):
-        return None
-    xd2 = torch.empty((2, 1, n, hid), dtype=torch.float16, device=x3.device)
-    xd, q_mask, mode, drop_scale = lora_dropout(q.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
-    wq, x16, xd16 = dequant_and_cast_inputs(q.plan, x3, xd, q_mask, None, xd2[0])
-    _into(xd2[0], xd16)
-    qb16 = F.linear(x16, wq, q.bias16)
-    kb16 = _k_forward16(plan, x16)
-    xd, v_mask, _, _ = lora_dropout(v.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
-    wv, _, xd16 = dequant_and_cast_inputs(v.plan, x3, xd, v_mask, x16, xd2[1])
-    _into(xd2[1], xd16)
-    vb16 = F.linear(x16, wv, v.bias16)
-    h2 = torch.bmm(xd2.view(2, n, hid), a2.transpose(1, 2))  # [2, N, r]: F.linear(xd16, A16) for q and v
-    ql16 = F.linear(h2[0], qb16_w).view(1, n, -1)
-    vl16 = F.linear(h2[1], vb16_w).view(1, n, -1)
-    return qb16, ql16, kb16, vb16, vl16, (xd2, h2, a2, qb16_w, vb16_w), q_mask, v_mask, mode, drop_scale
-
-
-def _into(slot, xd16) -> None:
-    """fp16(dropout(x)) in its slot of the pair's buffer: written there by the cast launch (the
-    workload's case), else copied there (the same values)."""
-    if xd16.data_ptr() != slot.data_ptr():
-        slot.copy_(xd16)
-
-
-def _lora_pair_backward(plan: LayerPlan, gq16, gsq16, gk16, gv16, gsv16, saved, need_x: bool):
-    """``lora_backward_gemms`` for v, k's input-gradient GEMM, then q's, as the unbatched fused
-    branch runs them, with the two LoRA A gradients (grad_h^T @ dropout(x)) and the two
-    dropout(x) gradients (grad_h @ A) as one batched GEMM each. Every LoRA weight needs a gradient
-    (the caller checked). Returns (aq, bq, ak, av, bv, grad_qa, grad_qb, grad_va, grad_vb), the
-    four LoRA gradients in fp16 (cast by the caller)."""
-    xd2, h2, a2, qb16_w, vb16_w = saved
-    _, n, r = h2.shape
-    hid = xd2.shape[-1]
-    gh2 = torch.empty((2, 1, n, r), dtype=torch.float16, device=h2.device)
-    bq = bv = None
-    # autograd ran v_proj's backward first, then k_proj's, then q_proj's; each projection's W is
-    # dequantized into the shared scratch buffer right before its GEMM
-    grad_vb, av = _pair_side_backward(plan.v.plan, gv16, gsv16, h2[1], vb16_w, gh2[1], need_x)
-    ak = _input_grad(plan.k, gk16) if need_x else None
-    grad_qb, aq = _pair_side_backward(plan.q.plan, gq16, gsq16, h2[0], qb16_w, gh2[0], need_x)
-    g2 = gh2.view(2, n, r)
-    grad_a2 = torch.bmm(g2.transpose(1, 2), xd2.view(2, n, hid))  # [2, r, H]: grad_h^T @ xd16
-    if need_x:
-        grad_xd2 = torch.bmm(g2, a2)  # [2, N, H]: grad_h @ A16
-        bq, bv = grad_xd2[0].view(1, n, hid), grad_xd2[1].view(1, n, hid)
-    return aq, bq, ak, av, bv, grad_a2[0], grad_qb, grad_a2[1], grad_vb
-
-
-def _pair_side_backward(lplan, g16, gs16, h16, b16, grad_h_out, need_x: bool):
-    """One projection's unbatched part of ``_lora_pair_backward``: (grad_b, grad_base16 or None),
-    with grad_h = gs16 @ B16 written into ``grad_h_out`` (its slot of the pair's buffer)."""
-    grad_b = gs16.reshape(-1, b16.shape[0]).t().mm(h16)  # lora_B: gs^T h
-    torch.matmul(gs16, b16, out=grad_h_out)
-    return grad_b, (_input_grad(lplan, g16) if need_x else None)
-
-
-def _k_forward16(plan: LayerPlan, x16):
-    """k_proj's fp16 output: its NF4 weight dequantized into the scratch buffer, then
-    F.linear(x16, Wk, k's fp16 bias)."""
-    wk = plan.k.weight16()
+    wk = plan.k.weight16()  # k_proj: its weight dequantized into the scratch buffer, x16 as it is
     plan.k.dq.launch(wk)
-    return F.linear(x16, wk, plan.k_bias16)
-
-
-def _input_grad(lplan, g16):
-    """g16 @ W: the frozen NF4 weight dequantized (bnb's backward rounding) into the scratch buffer,
-    then its GEMM."""
-    w16 = lplan.weight16()
-    lplan.dq.launch(w16, lplan.round_bwd)
-    return torch.matmul(g16, w16)
-
-
-def _qkv_fused(plan: LayerPlan, ctx: StepContext, x3) -> bool:
-    """q / k / v go to attention through kernels/qkv_rope.py (one launch each way) rather than
-    lora_combine, k's cast, RoPE and the layout kernels: the same values (its tests), where its
-    shapes hold (fp32 projections, the tables' head_dim)."""
-    return ctx.qkv_fused and x3.dtype == torch.float32 and plan.head_dim == ctx.cos.shape[-1]
+    kb16 = F.linear(x16, wk, plan.k_bias16)
+    vb16, vl16, _, v_saved, v_mask, _, _ = _lora_forward16(plan.v, x3, ctx, source, (va16, vb16_w), x16)
+    return qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode, drop_scale
 
 
 def _attention(plan: LayerPlan, qp, kp, vp, ctx: StepContext):
@@ -407,46 +305,6 @@ def _attention_grads(plan: LayerPlan, d_out16, saved, ctx: StepContext):
     return torch.autograd.grad(out, (qp, kp, vp), dout)
 
 
-def _attention_forward(plan: LayerPlan, q, k, v, ctx: StepContext):
-    """stock Qwen2Attention's q / k / v -> attention output [1, N, Hq * D] fp16, through RoPE, our
-    layout kernels (KV heads repeated, fp16) and variable-length attention, as the module path
-    (sdpa_unpadded -> _sdpa_varlen) runs them. Returns (out, saved)."""
-    n, d = ctx.n, plan.head_dim
-    qt = q.view(1, n, plan.n_heads, d).transpose(1, 2)
-    kt = k.view(1, n, plan.n_kv, d).transpose(1, 2)
-    q_e = torch.empty_like(qt)
-    k_e = torch.empty_like(kt)
-    rope._launch(qt, kt, q_e, k_e, ctx.cos, ctx.sin, backward=False)
-    vt = v.view(1, n, plan.n_kv, d).transpose(1, 2)
-    dt = ctx.attn_dtype
-    qp = attn_layout._launch_pad(q_e.squeeze(0).transpose(0, 1), ctx.layout, 1, dt).transpose(1, 2)
-    kp = attn_layout._launch_pad(k_e.squeeze(0).transpose(0, 1), ctx.layout, plan.groups, dt).transpose(1, 2)
-    vp = attn_layout._launch_pad(vt.squeeze(0).transpose(0, 1), ctx.layout, plan.groups, dt).transpose(1, 2)
-    return _attention(plan, qp, kp, vp, ctx)
-
-
-def _attention_backward(plan: LayerPlan, d_out16, saved, ctx: StepContext, need_k: bool):
-    """(dq, dk, dv) fp32 [1, N, heads * D] in the projections' layout, from the attention output's
-    gradient: attention's backward, the layout kernels' backward (KV head sums), RoPE's backward."""
-    n, d = ctx.n, plan.head_dim
-    dq, dk, dv = _attention_grads(plan, d_out16, saved, ctx)
-    # the padded tensors' gradients back to the packed rows (autograd ran v's, then k's, then q's)
-    dv_rows = attn_layout._launch_unpad(dv.transpose(1, 2), ctx.layout, plan.groups, torch.float32)
-    dk_rows = attn_layout._launch_unpad(dk.transpose(1, 2), ctx.layout, plan.groups, torch.float32) if need_k else None
-    dq_rows = attn_layout._launch_unpad(dq.transpose(1, 2), ctx.layout, 1, torch.float32)
-    # RoPE's backward in the projections' own layout ([1, N, heads, D] memory seen as [1, heads, N, D])
-    qshape, kshape = (1, plan.n_heads, n, d), (1, plan.n_kv, n, d)
-    gq = torch.empty_strided(qshape, (n * plan.n_heads * d, d, plan.n_heads * d, 1), dtype=torch.float32,
-                             device=d_out16.device)
-    gk = torch.empty_strided(kshape, (n * plan.n_kv * d, d, plan.n_kv * d, 1), dtype=torch.float32,
-                             device=d_out16.device) if need_k else None
-    rope._launch(dq_rows.transpose(0, 1).unsqueeze(0),
-                 dk_rows.transpose(0, 1).unsqueeze(0) if need_k else None, gq, gk, ctx.cos, ctx.sin, backward=True)
-    dq3 = gq.transpose(1, 2).reshape(1, n, -1)
-    dk3 = gk.transpose(1, 2).reshape(1, n, -1) if need_k else None
-    return dq3, dk3, dv_rows.view(1, n, -1)
-
-
 def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     """The layer's forward kernels: (out [1, N, H] fp32, kept, meta). ``kept``: the tensors its
     backward needs, in ``_node_backward``'s order; ``meta``: the plain values it needs with them.
@@ -457,34 +315,23 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
     n, hid = sc.n, h.shape[-1]
     h2d = h.view(n, hid) if h.is_contiguous() else h.reshape(n, hid).contiguous()
     hn, rstd1 = rmsnorm._launch_forward(h2d, plan.norm1_w, plan.eps1)
-    x3 = hn.view(1, n, hid)
-    fused = _qkv_fused(plan, sc, x3)
-    # q, k, v in the module path's order (q's dropout drawn first, then v's); x cast to fp16 once
-    pair = False
-    if fused:  # the GEMMs as below; the sums, RoPE and attention's layout in one launch
-        (qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode, drop_scale,
-         pair) = _projections16(plan, x3, sc, source)
-        qp, kp, vp = qkv_rope.forward(qb16, ql16, plan.q.scaling, kb16, vb16, vl16, plan.v.scaling, sc.cos, sc.sin,
-                                      plan.n_heads, plan.n_kv, plan.head_dim)
-        del qb16, ql16, kb16, vb16, vl16
-        attn16, att_saved = _attention(plan, qp, kp, vp, sc)
-        del qp, kp, vp
-    else:
-        q, x16, q_saved, q_mask, mode, drop_scale = _lora_forward(plan.q, x3, sc, source)
-        k = _k_forward16(plan, x16).to(torch.float32)
-        v, _, v_saved, v_mask, _, _ = _lora_forward(plan.v, x3, sc, source, x16)
-        attn16, att_saved = _attention_forward(plan, q, k, v, sc)
-        del q, k, v
+    # q, k, v's GEMMs; their sums, RoPE and attention's layout in one launch (kernels/qkv_rope.py)
+    (qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode,
+     drop_scale) = _projections16(plan, hn.view(1, n, hid), sc, source)
+    qp, kp, vp = qkv_rope.forward(qb16, ql16, plan.q.scaling, kb16, vb16, vl16, plan.v.scaling, sc.cos, sc.sin,
+                                  plan.n_heads, plan.n_kv, plan.head_dim)
+    del qb16, ql16, kb16, vb16, vl16
+    attn16, att_saved = _attention(plan, qp, kp, vp, sc)
+    del qp, kp, vp
     wo, _ = plan.o.dequant_and_cast(attn16)
     o16 = F.linear(attn16, wo)
     h2, y2, rstd2 = add_rmsnorm._launch_forward(h2d, o16.view(n, hid), plan.norm2_w, plan.eps2, (n, hid))
-    y16, g16, u16, m16 = nf4_mlp.mlp_forward(y2, *plan.mlp, plan.gate_up)
+    y16, g16, u16, m16 = nf4_mlp.mlp_forward(y2, *plan.mlp)
     out = fp32_add.add_as_fp32(h2, y16)
-    mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16, plan.gate_up)
+    mlp_saved = nf4_mlp.mlp_saved(plan.policy, m16, g16, u16)
     masks = (q_mask, v_mask) if q_mask is not None else ()
     kept = (h2d, rstd1, *q_saved, *v_saved, *masks, *att_saved, h2, rstd2, *mlp_saved)
-    meta = (len(q_saved), len(v_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale, fused,
-            pair)
+    meta = (len(q_saved), len(v_saved), len(att_saved), len(mlp_saved), q_mask is not None, mode, drop_scale)
     return out.view(h.shape), kept, meta
 
 
@@ -493,7 +340,7 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
     list: it is emptied, so each activation is freed as soon as it is used). ``needs``: which of
     (h, q's A, q's B, v's A, v's B) need a gradient; ``dtypes``: the four LoRA weights' dtypes.
     Returns (grad_h, grad_qa, grad_qb, grad_va, grad_vb)."""
-    n_q, n_v, n_att, n_mlp, has_masks, mode, drop_scale, fused, pair = meta
+    n_q, n_v, n_att, n_mlp, has_masks, mode, drop_scale = meta
     t = kept
     h2d, rstd1 = t[0], t[1]
     i = 2
@@ -509,55 +356,30 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
     mlp_saved = tuple(t[i + 2:i + 2 + n_mlp])
     t.clear()
     need_h, need_qa, need_qb, need_va, need_vb = needs
-    qa_t, qb_t, va_t, vb_t = dtypes
     n, hid = h2d.shape
     g2 = grad_out.reshape(n, hid)
     if not g2.is_contiguous():
         g2 = g2.contiguous()
     # the residual add's backward hands g to h2 as it is and fp16(g) to the MLP: that cast is made
     # in the down weight's dequantization launch (mlp_backward)
-    dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2, plan.gate_up)
+    dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2)
     del mlp_saved
     d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2,
                                                 [torch.float32, torch.float16])
     del dy
-    wo, _ = plan.o.dequant_and_cast(d_o16, plan.o.round_bwd)
-    d_attn16 = torch.matmul(d_o16, wo)
-    # k's input gradient matters only when x needs one (layer 0 without checkpointing: no)
-    need_x = need_h
-    if fused:  # attention's gradients to the projections' fp16 GEMM inputs in one launch
-        dq, dk, dv = _attention_grads(plan, d_attn16, att_saved, sc)
-        del att_saved, d_attn16
-        gq16, gsq16, gk16, gv16, gsv16 = qkv_rope.backward(dq, dk, dv, sc.cos, sc.sin, plan.q.scaling,
-                                                           plan.v.scaling, plan.n_kv, need_x)
-        del dq, dk, dv
-    if pair and all(needs[1:]):  # q's and v's LoRA A gradients batched (``_lora_pair_backward``)
-        aq, bq, ak, av, bv, *grads16 = _lora_pair_backward(plan, gq16, gsq16, gk16, gv16, gsv16, q_saved, need_x)
-        grad_qa, grad_qb, grad_va, grad_vb = _lora_grads(grads16, dtypes)
-    elif fused:
-        if pair:  # a LoRA weight without a gradient: the unbatched GEMMs on the pair's tensors
-            xd2, h2, a2, qb16_w, vb16_w = q_saved
-            q_saved = (xd2[0], h2[0], a2[0], qb16_w)
-            v_saved = (xd2[1], h2[1], a2[1], vb16_w)
-        # autograd ran v_proj's backward first, then k_proj's, then q_proj's
-        av, bv, grad_va, grad_vb = lora_backward_gemms(plan.v.plan, gv16, gsv16, v_saved, need_x, need_va, need_vb,
-                                                       va_t, vb_t, cast=False)
-        if need_x:
-            ak = _input_grad(plan.k, gk16)
-        aq, bq, grad_qa, grad_qb = lora_backward_gemms(plan.q.plan, gq16, gsq16, q_saved, need_x, need_qa, need_qb,
-                                                       qa_t, qb_t, cast=False)
-        grad_qa, grad_qb, grad_va, grad_vb = _lora_grads((grad_qa, grad_qb, grad_va, grad_vb), dtypes)
-    else:
-        dq3, dk3, dv3 = _attention_backward(plan, d_attn16, att_saved, sc, need_x)
-        del att_saved, d_attn16
-        # autograd ran v_proj's backward first, then k_proj's, then q_proj's
-        _, av, bv, grad_va, grad_vb = lora_backward_parts(plan.v.plan, dv3, v_saved, plan.v.scaling, need_x,
-                                                          need_va, need_vb, va_t, vb_t)
-        if need_x:
-            wk, gk16 = plan.k.dequant_and_cast(dk3, plan.k.round_bwd)
-            ak = torch.matmul(gk16, wk)
-        _, aq, bq, grad_qa, grad_qb = lora_backward_parts(plan.q.plan, dq3, q_saved, plan.q.scaling, need_x,
-                                                          need_qa, need_qb, qa_t, qb_t)
+    d_attn16 = plan.o.input_grad16(d_o16)
+    # attention's gradients to the projections' fp16 GEMM inputs in one launch; k's input gradient
+    # matters only when x needs one (layer 0 without checkpointing: no)
+    dq, dk, dv = _attention_grads(plan, d_attn16, att_saved, sc)
+    del att_saved, d_attn16
+    gq16, gsq16, gk16, gv16, gsv16 = qkv_rope.backward(dq, dk, dv, sc.cos, sc.sin, plan.q.scaling,
+                                                       plan.v.scaling, plan.n_kv, need_h)
+    del dq, dk, dv
+    # autograd ran v_proj's backward first, then k_proj's, then q_proj's
+    av, bv, grad_va, grad_vb = lora_backward_gemms(plan.v.plan, gv16, gsv16, v_saved, need_h, need_va, need_vb)
+    ak = plan.k.input_grad16(gk16) if need_h else None
+    aq, bq, grad_qa, grad_qb = lora_backward_gemms(plan.q.plan, gq16, gsq16, q_saved, need_h, need_qa, need_qb)
+    grad_qa, grad_qb, grad_va, grad_vb = _lora_grads((grad_qa, grad_qb, grad_va, grad_vb), dtypes)
     grad_h = None
     if need_h:
         d_hn = qkv_grad_sum(aq, bq, q_mask, ak, av, bv, v_mask, mode, drop_scale)
