@@ -40,8 +40,8 @@ def targets():
     import torch.nn.functional as F
     import triton.runtime.jit as jit
 
-    from solution.kernels import (add_rmsnorm, attn_layout, attn_varlen, fp32_add, lora_nf4, nf4_dequant,
-                                  nf4_mlp, qkv_rope, rmsnorm, rope)
+    from solution.kernels import (add_rmsnorm, attn_varlen, fp32_add, lora_nf4, nf4_dequant, nf4_mlp, qkv_rope,
+                                  rmsnorm)
     from solution.step import layer
     return [
         (jit.JITFunction, "run", "triton JITFunction.run"),
@@ -52,21 +52,17 @@ def targets():
         (torch.Tensor, "reshape", "Tensor.reshape"), (torch.Tensor, "transpose", "Tensor.transpose"),
         (torch.Tensor, "contiguous", "Tensor.contiguous"), (torch.Tensor, "t", "Tensor.t"),
         (layer, "_node_forward", "node forward (ours)"), (layer, "_node_backward", "node backward (ours)"),
-        (layer, "_lora_forward", "_lora_forward"), (layer, "lora_dropout", "lora_dropout"),
-        (layer, "lora_forward_parts", "lora_forward_parts"), (layer, "lora_backward_parts", "lora_backward_parts"),
+        (layer, "_projections16", "_projections16"), (layer, "lora_dropout", "lora_dropout"),
         (layer, "lora_forward_gemms", "lora_forward_gemms"), (layer, "lora_backward_gemms", "lora_backward_gemms"),
         (layer, "_attention", "_attention"), (layer, "_attention_grads", "_attention_grads"),
-        (layer, "_attention_forward", "_attention_forward"), (layer, "_attention_backward", "_attention_backward"),
         (layer, "qkv_grad_sum", "qkv_grad_sum"), (qkv_rope, "forward", "qkv_rope forward"),
         (qkv_rope, "backward", "qkv_rope backward"),
         (attn_varlen, "varlen_forward", "varlen_forward"), (attn_varlen, "varlen_backward", "varlen_backward"),
-        (attn_layout, "_launch_pad", "attn_layout pad"), (attn_layout, "_launch_unpad", "attn_layout unpad"),
-        (rope, "_launch", "rope"), (rmsnorm, "_launch_forward", "rmsnorm fwd"),
+        (rmsnorm, "_launch_forward", "rmsnorm fwd"),
         (rmsnorm, "_launch_backward_dx", "rmsnorm bwd"), (add_rmsnorm, "_launch_forward", "add_rmsnorm fwd"),
         (add_rmsnorm, "_launch_backward", "add_rmsnorm bwd"), (fp32_add, "add_as_fp32", "add_as_fp32"),
         (nf4_mlp, "mlp_forward", "mlp_forward"), (nf4_mlp, "mlp_backward", "mlp_backward"),
         (nf4_dequant.DequantPlan, "launch", "DequantPlan.launch"),
-        (lora_nf4, "lora_combine", "lora_combine"), (lora_nf4, "lora_grad_sum", "lora_grad_sum"),
         (lora_nf4, "cast_pair", "cast_pair"), (layer, "cast_four", "cast_four"),
         # inside lora_dropout: stock's padded draw and the real rows kept (its own time, split)
         (torch, "native_dropout", "torch.native_dropout"), (torch.Tensor, "index_select", "Tensor.index_select"),
