@@ -12,13 +12,19 @@ bench.rebuild_report), each cell baseline -> solution (solution / baseline): ste
 duration, peak allocated and reserved memory, GPU kernel time; the solution's loss max relative
 difference and own-kernel share; under it what each run is (bench/runs.py), a line per run in
 an SM partition, the T4 projection, and the GPU, date and commit the figures come from.
-Exit status: 0 all match (or written); 1 a file differs, has no markers, or could not be
-written; 2 the summary cannot be read (one line `error: ...`).
+With --check and --write it also holds the front doors to their limits (``limits``, the constants
+below): docs/ru/AUDIT.md at most MAX_AUDIT_LINES lines of at most MAX_LINE_CHARS characters;
+README.md, docs/ru/README.md and docs/PERFORMANCE.md at most MAX_FRONT_LINES lines; and none of
+the four, outside the generated block, names a commit id, a session, a clock-time run name
+("run 1407", "(0924)") or an issue number ("issue 24", "задача 41", "#41"): one line per problem.
+Exit status: 0 all match (or written) and every limit holds; 1 a file differs, has no markers,
+could not be written, or breaks a limit; 2 the summary cannot be read (one line `error: ...`).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -26,6 +32,25 @@ ROOT = Path(__file__).resolve().parent.parent
 SUMMARY = Path("docs/runs/latest.json")
 FILES = {"README.md": "en", "docs/PERFORMANCE.md": "en", "docs/ru/README.md": "ru", "docs/ru/AUDIT.md": "ru"}
 BEGIN, END = "<!-- figures:begin -->", "<!-- figures:end -->"
+
+# The front doors' limits (checked by ``limits``, with --check and --write):
+AUDIT = "docs/ru/AUDIT.md"
+MAX_AUDIT_LINES = 220  # the Russian audit, sections A-H: what a beginner reads in 30 minutes
+MAX_LINE_CHARS = 300  # the longest line of the audit, in characters: one screen line, no scrolling
+FRONT_DOORS = ("README.md", "docs/ru/README.md", "docs/PERFORMANCE.md")
+MAX_FRONT_LINES = 200  # each front door: a short page that points on, not the whole story
+# Words the four pages must not hold outside the generated block (it names the commit of its figures):
+# a commit id (7-40 hex digits with at least one digit and one letter a-f), a session, a clock-time
+# run name ("run 1407", "набор 1407", "(0924)", "«0924»"), an issue number ("issue 24", "задача 41", "#41").
+_CLOCK = r"(?:[01][0-9]|2[0-3])[0-5][0-9]"
+FORBIDDEN = {
+    "a commit id": re.compile(r"(?<![\w.-])(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w-])", re.I),
+    "a session": re.compile(r"session|сесси", re.I),
+    "a clock-time run name": re.compile(
+        rf"(?:\b(?:runs?|calls?|sets?|reports?|прогон\w*|набор\w*|отч[её]т\w*|вызов\w*)\s+[«\"(]?{_CLOCK}\b"
+        rf"|[(«\"]{_CLOCK}[)»\"])", re.I),
+    "an issue number": re.compile(r"\b(?:issues?|задач\w*)\s+(?:№\s*)?#?[0-9]+|(?<![\w&/])#[0-9]+\b", re.I),
+}
 
 TEXT = {
     "en": {
@@ -214,11 +239,52 @@ def sync(root: Path, summary: dict, src: str, write: bool) -> list[str]:
     return problems
 
 
+def _outside_block(text: str) -> list[str]:
+    """The lines of ``text`` with those of the generated block (markers included) blanked, so that
+    line numbers stay the file's."""
+    lines, inside = text.splitlines(), False
+    out = []
+    for line in lines:
+        if line.strip() == BEGIN:
+            inside = True
+        out.append("" if inside else line)
+        if line.strip() == END:
+            inside = False
+    return out
+
+
+def limits(root: Path) -> list[str]:
+    """The front doors under ``root`` against their limits (the constants above): one problem line
+    per file too long, per line too long (the audit), and per forbidden word outside the generated
+    block (the first of each kind on a line)."""
+    problems = []
+    for rel in (AUDIT, *FRONT_DOORS):
+        try:
+            text = (root / rel).read_text(encoding="utf-8")
+        except OSError as exc:
+            problems.append(f"{rel}: cannot read ({exc.strerror or exc})")
+            continue
+        lines = text.splitlines()
+        most = MAX_AUDIT_LINES if rel == AUDIT else MAX_FRONT_LINES
+        if len(lines) > most:
+            problems.append(f"{rel}: {len(lines)} lines (at most {most})")
+        if rel == AUDIT:
+            problems += [f"{rel}:{i}: a line of {len(line)} characters (at most {MAX_LINE_CHARS})"
+                         for i, line in enumerate(lines, 1) if len(line) > MAX_LINE_CHARS]
+        for i, line in enumerate(_outside_block(text), 1):
+            for what, pattern in FORBIDDEN.items():
+                m = pattern.search(line)
+                if m:
+                    problems.append(f"{rel}:{i}: names {what} ({m.group(0).strip()!r})")
+    return problems
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group(required=True)
     mode.add_argument("--write", action="store_true", help="put the table between each file's markers")
-    mode.add_argument("--check", action="store_true", help="exit 1 if a file differs or has no markers")
+    mode.add_argument("--check", action="store_true",
+                      help="exit 1 if a file differs, has no markers, or breaks a limit of the front doors")
     ap.add_argument("--summary", type=Path, default=None, help=f"the figures (default {SUMMARY})")
     ap.add_argument("--root", type=Path, default=ROOT, help="the repository whose files are written or checked")
     args = ap.parse_args(argv)
@@ -230,10 +296,11 @@ def main(argv=None) -> int:
         return 2
     src = str(SUMMARY) if args.summary is None else str(args.summary)
     problems = sync(args.root, summary, src, write=args.write)
-    for line in problems:
-        print(line, file=sys.stderr)
     if args.write:
         print(f"figures from {src} in {len(FILES) - len(problems)} of {len(FILES)} files")
+    problems += limits(args.root)
+    for line in problems:
+        print(line, file=sys.stderr)
     return 1 if problems else 0
 
 

@@ -130,3 +130,109 @@ def test_the_repository_documents_match_latest_json():
     if lacking:
         pytest.skip(f"no figures markers yet in {', '.join(lacking)}")
     assert df.sync(df.ROOT, df.load_summary(df.ROOT / df.SUMMARY), str(df.SUMMARY), write=False) == []
+
+
+# --- the front doors' limits (bench.doc_figures.limits) ----------------------------------------------
+def _limits_tree(tmp_path, **texts):
+    """The four pages under tmp_path, each a title and the generated block; ``texts`` (keyed by a
+    short name: audit, readme, ru_readme, performance) appended to the page."""
+    summary = _tree(tmp_path)
+    df.main(["--write", "--root", str(tmp_path)])
+    names = {"audit": "docs/ru/AUDIT.md", "readme": "README.md", "ru_readme": "docs/ru/README.md",
+             "performance": "docs/PERFORMANCE.md"}
+    for key, text in texts.items():
+        path = tmp_path / names[key]
+        path.write_text(path.read_text(encoding="utf-8") + text, encoding="utf-8")
+    return summary
+
+
+def _check(tmp_path, capsys) -> list[str]:
+    capsys.readouterr()
+    rc = df.main(["--check", "--root", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == (1 if err else 0)
+    return err
+
+
+def test_short_clean_pages_pass_the_limits(tmp_path, capsys):
+    _limits_tree(tmp_path, audit="Коммит назван в сгенерированном блоке, и только там.\n",
+                 readme="Run `bash scripts/compare.sh`; report runs/<timestamp>/report.md, 2026-12-03, fp16, bf16.\n")
+    assert _check(tmp_path, capsys) == []
+    assert df.limits(tmp_path) == []
+
+
+def test_the_audit_over_its_lines_fails(tmp_path, capsys):
+    _limits_tree(tmp_path, audit="строка\n" * df.MAX_AUDIT_LINES)
+    err = _check(tmp_path, capsys)
+    assert len(err) == 1 and err[0].startswith("docs/ru/AUDIT.md: ") and f"(at most {df.MAX_AUDIT_LINES})" in err[0]
+
+
+def test_a_line_of_the_audit_over_its_characters_fails(tmp_path, capsys):
+    _limits_tree(tmp_path, audit="а" * df.MAX_LINE_CHARS + "\n" + "б" * (df.MAX_LINE_CHARS + 1) + "\n")
+    err = _check(tmp_path, capsys)
+    assert len(err) == 1 and "a line of 301 characters (at most 300)" in err[0]
+    n = len((tmp_path / df.AUDIT).read_text(encoding="utf-8").splitlines())
+    assert err[0].startswith(f"docs/ru/AUDIT.md:{n}: ")
+    # a long line in the other pages is allowed (their limit is the number of lines)
+    _limits_tree(tmp_path, readme="x" * 400 + "\n")
+    assert _check(tmp_path, capsys) == []
+
+
+@pytest.mark.parametrize("key, rel", [("readme", "README.md"), ("ru_readme", "docs/ru/README.md"),
+                                      ("performance", "docs/PERFORMANCE.md")])
+def test_a_front_door_over_its_lines_fails(tmp_path, capsys, key, rel):
+    _limits_tree(tmp_path, **{key: "line\n" * df.MAX_FRONT_LINES})
+    err = _check(tmp_path, capsys)
+    assert len(err) == 1 and err[0].startswith(f"{rel}: ") and f"(at most {df.MAX_FRONT_LINES})" in err[0]
+
+
+@pytest.mark.parametrize("text, what", [
+    ("Measured on 56ebb1d.", "a commit id"), ("замер на d400028", "a commit id"),
+    ("commit 56ebb1d048923f24e6d179b011b78ac84c0b0f18", "a commit id"), ("(`abc1234`)", "a commit id"),
+    ("as in the last session", "a session"), ("в прошлой сессии", "a session"), ("Сессия Kaggle", "a session"),
+    ("run 1407 says", "a clock-time run name"), ("в наборе 1407", "a clock-time run name"),
+    ("отчёт «0924»", "a clock-time run name"), ("the profile (0924)", "a clock-time run name"),
+    ("прогон 2141", "a clock-time run name"),
+    ("issue 24's targets", "an issue number"), ("Issue 5", "an issue number"), ("задача 41", "an issue number"),
+    ("цели задачи 24", "an issue number"), ("see #41", "an issue number")])
+@pytest.mark.parametrize("key, rel", [("audit", "docs/ru/AUDIT.md"), ("readme", "README.md"),
+                                      ("ru_readme", "docs/ru/README.md"), ("performance", "docs/PERFORMANCE.md")])
+def test_a_forbidden_word_outside_the_block_fails(tmp_path, capsys, key, rel, text, what):
+    _limits_tree(tmp_path, **{key: f"before\n{text}\n"})
+    err = _check(tmp_path, capsys)
+    n = len((tmp_path / rel).read_text(encoding="utf-8").splitlines())
+    assert len(err) == 1 and err[0].startswith(f"{rel}:{n}: names {what} ("), err
+
+
+@pytest.mark.parametrize("text", [
+    "docs/runs/compare-h200-2026-12-03-1407.md", "fp16 bf16 sm_75 e4m3 1e-05 0.335 3.6.0", "the 2026-12-03 set",
+    "runs/kaggle-20261201-101500", "64 steps at 17.5%", "# Title", "GPU `nf4_dequant_kernel`", "the decade",
+    "задача конкурса", "256 examples", "Issue tracker", "между 14:02 и 14:20"])
+def test_ordinary_words_are_not_taken_for_forbidden_ones(tmp_path, capsys, text):
+    _limits_tree(tmp_path, readme=f"{text}\n", audit=f"{text}\n")
+    assert _check(tmp_path, capsys) == []
+
+
+def test_the_generated_block_may_name_its_commit(tmp_path, capsys):
+    _limits_tree(tmp_path)
+    assert "abc1234" in (tmp_path / "README.md").read_text(encoding="utf-8")  # the fake summary's commit
+    assert _check(tmp_path, capsys) == []
+
+
+def test_several_problems_one_line_each(tmp_path, capsys):
+    _limits_tree(tmp_path, audit="ы" * 301 + "\n" + "56ebb1d, issue 24\n" + "ы\n" * df.MAX_AUDIT_LINES,
+                 performance="in session 25\n")
+    err = _check(tmp_path, capsys)
+    assert len(err) == 5, err  # AUDIT: lines, one long line, a commit and an issue on one line; PERFORMANCE: a session
+    assert sum(ln.startswith("docs/ru/AUDIT.md") for ln in err) == 4
+
+
+def test_write_also_reports_a_broken_limit(tmp_path, capsys):
+    _limits_tree(tmp_path, readme="see 56ebb1d\n")
+    capsys.readouterr()
+    assert df.main(["--write", "--root", str(tmp_path)]) == 1
+    assert "README.md:" in capsys.readouterr().err
+
+
+def test_the_repository_front_doors_keep_their_limits():
+    assert df.limits(df.ROOT) == []
