@@ -3,7 +3,7 @@ takes (diagnosis only: `bench.run_one --compile-log FILE`).
 
 Why: the solution's first step takes ~9 s against the baseline's ~0.9 s on a fresh machine,
 because Triton compiles our kernels on first use; with Triton's disk cache warm it takes ~1.6 s.
-To hide or shorten that (docs/NOTES.md, "Next"), we need the list of what compiles. Triton
+To hide or shorten that (docs/history/NOTES.md, "Next"), we need the list of what compiles. Triton
 (>= 3.4: ``triton.knobs.runtime.jit_cache_hook`` / ``jit_post_compile_hook``) calls a hook before
 and after every JIT compile; this records, per compile: the step it happened in (from the step
 clock), the kernel, its specialization as Triton prints it, the seconds between the two hooks

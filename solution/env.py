@@ -114,7 +114,7 @@ def several_gpus_note() -> str | None:
 
 # The oldest Triton our kernels are tested with: the sm_75 compile check passes on 3.0-3.8, but
 # Triton 3.0 / 3.1's interpreter cannot run them, so their results were never compared with the
-# references there (docs/NOTES.md, "Triton versions"). Triton 3.2 is what torch 2.6 ships.
+# references there (docs/history/NOTES.md, "Triton versions"). Triton 3.2 is what torch 2.6 ships.
 OLDEST_TRITON = (3, 2)
 
 
