@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from solution import precompile
+from solution import compile_manifest, precompile
 from solution.settings import Settings
 
 
@@ -82,8 +82,8 @@ def test_retarget_keeps_only_the_launch_options():
 
 
 def test_version_order_and_record_format():
-    assert precompile._version_tuple("3.9.0") == (3, 9, 0) and precompile._version_tuple("3.10.1+git") == (3, 10, 1)
-    assert precompile._version_tuple("nightly") == () and precompile._version_tuple("3.9.0rc1") == (3, 9, 0)
+    assert compile_manifest._version_tuple("3.9.0") == (3, 9, 0) and compile_manifest._version_tuple("3.10.1+git") == (3, 10, 1)
+    assert compile_manifest._version_tuple("nightly") == () and compile_manifest._version_tuple("3.9.0rc1") == (3, 9, 0)
     assert precompile.same_record_format("3.6.0", "3.9.0") and precompile.same_record_format("3.4.0", "3.8.0")
     assert not precompile.same_record_format("3.6.0", "3.3.1") and not precompile.same_record_format("3.6.0", "3.10.0")
 
