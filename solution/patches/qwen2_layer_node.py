@@ -12,8 +12,9 @@ peft_lora_bnb; and qwen2_unpad, whose packed step calls it); any layer or step i
 exactly runs as modules, said once. ``SOLUTION_SKIP_PATCHES=qwen2_layer_node`` leaves it out
 (the layers then run as modules).
 
-Refused (check()) unless the installed ``Qwen2Attention.forward`` is one of the reviewed sources
-(sha256, solution/patches/_sources.py): the node mirrors it.
+Refused (check()) unless the installed ``Qwen2Attention.forward`` and torch's
+``utils.checkpoint.checkpoint`` are reviewed sources (sha256, solution/patches/_sources.py): the
+node mirrors the first and, under gradient checkpointing, stands in for the second.
 """
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def check() -> str | None:
     if attn is None or "forward" not in attn.__dict__:
         return "transformers has no Qwen2Attention.forward (another transformers version?)"
     reason = unexpected_source("transformers.Qwen2Attention.forward", attn.forward)
+    if reason is not None:
+        return reason
+    # The node's own gradient checkpointing stands in for torch's checkpoint (step.layer.own_checkpoint)
+    from torch.utils import checkpoint as torch_checkpoint
+
+    reason = unexpected_source("torch.utils.checkpoint.checkpoint", getattr(torch_checkpoint, "checkpoint", None))
     if reason is not None:
         return reason
     try:
