@@ -311,6 +311,9 @@ def check() -> str | None:
 
     from solution.patches._sources import first_unexpected
 
+    # private tensor attribute: the cached fp16 LM-head weight is keyed by the weight's version counter
+    if not isinstance(getattr(torch.empty(0), "_version", None), int):
+        return "this torch's tensors have no _version counter (the LM head's weight cache is keyed by it)"
     # the two methods mirrored, and the loss / entropy the fused kernel computes in their place
     return first_unexpected(
         ("transformers.Qwen2ForCausalLM.forward", modeling_qwen2.Qwen2ForCausalLM.forward),
