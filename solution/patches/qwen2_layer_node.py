@@ -12,9 +12,8 @@ peft_lora_bnb; and qwen2_unpad, whose packed step calls it); any layer or step i
 exactly runs as modules, said once. ``SOLUTION_SKIP_PATCHES=qwen2_layer_node`` leaves it out
 (the layers then run as modules).
 
-Refused (check()) unless the installed ``Qwen2Attention.forward`` and torch's
-``utils.checkpoint.checkpoint`` are reviewed sources (sha256, solution/patches/_sources.py): the
-node mirrors the first and, under gradient checkpointing, stands in for the second.
+Refused (check()) unless the installed ``Qwen2Attention.forward`` is one of the reviewed sources
+(sha256, solution/patches/_sources.py): the node mirrors it.
 """
 from __future__ import annotations
 
@@ -41,7 +40,8 @@ def check() -> str | None:
     reason = unexpected_source("transformers.Qwen2Attention.forward", attn.forward)
     if reason is not None:
         return reason
-    # The node's own gradient checkpointing stands in for torch's checkpoint (step.layer.own_checkpoint)
+    # The node's own gradient checkpointing stands in for torch's checkpoint (step.layer.own_checkpoint):
+    # refused, too, unless that is a reviewed source (sha256, solution/patches/_sources.py)
     from torch.utils import checkpoint as torch_checkpoint
 
     reason = unexpected_source("torch.utils.checkpoint.checkpoint", getattr(torch_checkpoint, "checkpoint", None))
