@@ -66,12 +66,14 @@ def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, s
             say(f"installed {module.NAME}: {desc}")
     if _installed:
         precompile.start(support.device, say=say)  # on CUDA unless $SOLUTION_PRECOMPILE=0
-    if (_installed and support.device == "cuda" and ALLOCATOR not in skip and not _settings.allocator_configured()
-            and _set_expandable_segments(True)):
-        _installed[ALLOCATOR] = ("CUDA caching allocator with expandable segments: batches of varying "
-                                 "length no longer fragment reserved memory")
-        if verbose:
-            say(f"installed {ALLOCATOR}: {_installed[ALLOCATOR]}")
+    if _installed and support.device == "cuda" and ALLOCATOR not in skip and not _settings.allocator_configured():
+        if _set_expandable_segments(True):
+            _installed[ALLOCATOR] = ("CUDA caching allocator with expandable segments: batches of varying "
+                                     "length no longer fragment reserved memory")
+            if verbose:
+                say(f"installed {ALLOCATOR}: {_installed[ALLOCATOR]}")
+        else:
+            say(f"skip {ALLOCATOR}: this torch's allocator did not take expandable_segments (stock allocator kept)")
     return dict(_installed)
 
 
@@ -97,7 +99,10 @@ def _set_expandable_segments(on: bool) -> bool:
     batches every step allocates tensors of new sizes; fixed-size segments then fragment (reserved
     memory grows far above what is allocated). apply() calls it only when the user did not
     configure the allocator ($PYTORCH_CUDA_ALLOC_CONF) nor list cuda_allocator in
-    $SOLUTION_SKIP_PATCHES."""
+    $SOLUTION_SKIP_PATCHES. Private torch calls, gated by what this torch has:
+    ``torch._C._accelerator_setAllocatorSettings`` (torch >= 2.10), else
+    ``torch.cuda.memory._set_allocator_settings``; False (apply() says so, and the allocator stays
+    as it is) where neither takes the setting."""
     import torch
 
     setting = f"expandable_segments:{on}"

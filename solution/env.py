@@ -38,6 +38,9 @@ def check_support() -> Support:
     too_old = triton_too_old(getattr(triton, "__version__", "0"))
     if too_old:
         return Support(False, "none", too_old)
+    missing = torch_internals_reason()
+    if missing:
+        return Support(False, "none", missing)
     if torch.cuda.is_available():
         too_old = capability_reason()  # the current GPU: solution/kernels/_device.py's rule
         if too_old:
@@ -52,6 +55,31 @@ def check_support() -> Support:
     if interpreter_enabled():
         return Support(True, "interpreter", "no CUDA; TRITON_INTERPRET=1: kernels run in Triton's CPU interpreter")
     return Support(False, "none", "no CUDA GPU (set TRITON_INTERPRET=1 to run the kernels on the CPU interpreter)")
+
+
+def torch_internals_reason() -> str | None:
+    """None when the private torch names that the whole package reads are there; else the reason
+    (apply() then installs nothing). They are: ``torch._C.DisableTorchFunctionSubclass`` (the NF4
+    plans read bitsandbytes' weights under it, solution/kernels/nf4_dequant.py; also the clip and
+    the walks' ``.grad`` reads), and nn.Module's own dicts that the patches and the decoder-layer
+    node read instead of walking through ``Module.__getattr__`` (``_modules``, ``_parameters``,
+    ``_buffers``) or to see hooks (solution/hooks.py: each module's hook dicts and
+    torch.nn.modules.module's global ones). Present in every torch the package supports
+    (2.10-2.13); a torch without one of them would make those reads wrong, not fail."""
+    import torch
+    from torch.nn.modules import module as nn_module
+
+    from solution.hooks import GLOBAL_HOOKS, OWN_HOOKS
+
+    if not hasattr(torch._C, "DisableTorchFunctionSubclass"):
+        return "this torch has no torch._C.DisableTorchFunctionSubclass"
+    own = torch.nn.Module().__dict__
+    missing = [name for name in ("_modules", "_parameters", "_buffers") + OWN_HOOKS
+               if not isinstance(own.get(name), dict)]
+    missing += [name for name in GLOBAL_HOOKS if not isinstance(getattr(nn_module, name, None), dict)]
+    if missing:
+        return f"torch.nn.Module's internals are not the ones our patches read (missing {', '.join(missing)})"
+    return None
 
 
 def triton_build_reason() -> str | None:

@@ -141,3 +141,48 @@ def varlen_causal_attention(q, k, v, info, scale) -> torch.Tensor:
         return VarlenCausalAttention.apply(q, k, v, info.cu_seqlens, info.max_len, scale)
     record("attention_rows_reference", ours=False)
     return rows_reference(q, k, v, list(info.lengths), scale)
+
+
+# The private ATen ops called above, positionally: the schemas they were reviewed with (one each,
+# the same in torch 2.10.0, 2.11.0, 2.12.0, 2.12.1 and 2.13.0: native_functions.yaml of each
+# release). Another schema (an argument moved, renamed or added before those we pass, another
+# overload) could give the positional calls another meaning: ``schema_refusal`` then refuses the
+# kernel and step/attention.py keeps the padded layout (stock's SDPA call).
+ACCEPTED_SCHEMAS = {
+    "aten::_efficient_attention_forward": (
+        "aten::_efficient_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? bias, "
+        "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt? max_seqlen_q, SymInt? max_seqlen_k, "
+        "float dropout_p, int custom_mask_type, bool compute_log_sumexp=False, *, float? scale=None, "
+        "Tensor? seqlen_k=None, int? window_size=None) -> (Tensor output, Tensor logsumexp, "
+        "Tensor philox_seed, Tensor philox_offset, SymInt max_seqlen_batch_q, SymInt max_seqlen_batch_k)",
+    ),
+    "aten::_efficient_attention_backward": (
+        "aten::_efficient_attention_backward(Tensor grad_out_, Tensor query, Tensor key, Tensor value, "
+        "Tensor? bias, Tensor out, Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, SymInt max_seqlen_q, "
+        "SymInt max_seqlen_k, Tensor logsumexp, float dropout_p, Tensor philox_seed, Tensor philox_offset, "
+        "int custom_mask_type, bool bias_requires_grad, *, float? scale=None, int? num_splits_key=None, "
+        "int? window_size=None, bool shared_storage_dqdkdv=False) -> (Tensor, Tensor, Tensor, Tensor)",
+    ),
+}
+
+
+def op_schemas(name: str) -> tuple[str, ...]:
+    """Every schema (overloads included) this torch registers for the operator ``name``
+    (``aten::...``); read on any build, also a CPU one for CUDA-only ops. () when unknown."""
+    get = getattr(torch._C, "_jit_get_schemas_for_operator", None)
+    if get is None:
+        return ()
+    try:
+        return tuple(str(s) for s in get(name))
+    except RuntimeError:
+        return ()
+
+
+def schema_refusal() -> RuntimeError | None:
+    """None when every private ATen op ``varlen_forward`` / ``varlen_backward`` call has exactly
+    its reviewed schemas (``ACCEPTED_SCHEMAS``); else the refusal, naming the op. Asked by
+    step/attention.py before the first use of the kernel (with ``preflight``)."""
+    for name, accepted in ACCEPTED_SCHEMAS.items():
+        if op_schemas(name) != accepted:
+            return RuntimeError(f"{name}'s schema is not the reviewed one (torch 2.10.0-2.13.0)")
+    return None

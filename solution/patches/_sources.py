@@ -1,15 +1,25 @@
 """The stock sources our patches mirror, by sha256, and the library versions they were read in.
 
-A patch that re-implements a stock function's body (to fuse part of it) must only run where that
-body is the one it mirrors. Each function below is accepted when the sha256 of its installed
-source (``inspect.getsource`` of the undecorated function) is one of the listed ones; each listed
-hash was checked by reading the diff against the version the patch was written for
-(transformers 5.17.0, trl 0.29.1) and finding nothing that changes what the mirror computes.
-Any other source (a newer release, a local edit) makes the patch refuse to install, and that part
-of training runs the stock code.
+A patch that re-implements a stock function's body (to fuse part of it), or relies on what a stock
+function does beyond its documented contract, must only run where that body is the one it mirrors.
+Each function below is accepted when the sha256 of its installed source (``inspect.getsource`` of
+the undecorated function; ``registered_kernel_sha256`` for a function registered under a decorator
+and not reachable by name) is one of the listed ones. Each listed hash was checked by reading the
+diff against the version the patch was written for (transformers 5.17.0, trl 0.29.1, peft 0.21.2,
+bitsandbytes 0.50.2, accelerate 1.15.0, torch 2.13) and finding nothing that changes what the
+mirror computes. Any other source (a newer release, a local edit) makes the patch refuse to install
+(its ``check()`` returns the reason, apply() prints it on one line), and that part of training runs
+the stock code. tests/test_gates.py checks that every name here is checked by some patch and that
+a changed source is refused. docs/GATES.md lists every gate, with the private calls.
 
-Reviewed (2026-11-30), transformers 5.16.1 ... 5.24.0, trl 0.29.0 / 0.29.1 (Soup 0.77.0 allows
-transformers >= 5.16.1, < 6 and trl >= 0.29, < 1):
+Where the hashes were taken: the wheels of every release in the ranges below (the source files
+read without installing them), and the installed packages. torch's from its macOS wheels (the same
+Python files as the Linux ones; the installed 2.13.0+cpu's files are byte-identical to 2.13.0's).
+
+Reviewed, transformers 5.16.1 ... 5.24.0 (every release), trl 0.29.0 / 0.29.1 (Soup 0.77.0 allows
+transformers >= 5.16.1, < 6 and trl >= 0.29, < 1), peft 0.20.0 ... 0.21.2 (Soup: >= 0.20, < 1),
+bitsandbytes 0.49.0 ... 0.50.2 (Soup: >= 0.41), accelerate 1.14.0 ... 1.16.0, torch 2.10.0, 2.11.0,
+2.12.0, 2.12.1, 2.13.0 (the Kaggle image's, the GPU machine's, the installed one's and between):
 - 5.19.0: sdpa_attention_forward gains a paged-attention cache branch (only with a
   PagedAttentionCache, never in training) - accepted.
 - 5.21.0: Qwen2ForCausalLM.forward slices hidden states through ``slice_logits_to_keep`` (same
@@ -24,10 +34,29 @@ transformers >= 5.16.1, < 6 and trl >= 0.29, < 1):
 - Qwen2Attention.forward (mirrored by the decoder-layer node, solution/step/layer.py): one source
   from 5.16.1 to 5.23.0; 5.24.0 renames ``past_key_values`` to ``cache`` (with ``deprecate_kwarg``)
   and passes ``kwargs`` to ``cache.update`` - accepted: the node runs only without a cache.
+- Qwen2RMSNorm.forward, apply_rotary_pos_emb, rotate_half, Qwen2MLP.forward,
+  Trainer.floating_point_ops, PreTrainedModel.num_parameters, ForCausalLMLoss,
+  fixed_cross_entropy, PreTrainedModel.train: one source each over the whole range.
+- Trainer._clip_grad_norm: one source from 5.17.0 to 5.24.0 (accepted); 5.16.1's has no
+  mixed-mesh branch and no ``_has_mixed_mesh_grads``, which trainer_clip calls - refused.
+- peft Linear4bit.forward: one source from 0.20.0 to 0.21.2.
+- bitsandbytes Linear4bit.forward, matmul_4bit and the CUDA ``gemm_4bit`` dispatch: one source each
+  from 0.50.0 to 0.50.2 (accepted). 0.49.x casts the bias before the compute-dtype cast, sets the
+  quant state's dtype on the CPU and picks its fused GEMV by another rule (one row, no gradient;
+  no ``_gemm_4bit_custom_max_m``) - refused.
+- accelerate: clip_grad_norm_ one source from 1.15.0 to 1.16.0 (1.14.0 refused: not reviewed);
+  _clip_grad_norm_dtensor_aware 1.15.0, and 1.16.0's regrouping (every parameter whose ``.grad``
+  is None skipped, the others kept in order, one group without DTensors) - accepted.
+- torch Module.named_modules: 2.12.x differs only by a ``# noqa`` comment; _get_total_norm: 2.10.0
+  differs only by a ``# pyrefly`` comment; utils.checkpoint.checkpoint: 2.12 changes a type hint,
+  2.13 re-raises an exception of the checkpointed forward through its context generator (error
+  paths only) - accepted. The other torch methods: one source from 2.10.0 to 2.13.0.
 """
 from __future__ import annotations
 
+import ast
 import hashlib
+import importlib.util
 import inspect
 
 ACCEPTED: dict[str, dict[str, str]] = {
@@ -61,19 +90,103 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "transformers.PreTrainedModel.train": {
         "9b2adf55d0b3d6b87a64e46cb18330839ba51c45b7ae06dec3ff9cbd60765c5b": "5.16.1-5.24.0",
     },
-    # trainer_clip: the clip's uses of the parameter list (read in transformers 5.17.0, accelerate 1.15.0,
-    # the workload's pins)
+    # trainer_clip: the clip's uses of the parameter list (transformers, accelerate, torch)
     "transformers.Trainer._clip_grad_norm": {
-        "ebfa9dc91d3088aba72171b63dad101b1d91d8470b871394b027302e472487a4": "5.17.0",
+        "ebfa9dc91d3088aba72171b63dad101b1d91d8470b871394b027302e472487a4": "5.17.0-5.24.0",
     },
     "accelerate.Accelerator.clip_grad_norm_": {
-        "07bab36d3993512552617e6f9f1c620137c656fd7de5fe96da56d81d88e59894": "1.15.0",
+        "07bab36d3993512552617e6f9f1c620137c656fd7de5fe96da56d81d88e59894": "1.15.0-1.16.0",
     },
     "accelerate.Accelerator._clip_grad_norm_dtensor_aware": {
         "3db384a087407c3cd859b5e8fa4d4dfbfe270929721b828d07a5e4ff202189d6": "1.15.0",
+        "52e8e5fb0500a84472684fcd0b2ea5267be2acaec023b982adf9ec601819558c": "1.16.0",
+    },
+    "torch.nn.utils.clip_grad_norm_": {
+        "ec7e5ef692a2f1679f547a8899fd9d29e934b1f8791d78546821927483d379ca": "2.10.0-2.13.0",
+    },
+    "torch.nn.utils.clip_grad._get_total_norm": {
+        "aa9db112a11db218985a61b103e530cac0cbc73055d78a1940717fd8ba7aa504": "2.10.0",
+        "36543c2a7c6150b05b9bc2b334310643c678baa22c79e52059baf32b289c9901": "2.11.0-2.13.0",
+    },
+    "torch.nn.utils.clip_grad._clip_grads_with_norm_": {
+        "c630d283fe216a3c5fd484b9dafd25adbd2d9f76214806affe5e3b5da1eeaa64": "2.10.0-2.13.0",
     },
     "trl.SFTTrainer.compute_loss": {
         "949aa5ebf4ec1e6a69c59a958effc389963427174d4fdb5bac6fc02606dc4fb0": "0.29.0-0.29.1",
+    },
+    # qwen2_lm_head_loss: the fused kernel computes stock's loss and trl's entropy
+    "transformers.ForCausalLMLoss": {
+        "c7f950f4eb7eba01f9339bc4937c9e1cc2885cf1c1bc116d764990c694a90ff9": "5.16.1-5.24.0",
+    },
+    "transformers.fixed_cross_entropy": {
+        "a7d1a68de5ca0ce6fad1f39ac53e33d96d67077ee18597d85ccacc63540ac9eb": "5.16.1-5.24.0",
+    },
+    "trl.entropy_from_logits": {
+        "cfeed25ed40872baac62ba7748bf4a43e994377da6236ac84b3b99252702fc93": "0.29.0-0.29.1",
+    },
+    # qwen2_rmsnorm (and qwen2_decoder_layer's fused add + norm): the kernel's formula
+    "transformers.Qwen2RMSNorm.forward": {
+        "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f": "5.16.1-5.24.0",
+    },
+    # qwen2_rope: x * cos + rotate_half(x) * sin
+    "transformers.apply_rotary_pos_emb": {
+        "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87": "5.16.1-5.24.0",
+    },
+    "transformers.rotate_half": {
+        "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397": "5.16.1-5.24.0",
+    },
+    # qwen2_mlp: down_proj(act_fn(gate_proj(x)) * up_proj(x))
+    "transformers.Qwen2MLP.forward": {
+        "03df2d7685cf8446594448cbd33ef676a2b088779d99d9803abe3bed2ec7ad9b": "5.16.1-5.24.0",
+    },
+    # trainer_flops: the count floating_point_ops asks for, memoized per run
+    "transformers.Trainer.floating_point_ops": {
+        "ffd8b0eb8cf7c98b1e7f87e65584a17d87a4a61741743099e9fe3ded1216f4ee": "5.16.1-5.24.0",
+    },
+    "transformers.PreTrainedModel.num_parameters": {
+        "2957f95a8c09005441aa8edfe9343c86edbaa689a9cc04712dec6979e566076b": "5.16.1-5.24.0",
+    },
+    # peft_model_walks: torch's walks, flags and gradient clearing
+    "torch.nn.Module.named_modules": {
+        "8e6a8186ac543749f16317ad00b514750fd1fb09b774ba82cbd8708ff128186f": "2.10.0-2.11.0, 2.13.0",
+        "5f286a5849e9ed066cde65778735597f8f133cc773d7ad93d2aa3a2b09864d8f": "2.12.0-2.12.1",
+    },
+    "torch.nn.Module.named_parameters": {
+        "a5cf801eda9c82c1e6e7eb2ac634f295a35e9524d348f5424bc5fa3f67b9eb1a": "2.10.0-2.13.0",
+    },
+    "torch.nn.Module._named_members": {
+        "eb15b8046105757d20d76a4735a8b6326ba7e834d1d2c4366f5749b9ac93919e": "2.10.0-2.13.0",
+    },
+    "torch.nn.Module.parameters": {
+        "be760a33b3944208c64d632ae8bbe85f71e6afc62a7931e8532bc3a8c105ba06": "2.10.0-2.13.0",
+    },
+    "torch.nn.Module.train": {
+        "9e2ebb28709740467a7bd7c5898d3f2437b99f2c17079e249605adf3a77acb20": "2.10.0-2.13.0",
+    },
+    "torch.nn.Module.zero_grad": {
+        "e2acaefe95021c77747b2c285044f4ef353be47fe223ea47d20ab10322d70f3a": "2.10.0-2.13.0",
+    },
+    # qwen2_layer_node: the node's own gradient checkpointing stands in for torch's checkpoint
+    # called with the options ``step.layer.own_checkpoint`` accepts
+    "torch.utils.checkpoint.checkpoint": {
+        "13cd61e07e801e1f6c2c85a1207b5f13626571b3fc3b4caab3d9a6a4a147d241": "2.10.0-2.11.0",
+        "3d03debbb03f48589d88274250600ea00768dc0f07c50c020a9eb3fe755c83f1": "2.12.0-2.12.1",
+        "de8fda2b752d7303296bc7c2ece331fa505a995a846f2858058932b5b0c9012d": "2.13.0",
+    },
+    # peft_lora_bnb: peft's LoRA forward (dropout, then lora_A, lora_B, scaling; the base layer first)
+    "peft.tuners.lora.bnb.Linear4bit.forward": {
+        "ba53967c7f8574384a160a6a897e8ec6205718e9bfef9d6998cb40cb8bcf6eb8": "0.20.0-0.21.2",
+    },
+    # bnb_linear4bit and peft_lora_bnb's base layer (solution/patches/_bnb.py): bitsandbytes'
+    # forward (quant-state repair, bias cast, compute dtype), its matmul and its fused-GEMM choice
+    "bitsandbytes.nn.Linear4bit.forward": {
+        "d52cf63457717cc718ca0a449dad0967171e679be90d5d2adcafe2e8a141093d": "0.50.0-0.50.2",
+    },
+    "bitsandbytes.matmul_4bit": {
+        "a219d40d62264de60a424e8f9f1bab7656136eb7264a575d39d57a7e2f25ed4a": "0.50.0-0.50.2",
+    },
+    "bitsandbytes.backends.cuda.ops.gemm_4bit[cuda]": {
+        "8ce7805e693ee5b582322ea0ac2c945809eb967e296a26a9faefdd27bd1765c5": "0.50.0-0.50.2",
     },
 }
 
@@ -94,16 +207,71 @@ def source_sha256(fn) -> str:
     return hashlib.sha256(inspect.getsource(inspect.unwrap(fn)).encode()).hexdigest()
 
 
-def unexpected_source(name: str, fn) -> str | None:
-    """None when the installed ``fn`` is one of the reviewed sources of ``name``, else the reason."""
+def _reason(name: str, digest) -> str | None:
+    """None when ``digest()`` is one of the reviewed hashes of ``name``, else the reason."""
     try:
-        digest = source_sha256(fn)
-    except (OSError, TypeError) as exc:
+        value = digest()
+    except (OSError, TypeError, SyntaxError, ImportError, ValueError) as exc:
         return f"cannot read the source of {name} ({exc})"
-    if digest in ACCEPTED[name]:
+    if value in ACCEPTED[name]:
         return None
     versions = ", ".join(sorted(set(ACCEPTED[name].values())))
     return f"{name} is not one of the reviewed sources (versions {versions})"
+
+
+def unexpected_source(name: str, fn) -> str | None:
+    """None when the installed ``fn`` is one of the reviewed sources of ``name``, else the reason
+    (also when ``fn`` is None: the function does not exist)."""
+    if fn is None:
+        return f"{name} does not exist"
+    return _reason(name, lambda: source_sha256(fn))
+
+
+def first_unexpected(*pairs) -> str | None:
+    """The first reason ``unexpected_source`` gives over ``(name, fn)`` pairs, or None."""
+    for name, fn in pairs:
+        reason = unexpected_source(name, fn)
+        if reason is not None:
+            return reason
+    return None
+
+
+def registered_kernel_text(path: str, op: str, device: str) -> str | None:
+    """The source text (decorators included, as ``inspect.getsource`` gives a function) of the
+    function in the Python file ``path`` decorated with ``register_kernel(op, device)``: such
+    functions are all named ``_`` (bitsandbytes' backends), so they cannot be reached by name.
+    The file is parsed, not imported. None when there is no such function."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    lines = text.splitlines(keepends=True)
+    for node in ast.walk(ast.parse(text)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        for dec in node.decorator_list:
+            func = getattr(dec, "func", None)
+            if (isinstance(dec, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) == "register_kernel"
+                    and [getattr(a, "value", None) for a in dec.args[:2]] == [op, device]):
+                first = min(d.lineno for d in node.decorator_list)
+                return "".join(lines[first - 1:node.end_lineno])
+    return None
+
+
+def registered_kernel_sha256(module_name: str, op: str, device: str) -> str:
+    """sha256 of ``registered_kernel_text`` in the installed ``module_name`` (located, not
+    imported: e.g. bitsandbytes' CUDA backend, which imports only where CUDA is)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin:
+        raise ImportError(f"{module_name} not found")
+    text = registered_kernel_text(spec.origin, op, device)
+    if text is None:
+        raise OSError(f"no kernel registered for {op} on {device} in {module_name}")
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def unexpected_registered_kernel(name: str, module_name: str, op: str, device: str) -> str | None:
+    """None when the function ``module_name`` registers for ``op`` on ``device`` is one of the
+    reviewed sources of ``name``, else the reason."""
+    return _reason(name, lambda: registered_kernel_sha256(module_name, op, device))
 
 
 def cache_kwarg(fn) -> str:

@@ -5,6 +5,9 @@ merged, adapters enabled, plain LoRA (no DoRA / aLoRA / other variant, no LoRA b
 torch.autocast(fp16), base layer accepted by our NF4 linear. Anything else runs peft's original
 forward. The checks are written to cost a few microseconds per call (they run 56 x 2 times per
 training step); the base layer's own checks are cached in its ``LinearPlan``.
+
+Refused (check()) unless peft's ``Linear4bit.forward`` (0.20.0-0.21.2) and bitsandbytes' path
+(bnb_linear4bit's gate, 0.50.0-0.50.2) are reviewed sources (sha256, solution/patches/_sources.py).
 """
 from __future__ import annotations
 
@@ -28,7 +31,13 @@ def check() -> str | None:
         return f"peft.tuners.lora.bnb not importable ({type(exc).__name__}: {exc})"
     if not hasattr(lora_bnb, "Linear4bit"):
         return "peft has no lora.bnb.Linear4bit (bitsandbytes 4-bit not available to peft)"
-    return None
+    # The replacement mirrors peft's forward and runs the base layer's path itself: both must be
+    # reviewed sources (sha256, solution/patches/_sources.py).
+    from solution.patches._sources import unexpected_source
+    from solution.patches.bnb_linear4bit import bnb_sources_reason
+
+    return (unexpected_source("peft.tuners.lora.bnb.Linear4bit.forward", lora_bnb.Linear4bit.__dict__.get("forward"))
+            or bnb_sources_reason())
 
 
 def _autocast_fp16(device_type: str) -> bool:

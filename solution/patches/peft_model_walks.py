@@ -25,7 +25,10 @@ Any module class with its own ``named_modules`` / ``named_parameters`` / ``_name
 Risk: a walk that differs from torch's (order, duplicates) would change which gradients are
 clipped or cleared, not their values; the tests compare objects and order with torch's on shared
 modules, tied weights, None slots and the workload's stack, and every compared run checks
-grad_norm, loss and total_flos against the baseline (bench/rules.py).
+grad_norm, loss and total_flos against the baseline (bench/rules.py). Refused (check()) unless
+torch's ``Module.named_modules`` / ``named_parameters`` / ``_named_members`` / ``parameters`` /
+``train`` / ``zero_grad`` are reviewed sources (sha256, solution/patches/_sources.py: torch
+2.10.0-2.13.0).
 """
 from __future__ import annotations
 
@@ -50,7 +53,13 @@ def check() -> str | None:
     for name in ("parameters", "zero_grad", "train"):
         if name in PeftModel.__dict__:
             return f"peft.PeftModel defines its own {name}()"
-    return None
+    # The walks mirror torch's (order, duplicates, None slots, flags): its methods must be the
+    # reviewed sources (sha256, solution/patches/_sources.py).
+    from solution.patches._sources import first_unexpected
+
+    module = torch.nn.Module
+    return first_unexpected(*((f"torch.nn.Module.{m}", module.__dict__.get(m))
+                              for m in _WALK_METHODS + ("train", "zero_grad")))
 
 
 def _walks_plainly(classes) -> bool:

@@ -40,6 +40,13 @@ def check() -> str | None:
     reason = unexpected_source("transformers.Qwen2Attention.forward", attn.forward)
     if reason is not None:
         return reason
+    # The node's own gradient checkpointing stands in for torch's checkpoint (step.layer.own_checkpoint):
+    # refused, too, unless that is a reviewed source (sha256, solution/patches/_sources.py)
+    from torch.utils import checkpoint as torch_checkpoint
+
+    reason = unexpected_source("torch.utils.checkpoint.checkpoint", getattr(torch_checkpoint, "checkpoint", None))
+    if reason is not None:
+        return reason
     try:
         import solution.kernels.qkv_grad  # noqa: F401
         import solution.step.layer  # noqa: F401

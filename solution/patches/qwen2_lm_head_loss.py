@@ -306,8 +306,21 @@ def check() -> str | None:
         from trl.trainer.sft_trainer import SFTTrainer
     except Exception as exc:  # noqa: BLE001 - any import problem means: keep stock
         return f"transformers Qwen2 / trl SFTTrainer not importable ({type(exc).__name__}: {exc})"
-    return (unexpected_source("transformers.Qwen2ForCausalLM.forward", modeling_qwen2.Qwen2ForCausalLM.forward)
-            or unexpected_source("trl.SFTTrainer.compute_loss", SFTTrainer.compute_loss))
+    import trl.trainer.sft_trainer as sft_module
+    from transformers.loss import loss_utils
+
+    from solution.patches._sources import first_unexpected
+
+    # private tensor attribute: the cached fp16 LM-head weight is keyed by the weight's version counter
+    if not isinstance(getattr(torch.empty(0), "_version", None), int):
+        return "this torch's tensors have no _version counter (the LM head's weight cache is keyed by it)"
+    # the two methods mirrored, and the loss / entropy the fused kernel computes in their place
+    return first_unexpected(
+        ("transformers.Qwen2ForCausalLM.forward", modeling_qwen2.Qwen2ForCausalLM.forward),
+        ("trl.SFTTrainer.compute_loss", SFTTrainer.compute_loss),
+        ("transformers.ForCausalLMLoss", getattr(loss_utils, "ForCausalLMLoss", None)),
+        ("transformers.fixed_cross_entropy", getattr(loss_utils, "fixed_cross_entropy", None)),
+        ("trl.entropy_from_logits", getattr(sft_module, "entropy_from_logits", None)))
 
 
 def install(swaps) -> str:

@@ -33,6 +33,17 @@ def check() -> str | None:
         return f"transformers' Qwen2 is not importable ({type(exc).__name__}: {exc})"
     if not hasattr(modeling_qwen2, "Qwen2MLP") or "forward" not in modeling_qwen2.Qwen2MLP.__dict__:
         return "transformers has no Qwen2MLP.forward (another transformers version?)"
+    # The mirror calls the three projections as stock does: only a reviewed stock body (sha256,
+    # solution/patches/_sources.py) is replaced.
+    from solution.patches._sources import unexpected_source
+
+    reason = unexpected_source("transformers.Qwen2MLP.forward", modeling_qwen2.Qwen2MLP.__dict__["forward"])
+    if reason is not None:
+        return reason
+    # Private torch call: the SwiGLU backward writes dg / du into g / u and bumps their version
+    # counters (torch._C._increment_version) so that autograd refuses a later reuse of them.
+    if not callable(getattr(torch._C, "_increment_version", None)):
+        return "torch._C._increment_version is missing (the SwiGLU backward's in-place writes would go unmarked)"
     try:
         import solution.kernels.swiglu  # noqa: F401
     except Exception as exc:

@@ -9,26 +9,22 @@ forward unchanged. Output dtype and values follow stock exactly in semantics:
 Autocast: the kernel runs inside a torch.autograd.Function that autocast does not touch, and the
 stock forward's ops are not changed by autocast either (its inputs are already fp32 where autocast
 would upcast), so the dtypes seen downstream are the same with and without the patch.
+
+Refused (check()) unless the installed ``Qwen2RMSNorm.forward`` is one of the reviewed sources
+(sha256, solution/patches/_sources.py).
 """
 from __future__ import annotations
 
-import inspect
-
 from solution.kernels._device import cuda_or_runs_here
+from solution.patches._sources import unexpected_source
 
 NAME = "qwen2_rmsnorm"
 
 
 def _stock_forward_is_expected(forward) -> str | None:
-    """The kernel reproduces this exact formula; refuse to install if transformers changed it."""
-    try:
-        src = inspect.getsource(forward)
-    except (OSError, TypeError):
-        return "cannot read Qwen2RMSNorm.forward's source to confirm its formula"
-    needed = ("hidden_states.to(torch.float32)", "pow(2).mean(-1, keepdim=True)",
-              "torch.rsqrt(variance + self.variance_epsilon)", "self.weight * hidden_states.to(input_dtype)")
-    missing = [s for s in needed if s not in src]
-    return f"Qwen2RMSNorm.forward differs from the formula the kernel implements (missing {missing})" if missing else None
+    """The kernel reproduces this exact formula; refuse to install unless ``forward`` is one of the
+    reviewed sources (sha256, solution/patches/_sources.py)."""
+    return unexpected_source("transformers.Qwen2RMSNorm.forward", forward)
 
 
 def check() -> str | None:

@@ -6,29 +6,23 @@ Qwen2 makes (``apply_rotary_pos_emb(q, k, cos, sin)``, unsqueeze_dim 1, q/k 4-D 
 cos/sin [B or 1, L, D], fp16/fp32, on CUDA or on the CPU under Triton's interpreter) and hands
 everything else (other unsqueeze_dim, extra arguments, bf16, cos/sin requiring grad...) to the
 stock function unchanged.
+
+Refused (check()) unless the installed ``apply_rotary_pos_emb`` and ``rotate_half`` are reviewed
+sources (sha256, solution/patches/_sources.py).
 """
 from __future__ import annotations
 
-import inspect
-
 from solution.kernels._device import cuda_or_runs_here
+from solution.patches._sources import first_unexpected
 
 NAME = "qwen2_rope"
 
 
 def _stock_is_expected(modeling_qwen2) -> str | None:
-    """The kernel reproduces `x * cos + rotate_half(x) * sin`; refuse if transformers changed it."""
-    try:
-        src = inspect.getsource(modeling_qwen2.apply_rotary_pos_emb)
-        rot = inspect.getsource(modeling_qwen2.rotate_half)
-    except (OSError, TypeError, AttributeError):
-        return "cannot read apply_rotary_pos_emb / rotate_half source to confirm the formula"
-    needed = [(src, "cos = cos.unsqueeze(unsqueeze_dim)"), (src, "sin = sin.unsqueeze(unsqueeze_dim)"),
-              (src, "q_embed = (q * cos) + (rotate_half(q) * sin)"),
-              (src, "k_embed = (k * cos) + (rotate_half(k) * sin)"),
-              (rot, "torch.cat((-x2, x1), dim=-1)")]
-    missing = [s for text, s in needed if s not in text]
-    return f"apply_rotary_pos_emb differs from the formula the kernel implements (missing {missing})" if missing else None
+    """The kernel reproduces `x * cos + rotate_half(x) * sin`; refuse unless both functions are
+    reviewed sources (sha256, solution/patches/_sources.py)."""
+    return first_unexpected(("transformers.apply_rotary_pos_emb", getattr(modeling_qwen2, "apply_rotary_pos_emb", None)),
+                            ("transformers.rotate_half", getattr(modeling_qwen2, "rotate_half", None)))
 
 
 def check() -> str | None:

@@ -36,6 +36,9 @@ def check() -> str | None:
               or unexpected_source("transformers.sdpa_attention_forward", sdpa_attention.sdpa_attention_forward))
     if reason is not None:
         return reason
+    # transformers' private registry of attention functions (the one the "sdpa" entry is read from)
+    if not isinstance(getattr(AttentionInterface, "_global_mapping", None), dict):
+        return "transformers' AttentionInterface has no _global_mapping registry"
     if AttentionInterface._global_mapping.get("sdpa") is not sdpa_attention.sdpa_attention_forward:
         return "the 'sdpa' attention function is already replaced by someone else"
     return None

@@ -22,9 +22,10 @@ gradients and the returned norm are the same bits.
 
 Where: one process (``accelerator.distributed_type`` NO), SageMaker model parallelism off
 and no mixed DTensor meshes (both stock's own branches), and the reviewed sources of
-``Trainer._clip_grad_norm`` (transformers 5.17.0), ``Accelerator.clip_grad_norm_`` and
-``Accelerator._clip_grad_norm_dtensor_aware`` (accelerate 1.15.0, the workload's pins); anything
-else: stock.
+``Trainer._clip_grad_norm`` (transformers 5.17.0-5.24.0), ``Accelerator.clip_grad_norm_`` and
+``Accelerator._clip_grad_norm_dtensor_aware`` (accelerate 1.15.0-1.16.0) and torch's
+``clip_grad_norm_`` with its ``_get_total_norm`` and ``_clip_grads_with_norm_`` (torch
+2.10.0-2.13.0), sha256 in solution/patches/_sources.py; anything else: stock.
 
 Risk: a later release whose clip uses a parameter without a gradient (the hash check refuses any
 other source); tests/test_trainer_clip.py compares the returned norm and every gradient with
@@ -43,17 +44,23 @@ def check() -> str | None:
         from accelerate import Accelerator
     except Exception as exc:  # noqa: BLE001 - transformers / accelerate missing or broken
         return f"transformers / accelerate not importable ({type(exc).__name__}: {exc})"
-    from solution.patches._sources import unexpected_source
+    import torch.nn.utils.clip_grad as clip_grad
 
-    for name, fn in (("transformers.Trainer._clip_grad_norm", getattr(transformers.Trainer, "_clip_grad_norm", None)),
-                     ("accelerate.Accelerator.clip_grad_norm_", getattr(Accelerator, "clip_grad_norm_", None)),
-                     ("accelerate.Accelerator._clip_grad_norm_dtensor_aware",
-                      getattr(Accelerator, "_clip_grad_norm_dtensor_aware", None))):
-        if fn is None:
-            return f"{name} does not exist"
-        reason = unexpected_source(name, fn)
-        if reason is not None:
-            return reason
+    from solution.patches._sources import first_unexpected
+
+    reason = first_unexpected(
+        ("transformers.Trainer._clip_grad_norm", getattr(transformers.Trainer, "_clip_grad_norm", None)),
+        ("accelerate.Accelerator.clip_grad_norm_", getattr(Accelerator, "clip_grad_norm_", None)),
+        ("accelerate.Accelerator._clip_grad_norm_dtensor_aware",
+         getattr(Accelerator, "_clip_grad_norm_dtensor_aware", None)),
+        ("torch.nn.utils.clip_grad_norm_", getattr(clip_grad, "clip_grad_norm_", None)),
+        ("torch.nn.utils.clip_grad._get_total_norm", getattr(clip_grad, "_get_total_norm", None)),
+        ("torch.nn.utils.clip_grad._clip_grads_with_norm_", getattr(clip_grad, "_clip_grads_with_norm_", None)))
+    if reason is not None:
+        return reason
+    # Private transformers method _single_process calls, as the reviewed _clip_grad_norm does.
+    if not callable(getattr(transformers.Trainer, "_has_mixed_mesh_grads", None)):
+        return "transformers.Trainer has no _has_mixed_mesh_grads()"
     return None
 
 

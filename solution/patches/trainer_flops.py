@@ -17,7 +17,9 @@ outside ``floating_point_ops`` go to stock.
 
 Risk: a run that adds or removes parameters between two steps of one ``train()`` (no Trainer
 feature does) would keep the first count; the total_flos check of every compared run
-(bench/rules.py: equal, exactly) and the test guard it.
+(bench/rules.py: equal, exactly) and the test guard it. Refused (check()) unless
+``Trainer.floating_point_ops`` and ``PreTrainedModel.num_parameters`` are reviewed sources (sha256,
+solution/patches/_sources.py: transformers 5.16.1-5.24.0).
 """
 from __future__ import annotations
 
@@ -41,7 +43,12 @@ def check() -> str | None:
         return "transformers.Trainer has no floating_point_ops()"
     if not callable(getattr(PreTrainedModel, "num_parameters", None)):
         return "PreTrainedModel has no num_parameters()"
-    return None
+    # The memo is right only while floating_point_ops asks num_parameters for a count that depends
+    # on the model's parameters alone: both reviewed (sha256, solution/patches/_sources.py).
+    from solution.patches._sources import first_unexpected
+
+    return first_unexpected(("transformers.Trainer.floating_point_ops", transformers.Trainer.floating_point_ops),
+                            ("transformers.PreTrainedModel.num_parameters", PreTrainedModel.num_parameters))
 
 
 def _memo_of(trainer) -> dict:

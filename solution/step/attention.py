@@ -83,8 +83,9 @@ def _forget_refusal() -> None:
 
 
 def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Variable-length attention runs here: ``varlen_enabled`` and, on CUDA, a tiny forward and
-    backward of the kernel once per device, dtype and head dim (``attn_varlen.preflight``). Where
+    """Variable-length attention runs here: ``varlen_enabled`` and, on CUDA, the private ATen ops'
+    schemas as reviewed (``attn_varlen.schema_refusal``) and a tiny forward and backward of the
+    kernel once per device, dtype and head dim (``attn_varlen.preflight``). Where
     PyTorch's kernel refuses (never seen on the H200; a T4 was never measured), this says so once
     and turns to the padded layout for good (``_varlen_failed``) before any step depends on it: the
     decoder-layer node calls the kernel with no fallback of its own, and a refusal in a backward
@@ -97,7 +98,8 @@ def varlen_works(device: torch.device, dtype: torch.dtype, head_dim: int) -> boo
     key = (device, dtype, head_dim)
     ok = _PREFLIGHT.get(key)
     if ok is None:
-        refusal = attn_varlen.preflight(device, dtype, head_dim)
+        # the private ATen ops' schemas first (the kernel is called positionally), then a run
+        refusal = attn_varlen.schema_refusal() or attn_varlen.preflight(device, dtype, head_dim)
         ok = _PREFLIGHT[key] = refusal is None
         if refusal is not None:
             _varlen_failed(refusal)

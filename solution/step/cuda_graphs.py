@@ -57,7 +57,7 @@ from torch.autograd.function import once_differentiable
 
 from solution import precompile, settings, state
 from solution.hooks import global_hooks, own_hooks
-from solution.say import say
+from solution.say import say, say_once
 from solution.settings import CUDA_GRAPHS_ENV
 from solution.step import attention, graph_buffers, graph_decision, lengths, packing
 from solution.step import layer as layer_node
@@ -65,6 +65,9 @@ from solution.step import layer as layer_node
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
 # torch's context that turns tensor subclasses' __torch_function__ off (torch >= 2.0; a no-op where absent)
 _NO_SUBCLASS_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
+# torch's private multi-tensor copy (aten::_foreach_copy_, one launch for all the captured gradient
+# copies; its schema is checked by tests/test_gates.py); where absent, one public Tensor.copy_ each
+_FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def mode() -> str:
@@ -383,8 +386,12 @@ class DecoderGraphs:
                 if g.needs_input_grad:
                     g.grad_h.copy_(grads[0])
                 pairs = [(buf, gr) for buf, gr in zip(self.grads.views, grads[inputs_from:]) if gr is not None]
-                if pairs:
-                    torch._foreach_copy_([b for b, _ in pairs], [gr for _, gr in pairs])
+                if pairs and _FOREACH_COPY is not None:
+                    _FOREACH_COPY([b for b, _ in pairs], [gr for _, gr in pairs])
+                elif pairs:
+                    say_once("torch has no _foreach_copy_: the captured gradient copies run one Tensor.copy_ each")
+                    for buf, gr in pairs:
+                        buf.copy_(gr)
             finally:
                 g.bwd.capture_end()
             g.has_grad = [gr is not None for gr in grads[inputs_from:]]
