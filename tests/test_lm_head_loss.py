@@ -161,6 +161,47 @@ def test_grad_scaler_factor_is_exact(device):
     assert rel_err(g2, s["grad"]) < 3e-3
 
 
+@pytest.mark.parametrize("compute_dtype,hidden_dtype", [(F16, F32), (F16, F16), (F32, F32)])
+def test_finite_results_bit_for_bit(device, compute_dtype, hidden_dtype):
+    """Where nothing overflows, the overflow bookkeeping changes no bit: the forward's per-token
+    results are those of the kernel without gradient (no row_p / top-2 work), and backward's
+    gradient is exactly (G.float() * (grad_output / GRAD_SCALE)).to(hidden dtype) on the forward's
+    G (the formula before the overflow check), for loss scales up to 2**16 and a negative one;
+    the reordered labelled-rows path (labelled_rows) gives its own plain formula's bits too."""
+    h, w, labels = make_inputs(2, 19, 48, 1000, device, seed=11)
+    h = h.to(hidden_dtype)
+    shift = shift_labels_like_stock(labels).reshape(-1)
+    n_lab = int((shift != IGNORE_INDEX).sum())
+    kw = dict(chunk_rows=16, block_v=SMALL_BLOCK, block_rows=None, cache_weight=False)
+    h2 = h.reshape(-1, 48)
+    with torch.no_grad():
+        ref = lm_mod._forward_chunks(h2, w, shift, compute_dtype, False, **kw)
+        fwd = lm_mod._forward_chunks(h2, w, shift, compute_dtype, True, **kw)
+    for i, name in enumerate(("token_loss", "entropy", "argmax")):
+        assert torch.equal(fwd[i], ref[i]), name
+    G = fwd[3]
+    for labelled_rows in (None, n_lab):
+        for up in (1.0, 3.0, 65536.0, -20.0):
+            hd = h.detach().requires_grad_(True)
+            res = fused_lm_head_loss(hd, w, shift.view(2, 19), compute_dtype=compute_dtype, num_items_in_batch=17,
+                                     chunk_rows=16, block_v=SMALL_BLOCK, cache_weight=False,
+                                     labelled_rows=labelled_rows)
+            (res.loss * up).backward()
+            assert torch.equal(res.token_loss.reshape(-1), ref[0]) or labelled_rows is not None
+            c = torch.tensor(up, dtype=torch.float32, device=device) / 17  # autograd's grad of loss_sum
+            if labelled_rows is None:
+                expect = (G.float() * (c / lm_mod.GRAD_SCALE)).to(hidden_dtype).view(2, 19, 48)
+            else:  # G of the reordered run, by the same formula
+                order = torch.argsort((shift == IGNORE_INDEX).to(torch.int8), stable=True)
+                with torch.no_grad():
+                    g_first = lm_mod._forward_chunks(h2.index_select(0, order), w, shift.index_select(0, order),
+                                                     compute_dtype, True, grad_rows=n_lab, **kw)[3]
+                full = torch.zeros_like(G).index_copy_(0, order[:n_lab], g_first)
+                expect = (full.float() * (c / lm_mod.GRAD_SCALE)).to(hidden_dtype).view(2, 19, 48)
+            assert hd.grad.dtype == hidden_dtype and torch.isfinite(hd.grad).all()
+            assert torch.equal(hd.grad, expect), (labelled_rows, up)
+
+
 def test_ignored_rows_and_one_token_rows(device):
     """A row of all -100, one-token rows (no target at all after the shift), and an all-ignored batch."""
     h, w, labels = make_inputs(3, 8, 32, 1000, device, seed=3)
@@ -245,6 +286,40 @@ def test_argmax_ties_first_index(device):
     assert torch.equal(a["argmax"].cpu(), s["argmax"].cpu())
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's numpy meets the inf / NaN rows
+@pytest.mark.parametrize("dtype", [F32, F16])
+@pytest.mark.parametrize("block_rows", [None, 1])
+def test_gradient_bookkeeping_keeps_argmax_and_loss(device, dtype, block_rows):
+    """With the gradient (WRITE_GRAD) the kernel's block reduction runs over the non-label columns
+    and puts the label's logit back as a scalar: argmax (first index of the max, a NaN or +inf as
+    the max), loss and entropy must be those of the kernel without it, bit for bit, with the label
+    tied with another column before / after it, in its block or another, NaN or +inf at the label,
+    the label in the ragged last block, ignored and out-of-range labels. The row's largest
+    non-label p and its column (stats) are the tied column's."""
+    g = torch.Generator().manual_seed(12)
+    logits = torch.randn(12, 1000, generator=g) * 2
+    labels = torch.randint(0, 1000, (12,), generator=g)
+    top = float(logits.max()) + 1
+    for r, (y, other) in enumerate([(10, 40), (40, 10), (900, 5), (5, 900)]):  # label tied with `other`
+        labels[r], logits[r, y], logits[r, other] = y, top, top
+    labels[4], logits[4, 7], logits[4, 300] = 7, float("nan"), float("nan")
+    labels[5], logits[5, 7], logits[5, 300] = 300, float("nan"), float("nan")
+    labels[6], logits[6, 20] = 20, float("inf")
+    labels[7], logits[7, 999] = 999, top
+    labels[8], logits[8, 600], logits[8, 601] = 600, top, top
+    labels[9], labels[10] = IGNORE_INDEX, 1000
+    logits, labels = logits.to(dtype).to(device), labels.to(device)
+    kw = dict(block_v=SMALL_BLOCK, block_rows=block_rows)
+    with_grad = _row_outputs(logits, labels, lm_mod.launch_rows_kernel, True, **kw)
+    without = _row_outputs(logits, labels, lm_mod.launch_rows_kernel, False, **kw)
+    for i, name in ((1, "loss"), (2, "entropy"), (3, "argmax")):
+        torch.testing.assert_close(with_grad[i], without[i], rtol=0, atol=0, equal_nan=True, msg=name)
+    assert with_grad[3][:9].tolist() == [10, 10, 5, 5, 7, 7, 20, 999, 600]
+    stats = with_grad[4].cpu()
+    assert stats[:4, 3].tolist() == [40.0, 10.0, 5.0, 900.0]  # the tied non-label column
+    assert torch.equal(stats[:4, 1], stats[:4, 0])  # ... whose p is the label's
+
+
 def test_no_grad_and_out_of_range_label(device):
     h, w, labels = make_inputs(1, 10, 32, 1000, device, seed=7)
     with torch.no_grad():
@@ -273,8 +348,9 @@ def _row_outputs(logits, labels, fn, write_grad, **kw):
     n = logits.shape[0]
     loss, ent = torch.empty(n, device=logits.device), torch.empty(n, device=logits.device)
     arg = torch.empty(n, dtype=torch.int64, device=logits.device)
-    fn(logits, labels, loss, ent, arg, write_grad, **kw)
-    return logits, loss, ent, arg
+    stats = torch.full((n, 4), -7.0, device=logits.device)
+    fn(logits, labels, loss, ent, arg, write_grad, stats=stats, **kw)
+    return logits, loss, ent, arg, stats
 
 
 @pytest.mark.parametrize("dtype", [F32, F16])
@@ -300,6 +376,16 @@ def test_torch_route_matches_kernel(device, dtype, write_grad):
     if write_grad:
         assert rel_err(k[0], t[0]) < (1e-3 if dtype == F16 else 1e-6)
         assert torch.count_nonzero(t[0][labels == IGNORE_INDEX]) == 0
+        # backward's overflow inputs (stats = p_label, p1, p2, column of p1), on the labelled rows
+        # (ignored rows' are never read); the label's p is NaN for an out-of-range label
+        lab = labels != IGNORE_INDEX
+        ks, ts = k[4], t[4]
+        assert math.isnan(ks[5, 0].item()) and math.isnan(ts[5, 0].item())
+        assert rel_err(ks[lab & finite, :3], ts[lab & finite, :3]) < 1e-6 and rel_err(ks[5, 1:3], ts[5, 1:3]) < 1e-6
+        assert bool((ks[lab, 1] >= ks[lab, 2]).all())
+        distinct = lab & (ks[:, 1] > ks[:, 2])  # on a tie for p1 either column is right
+        assert torch.equal(ks[distinct, 3], ts[distinct, 3])
+        assert bool((labels[distinct] != ks[distinct, 3].long()).all()) and bool((ks[lab, 3] >= 0).all())
     else:
         assert torch.equal(k[0], logits) and torch.equal(t[0], logits)  # read only
 
@@ -312,7 +398,8 @@ def test_interpreter_routes_big_chunks_to_torch(device, monkeypatch):
     _launches.reset()
     a = ours(h, w, labels, F16, num_items=20, chunk_rows=16)  # 3 chunks
     routed = "_lm_head_ce_rows_torch" if device == "cpu" else "_lm_head_ce_rows_kernel"
-    assert _launches.LAUNCHES[routed] == 3 and sum(_launches.LAUNCHES.values()) == 3
+    assert _launches.LAUNCHES[routed] == 3 and _launches.LAUNCHES["_lm_head_ce_bwd_kernel"] == 1  # + backward
+    assert sum(_launches.LAUNCHES.values()) == 4
     assert_close_to_stock(a, stock(h, w, labels, F16, num_items=20), F16)
 
 

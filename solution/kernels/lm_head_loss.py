@@ -19,11 +19,16 @@ docs/kernels/lm_head_loss.md, section 2). Here, per chunk of a few hundred token
        sweep over each row computes in fp32 the online log-sum-exp, the entropy -sum p log p, the
        argmax (first index of the max, as torch.argmax) and the label's logit -> per-token loss
        = lse - logit[label] (kept: Soup's rewind recorder reads it); a second sweep overwrites the
-       row IN PLACE with the loss gradient (softmax - onehot) * GRAD_SCALE (zero for ignored rows).
+       row IN PLACE with the loss gradient (softmax - onehot) * GRAD_SCALE (zero for ignored rows)
+       and keeps, per row, the label's probability, the two largest other ones and the column of
+       the largest (16 bytes: backward's overflow check).
     3. grad_hidden_chunk = dlogits_chunk @ W16          cuBLAS (the head is frozen: no weight grad)
 
 so the logits never exist for more than one chunk, the gradient needs no second lm_head matmul in
-backward, and backward is one multiply: grad_hidden = G * grad_output / GRAD_SCALE.
+backward, and backward is one elementwise kernel (_lm_head_ce_bwd_kernel): grad_hidden =
+G * grad_output / GRAD_SCALE, made inf / NaN exactly where stock's fp16 logit gradient or its fp16
+GEMM overflows (so that GradScaler skips the same steps at any loss scale: the conditions are in
+that kernel's docstring), ignored rows kept at zero.
 (Under Triton's CPU interpreter the kernel uses 64-row tiles, and chunks above
 INTERP_KERNEL_MAX_LOGITS go to rows_reference_torch: see those constants.)
 
@@ -32,8 +37,10 @@ grad_output (it carries the GradScaler factor and 1 / num_items_in_batch, applie
 function by autograd). The loss gradient is linear in grad_output, so we compute
 G = fp16((softmax - onehot) * GRAD_SCALE) @ W16 once in forward and multiply by
 grad_output / GRAD_SCALE in fp32 in backward: the GradScaler factor is applied exactly (one fp32
-multiply). GRAD_SCALE = 1024 is a power of two (exact in fp32) chosen so the fp16 dlogits keep at
-least the resolution stock has (stock rounds (softmax - onehot) * 65536 / num_items, ~65 for ~1000
+multiply). That product alone stays finite where stock's fp16 (softmax - onehot) * grad_output
+overflows; the per-row probabilities kept in forward let backward tell where stock's does.
+GRAD_SCALE = 1024 is a power of two (exact in fp32) chosen so the fp16 dlogits keep at least the
+resolution stock has (stock rounds (softmax - onehot) * 65536 / num_items, ~65 for ~1000
 label tokens) while G stays far from the fp16 limit (|G| <= 2 * 1024 * max|W|). Recomputing instead
 would cost a third [N, H] x [H, V] matmul to save nothing but 6 MB (the trade-off:
 docs/kernels/lm_head_loss.md, section 3, "Gradient in forward, scaled in backward").
@@ -48,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from solution.kernels._launches import cdiv, launch, record
+from solution.kernels._launches import cdiv, launch, pow2_at_least, record
 from solution.settings import interpreter_enabled
 
 IGNORE_INDEX = -100
@@ -82,14 +89,22 @@ DEFAULT_CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
 # Chunk rows are a multiple of this (tensor-core friendly GEMM shapes).
 ROW_ALIGN = 16
 SUPPORTED_COMPUTE_DTYPES = (torch.float16, torch.float32)
+# Where stock's logit gradient / GEMM output in the compute dtype becomes inf: fp16 rounds to nearest
+# even, so 65520 (65504 + half an ulp) and beyond give inf; an fp32 value is inf only once it is.
+OVERFLOW_LIMIT = {torch.float16: 65520.0, torch.float32: float("inf")}
+# Backward kernel (_lm_head_ce_bwd_kernel): one row per program, up to BWD_BLOCK_H hidden columns a
+# step, on the GPU; 64 rows per program under the interpreter (it pays per operation).
+BWD_BLOCK_H = 2048
+BWD_NUM_WARPS = 4
 QWEN2_VOCAB = 151936  # Qwen2.5's vocabulary: the VOCAB the workload compiles the kernel for
+QWEN2_HIDDEN = 1536  # Qwen2.5-1.5B's hidden size: the HIDDEN the workload compiles the backward for
 
 
 # --------------------------------------------------------------------------------------------------
 # Kernel
 # --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
-def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argmax_ptr,
+def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argmax_ptr, stats_ptr,
                             n_rows, row_stride, grad_scale, VOCAB: tl.constexpr, IGNORE: tl.constexpr,
                             NEG_FILL: tl.constexpr, WRITE_GRAD: tl.constexpr,
                             BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
@@ -99,7 +114,12 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
         entropy[r] = -sum_v p_v log p_v, p = softmax(x)   (for every row, ignored or not: trl does)
         argmax[r]  = first index of max(x)         (torch.argmax's tie rule; a NaN counts as the
                                                     max, like torch's, and so does a +inf before it)
-        if WRITE_GRAD: x[:] = (p - onehot(y)) * grad_scale, stored in the logits dtype; 0 if ignored.
+        if WRITE_GRAD: x[:] = (p - onehot(y)) * grad_scale, stored in the logits dtype; 0 if ignored;
+                   and stats[r] = (p_y, p1, p2, j1), fp32: the label's probability (NaN for an
+                   out-of-range label), the row's two largest non-label probabilities and the
+                   column of p1 (an integer, exact in fp32 below 2^24): what backward needs to
+                   tell whether, and how, stock's fp16 logit gradient overflows
+                   (_lm_head_ce_bwd_kernel).
 
     Each program handles BLOCK_ROWS rows as [BLOCK_ROWS, BLOCK_V] tiles (the GPU uses 1 row per
     program; Triton's CPU interpreter uses many rows per program, since it pays per operation).
@@ -107,6 +127,12 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
         s = sum exp(x - m),  t = sum exp(x - m) * (x - m)
     rescaled when m grows (s *= a, t = a * (t + s_old * (m_old - m_new)), a = exp(m_old - m_new)).
     Then lse = m + log s and entropy = log s - t / s (no cancellation for large logits).
+    With WRITE_GRAD the first sweep's block reduction runs over the non-label columns (the label's
+    logit, loaded before the sweep, enters the block max / argmax as a scalar: the same m, the same
+    argmax, bit for bit), which gives the block's largest non-label logit and its column; one more
+    max over the block gives the second largest, and a running top-2 (two logits and a column per
+    row, scalars) is kept across blocks: p1 = exp(x1 - lse), p2 = exp(x2 - lse) at the end, the
+    same fp32 values as the gradient sweep's p at those columns.
     Second sweep (only if WRITE_GRAD): reread each block, write the gradient over it. Ignored rows
     skip the reread (masked load) and write zeros.
     Columns past VOCAB load NEG_FILL (the most negative finite value of the logits dtype): exp()
@@ -118,11 +144,19 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
     row_ptrs = logits_ptr + rows * row_stride  # [BLOCK_ROWS] pointers to the row starts
     labels = tl.load(labels_ptr + rows).to(tl.int32)
     offs = tl.arange(0, BLOCK_V)
+    ignored = labels == IGNORE
+    in_range = (labels >= 0) & (labels < VOCAB)
+    x_label = tl.load(row_ptrs + tl.where(in_range, labels, 0)).to(tl.float32)  # always a valid address
+    label_col = tl.where(in_range, labels, -1)  # the column masked out of the non-label reduction
+    label_key = tl.where(x_label == x_label, x_label, float("inf"))  # its reduction key (NaN as +inf)
 
     m = tl.full([BLOCK_ROWS], -3.0e38, tl.float32)  # finite "minus infinity": 0 * (m_old - m_new) stays finite
     s = tl.zeros([BLOCK_ROWS], tl.float32)
     t = tl.zeros([BLOCK_ROWS], tl.float32)
     best = tl.zeros([BLOCK_ROWS], tl.int32)
+    x1 = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)  # WRITE_GRAD: largest non-label logit so far,
+    x2 = tl.full([BLOCK_ROWS], float("-inf"), tl.float32)  # the second largest,
+    j1 = tl.zeros([BLOCK_ROWS], tl.int32)                   # and the (first) column of the largest
     for start in range(0, VOCAB, BLOCK_V):
         cols = start + offs
         x = tl.load(row_ptrs[:, None] + cols[None, :], mask=(cols < VOCAB)[None, :], other=NEG_FILL)
@@ -132,8 +166,24 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
         # the reduction never sees a NaN: how tl.max treats one differs (on the GPU it depends on
         # the reduction order; Triton 3.6's interpreter propagates it, 3.9's skips it and fails on
         # an all-NaN block). The row's s, loss and entropy still become NaN through exp(x - m).
-        block_max, block_arg = tl.max(tl.where(x == x, x, float("inf")), axis=1, return_indices=True,
-                                      return_indices_tie_break_left=True)
+        key = tl.where(x == x, x, float("inf"))
+        if WRITE_GRAD:
+            # the same reduction over the non-label columns, the label's key put back as a scalar:
+            # block max = max(non-label max, label key), first index of it as before
+            key = tl.where(cols[None, :] == label_col[:, None], float("-inf"), key)
+            nl_max, nl_arg = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+            nl_2 = tl.max(tl.where(offs[None, :] == nl_arg[:, None], float("-inf"), key), axis=1)
+            here = (label_col >= start) & (label_col < start + BLOCK_V)  # the label's column is in this block
+            y_off = label_col - start
+            label_wins = here & ((label_key > nl_max) | ((label_key == nl_max) & (y_off < nl_arg)))
+            block_max = tl.where(here, tl.maximum(nl_max, label_key), nl_max)
+            block_arg = tl.where(label_wins, y_off, nl_arg)
+            first = nl_max > x1  # strict: an earlier block keeps the column on a tie
+            x2 = tl.where(first, tl.maximum(x1, nl_2), tl.maximum(x2, nl_max))
+            j1 = tl.where(first, start + nl_arg, j1)
+            x1 = tl.where(first, nl_max, x1)
+        else:
+            block_max, block_arg = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
         best = tl.where(block_max > m, start + block_arg, best)  # strict: an earlier block wins ties
         m_new = tl.maximum(m, block_max)
         alpha = tl.exp(m - m_new)
@@ -145,9 +195,6 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
 
     log_s = tl.log(s)
     lse = m + log_s
-    ignored = labels == IGNORE
-    in_range = (labels >= 0) & (labels < VOCAB)
-    x_label = tl.load(row_ptrs + tl.where(in_range, labels, 0)).to(tl.float32)  # always a valid address
     loss = tl.where(ignored, 0.0, tl.where(in_range, lse - x_label, float("nan")))
     tl.store(loss_ptr + rows, loss, mask=row_ok)
     tl.store(entropy_ptr + rows, log_s - t / s, mask=row_ok)
@@ -164,6 +211,106 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
             p = tl.exp(x - lse[:, None])
             grad = tl.where(cols[None, :] == labels[:, None], p - 1.0, p) * grad_scale
             tl.store(ptrs, grad.to(logits_ptr.dtype.element_ty), mask=in_row & row_ok[:, None])
+        # the gradient sweep's p at the label's column and at the two largest other ones
+        tl.store(stats_ptr + rows * 4, tl.where(in_range, tl.exp(x_label - lse), float("nan")), mask=row_ok)
+        tl.store(stats_ptr + rows * 4 + 1, tl.exp(x1 - lse), mask=row_ok)
+        tl.store(stats_ptr + rows * 4 + 2, tl.exp(x2 - lse), mask=row_ok)
+        tl.store(stats_ptr + rows * 4 + 3, j1.to(tl.float32), mask=row_ok)
+
+
+@triton.jit(do_not_specialize=["n_rows"])
+def _lm_head_ce_bwd_kernel(scaled_ptr, out_ptr, labels_ptr, stats_ptr, w_ptr, upstream_ptr, n_rows,
+                           scaled_stride, out_stride, w_stride, inv_grad_scale, limit, HIDDEN: tl.constexpr,
+                           IGNORE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The hidden-state gradient from the forward's G = fp16((p - onehot) * GRAD_SCALE) @ W16
+    ([n_rows, HIDDEN], the compute dtype) and the loss sum's upstream gradient c (upstream_ptr: one
+    fp32 value on the device, read here so that backward never syncs), written in the hidden
+    states' dtype, non-finite exactly where stock's is.
+
+    What it replaces: ``(G.float() * (c / GRAD_SCALE)).to(hidden dtype)`` (two or three torch
+    elementwise passes over [n_rows, HIDDEN]), which stays finite where stock's fp16 logit
+    gradient or its fp16 GEMM overflows: under a large GradScaler scale GradScaler would then see
+    finite gradients and take optimizer steps that stock skips.
+
+    Stock's chain (fp16 autocast; c = GradScaler's scale / num_items_in_batch, fp32):
+      nll_loss backward: -c at (r, y_r) on labelled rows, nothing (0) on ignored rows;
+      log_softmax backward, fp32: d = g - p * sum(g), i.e. d[r, y] = -c + p_y c, d[r, v] = p_v c
+        (v != y) on labelled rows, 0 - p * 0 = 0 on ignored rows (NaN where the row's logits are);
+      .float()'s backward: D16 = fp16(d), inf where |d| >= 65520 (round to nearest even);
+      F.linear's backward: D16 @ W16 accumulated in fp32, rounded to fp16 (inf where |sum| >= 65520).
+    So row r of stock's gradient is:
+      (A) labelled, c finite, some |d[r, v]| >= 65520, i.e. |c (p_y - 1)| >= 65520 or c p1 >= 65520
+          (p1: the largest non-label p; p1 <= 1 - p_y, so in exact arithmetic (A) is
+          c (1 - p_y) >= 65520): every element is sum over the overflowing v of +-inf * W16[v, h]:
+          +-inf where those terms agree in sign and no W16[v, h] is 0, else NaN;
+      (B) otherwise finite, except the elements where |sum_v D16[r, v] W16[v, h]| >= 65520: +-inf;
+      (C) labelled, c = +-inf or NaN: -c + p_y c is NaN, and the GEMM spreads it: all NaN;
+      (D) ignored: 0 for any c (NaN where the forward's row already is).
+    What this kernel does, per row (a few scalars) and per element:
+      out = G * (c * inv_grad_scale) in fp32: the former formula, bit for bit (inv_grad_scale =
+        1 / GRAD_SCALE, a power of two, so the product equals c / GRAD_SCALE times G exactly);
+      (A) with stats = (p_y, p1, p2, j1) from the forward kernel (the same fp32 p its gradient
+          sweep used; j1 = the column of p1), e_y = p_y c - c, e1 = p1 c, e2 = p2 c; if
+          |e_y| >= limit or |e1| >= limit, the row becomes sign(e_y) inf * W16[y, h] (if
+          |e_y| >= limit) + sign(e1) inf * W16[j1, h] (if |e1| >= limit): stock's element
+          classes, +-inf or NaN, whenever at most one non-label entry overflows; when p2
+          overflows too (|e2| >= limit) the row is NaN (non-finite like stock's, which may keep
+          +-inf in the elements where all its inf terms agree in sign). The two W rows are read
+          only for such rows (masked loads), cast to G's dtype as autocast does;
+      (B) |out| >= limit: +-inf (the sign of out);
+      (C) the labelled rows' multiplier is NaN; (D) the ignored rows' multiplier is 0, so they are
+          0 * G = 0 (NaN where G's row is NaN), whatever c.
+    limit = 65520 for fp16 compute; +inf for fp32 compute (stock's fp32 logit gradient and GEMM
+    overflow only at fp32's own limit, where the fp32 products here overflow as well).
+    Risks: at the very edge of the threshold the two paths round differently (our p's in another
+    summation order; our G rounds (p - onehot) * 1024 and the GEMM's output to fp16 instead of
+    (p - onehot) * c): an |e| within a few fp32 ulps, or a |sum| within ~1e-3 relative, of 65520
+    may fall on the other side. cuBLAS's reduced-precision split-K reductions (allowed for fp16 by
+    torch's default allow_fp16_reduced_precision_reduction) could overflow in a partial sum
+    whose total is finite: not reproduced. A row whose logits hold NaN / +inf has a NaN G row: it
+    stays NaN (stock's too) whatever the top-2 says."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < n_rows
+    rows = tl.minimum(rows, n_rows - 1)
+    c = tl.zeros([BLOCK_ROWS], tl.float32) + tl.load(upstream_ptr).to(tl.float32)  # one per row: plain vector ops
+    labels = tl.load(labels_ptr + rows)
+    labelled = labels != IGNORE
+    c_finite = tl.abs(c) < float("inf")  # False for NaN too
+    mult = tl.where(labelled, tl.where(c_finite, c * inv_grad_scale, float("nan")), 0.0)
+    live = labelled & c_finite
+    c_live = tl.where(live, c, 0.0)  # the entries below only matter on live rows (and stay finite elsewhere)
+    p_y = tl.load(stats_ptr + rows * 4)
+    e_y = p_y * c_live - c_live  # stock's label entry (-c + p_y c); NaN for an out-of-range label: no overflow
+    e_1 = tl.load(stats_ptr + rows * 4 + 1) * c_live
+    e_2 = tl.load(stats_ptr + rows * 4 + 2) * c_live
+    over_y = live & (tl.abs(e_y) >= limit)
+    over_1 = live & (tl.abs(e_1) >= limit)
+    over_row = over_y | over_1
+    over_many = live & (tl.abs(e_2) >= limit)
+    inf_y = tl.where(e_y > 0, float("inf"), float("-inf"))
+    inf_1 = tl.where(e_1 > 0, float("inf"), float("-inf"))
+    w_y = w_ptr + tl.where(labelled, labels, 0) * w_stride  # [BLOCK_ROWS] row starts in W
+    w_1 = w_ptr + tl.load(stats_ptr + rows * 4 + 3).to(tl.int64) * w_stride
+    offs = tl.arange(0, BLOCK_H)
+    for start in range(0, HIDDEN, BLOCK_H):
+        cols = start + offs
+        m2 = row_ok[:, None] & (cols < HIDDEN)[None, :]
+        g = tl.load(scaled_ptr + rows[:, None] * scaled_stride + cols[None, :], mask=m2, other=0.0).to(tl.float32)
+        out = g * mult[:, None]
+        out = tl.where(tl.abs(out) >= limit, tl.where(out > 0, float("inf"), float("-inf")), out)  # (B)
+        # (A): only rows that overflow read W (the masks are off elsewhere: no memory traffic)
+        wy = tl.load(w_y[:, None] + cols[None, :], mask=m2 & over_y[:, None], other=0.0)
+        w1 = tl.load(w_1[:, None] + cols[None, :], mask=m2 & over_1[:, None], other=0.0)
+        wy = wy.to(scaled_ptr.dtype.element_ty).to(tl.float32)
+        w1 = w1.to(scaled_ptr.dtype.element_ty).to(tl.float32)
+        # +-inf * w by selection (inf * 0 and inf * NaN are NaN), without multiplying by the masked zeros
+        term_y = tl.where(wy > 0, inf_y[:, None], tl.where(wy < 0, -inf_y[:, None], float("nan")))
+        term_1 = tl.where(w1 > 0, inf_1[:, None], tl.where(w1 < 0, -inf_1[:, None], float("nan")))
+        inf_terms = (tl.where(over_y[:, None], term_y, 0.0) + tl.where(over_1[:, None], term_1, 0.0)
+                     + tl.where(tl.abs(g) < float("inf"), 0.0, float("nan")))  # a NaN G row stays NaN
+        inf_terms = tl.where(over_many[:, None], float("nan"), inf_terms)
+        out = tl.where(over_row[:, None], inf_terms, out)
+        tl.store(out_ptr + rows[:, None] * out_stride + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m2)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -193,20 +340,25 @@ def default_launch_config() -> tuple[int, int, int]:
 def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
                        entropy: torch.Tensor, argmax: torch.Tensor, write_grad: bool,
                        block_v: int | None = None, num_warps: int | None = None,
-                       block_rows: int | None = None) -> None:
+                       block_rows: int | None = None, stats: torch.Tensor | None = None) -> None:
     """Run the row kernel on a [rows, vocab] logits chunk (fp16 / fp32, row stride free, column
     stride 1); labels int64 [rows]; loss / entropy fp32 [rows] and argmax int64 [rows] are
-    written (loss = per-token cross-entropy, 0 where the label is -100).
+    written (loss = per-token cross-entropy, 0 where the label is -100); with write_grad also
+    stats fp32 [rows, 4] (contiguous; scratch when None): the label's probability (NaN for an
+    out-of-range label), the two largest non-label probabilities and the column of the largest.
     None = the value from default_launch_config()."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and labels.dtype == torch.int64 and logits.dtype in NEG_FILL
     if rows == 0:
         return
+    if stats is None:
+        stats = torch.empty((rows, 4), dtype=torch.float32, device=logits.device)
+    assert stats.shape == (rows, 4) and stats.is_contiguous() and stats.dtype == torch.float32 and vocab <= 1 << 24
     d_rows, d_v, d_warps = default_launch_config()
     block_rows, block_v, num_warps = block_rows or d_rows, block_v or d_v, num_warps or d_warps
     grid = (cdiv(rows, block_rows),)
     launch(_lm_head_ce_rows_kernel, grid, "_lm_head_ce_rows_kernel",
-           logits, labels, loss, entropy, argmax, rows, logits.stride(0), GRAD_SCALE,
+           logits, labels, loss, entropy, argmax, stats, rows, logits.stride(0), GRAD_SCALE,
            VOCAB=vocab, IGNORE=IGNORE_INDEX, NEG_FILL=NEG_FILL[logits.dtype],
            WRITE_GRAD=write_grad, BLOCK_ROWS=block_rows, BLOCK_V=block_v,
            num_warps=num_warps)
@@ -214,12 +366,15 @@ def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.T
 
 def rows_reference_torch(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
                          entropy: torch.Tensor, argmax: torch.Tensor, write_grad: bool,
-                         rows_per_step: int = 64) -> None:
+                         rows_per_step: int = 64, stats: torch.Tensor | None = None) -> None:
     """What launch_rows_kernel computes, in PyTorch with the kernel's formulas (fp32, m = row max,
-    s = sum exp(x - m), t = sum exp(x - m) (x - m)), rows_per_step rows at a time so the fp32
-    temporaries stay small. Used for big chunks under the CPU interpreter (see
-    INTERP_KERNEL_MAX_LOGITS) and as an oracle in the tests; never on the GPU path."""
+    s = sum exp(x - m), t = sum exp(x - m) (x - m); stats: the label's p = exp(x - lse) and the
+    top-2 of p over the non-label columns), rows_per_step rows at a time so the fp32 temporaries
+    stay small. Used for big chunks under the CPU interpreter (see INTERP_KERNEL_MAX_LOGITS) and
+    as an oracle in the tests; never on the GPU path."""
     rows, vocab = logits.shape
+    if stats is None:
+        stats = torch.empty((rows, 4), dtype=torch.float32, device=logits.device)
     for r0 in range(0, rows, rows_per_step):
         r1 = min(r0 + rows_per_step, rows)
         x = logits[r0:r1].float()  # a copy for fp16 logits, the same storage for fp32 (read before written)
@@ -238,6 +393,16 @@ def rows_reference_torch(logits: torch.Tensor, labels: torch.Tensor, loss: torch
         row_loss = torch.where(in_range, lse - x.gather(1, safe[:, None])[:, 0], float("nan"))
         loss[r0:r1] = torch.where(ignored, 0.0, row_loss)
         if write_grad:
+            p = (x - lse[:, None]).exp_()  # the kernel's p, for the top-2 of the non-label columns
+            at_label = torch.arange(r1 - r0, device=p.device)[in_range], safe[in_range]
+            stats[r0:r1, 0] = float("nan")
+            stats[r0:r1, 0][in_range] = p[at_label]
+            p[at_label] = -1.0
+            top = p.topk(min(2, vocab), dim=1)
+            stats[r0:r1, 1] = top.values[:, 0]
+            stats[r0:r1, 2] = top.values[:, 1] if vocab > 1 else -1.0
+            stats[r0:r1, 3] = top.indices[:, 0].to(torch.float32)
+            del p, top
             e.mul_((GRAD_SCALE / s)[:, None])  # softmax * GRAD_SCALE
             e[torch.arange(r1 - r0, device=e.device)[in_range], safe[in_range]] -= GRAD_SCALE
             e[ignored] = 0.0
@@ -246,16 +411,40 @@ def rows_reference_torch(logits: torch.Tensor, labels: torch.Tensor, loss: torch
 
 def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, entropy: torch.Tensor,
              argmax: torch.Tensor, write_grad: bool, block_v: int | None = None,
-             block_rows: int | None = None) -> None:
+             block_rows: int | None = None, stats: torch.Tensor | None = None) -> None:
     """launch_rows_kernel, except for chunks above INTERP_KERNEL_MAX_LOGITS under the interpreter
     (counted as "_lm_head_ce_rows_torch" in _launches)."""
     limit = INTERP_KERNEL_MAX_LOGITS
     if interpreter_enabled() and limit is not None and logits.numel() > limit:
-        rows_reference_torch(logits, labels, loss, entropy, argmax, write_grad)
+        rows_reference_torch(logits, labels, loss, entropy, argmax, write_grad, stats=stats)
         record("_lm_head_ce_rows_torch", ours=False)
     else:
         launch_rows_kernel(logits, labels, loss, entropy, argmax, write_grad, block_v=block_v,
-                           block_rows=block_rows)
+                           block_rows=block_rows, stats=stats)
+
+
+def launch_bwd_kernel(scaled: torch.Tensor, labels: torch.Tensor, stats: torch.Tensor, weight: torch.Tensor,
+                      upstream: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """_lm_head_ce_bwd_kernel on the forward's G (``scaled``, [rows, H] in the compute dtype) and
+    per-row results (labels int64 [rows], the row kernel's stats fp32 [rows, 4], in G's row
+    order), the head's weight [V, H] (any float dtype: cast to G's dtype in the kernel) and the
+    loss sum's upstream gradient (a 0-dim tensor on the device): the hidden-state gradient
+    [rows, H] in out_dtype."""
+    rows, hidden = scaled.shape
+    out = torch.empty((rows, hidden), dtype=out_dtype, device=scaled.device)
+    if rows == 0:
+        return out
+    assert scaled.stride(1) == 1 and weight.stride(1) == 1 and stats.is_contiguous()
+    upstream = upstream.detach().to(device=scaled.device, dtype=torch.float32).reshape(1)
+    if interpreter_enabled():
+        block_rows, block_h, num_warps = INTERP_BLOCK_ROWS, min(pow2_at_least(hidden), INTERP_BLOCK_V), 1
+    else:
+        block_rows, block_h, num_warps = 1, min(pow2_at_least(hidden), BWD_BLOCK_H), BWD_NUM_WARPS
+    launch(_lm_head_ce_bwd_kernel, (cdiv(rows, block_rows),), "_lm_head_ce_bwd_kernel",
+           scaled, out, labels, stats, weight, upstream, rows,
+           scaled.stride(0), out.stride(0), weight.stride(0), 1.0 / GRAD_SCALE, OVERFLOW_LIMIT[scaled.dtype],
+           HIDDEN=hidden, IGNORE=IGNORE_INDEX, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps)
+    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -328,6 +517,7 @@ def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
     token_loss = torch.empty(n_rows, dtype=torch.float32, device=device)
     entropy = torch.empty(n_rows, dtype=torch.float32, device=device)
     argmax = torch.empty(n_rows, dtype=torch.int64, device=device)
+    stats = torch.empty((n_rows, 4), dtype=torch.float32, device=device)  # backward's overflow check
     grad_hidden = torch.empty((grad_rows, hidden2d.shape[1]), dtype=compute_dtype, device=device) if want_grad else None
 
     if chunk_rows is None:
@@ -342,13 +532,13 @@ def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torc
         logits = buf[: r1 - r0]  # a contiguous prefix of the reused buffer
         torch.mm(h_c[r0:r1], w_c.t(), out=logits)
         run_rows(logits, labels1d[r0:r1], token_loss[r0:r1], entropy[r0:r1], argmax[r0:r1],
-                 write_grad=want_grad, block_v=block_v, block_rows=block_rows)
+                 write_grad=want_grad, block_v=block_v, block_rows=block_rows, stats=stats[r0:r1])
         if want_grad and r0 < grad_rows:
             # logits now holds (softmax - onehot) * GRAD_SCALE: the hidden-state gradient, scaled
             # (zero on rows without a label: those past grad_rows are not multiplied at all).
             g1 = min(r1, grad_rows)
             torch.mm(logits[: g1 - r0], w_c, out=grad_hidden[r0:g1])
-    return token_loss, entropy, argmax, grad_hidden
+    return token_loss, entropy, argmax, grad_hidden, stats
 
 
 class _FusedLMHeadCE(torch.autograd.Function):
@@ -360,27 +550,31 @@ class _FusedLMHeadCE(torch.autograd.Function):
     def forward(ctx, hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad,
                 cache_weight, labelled_rows=None):
         order = None
+        labels1d = labels1d.to(device=hidden2d.device, dtype=torch.int64)
         if want_grad and labelled_rows is not None and labelled_rows < hidden2d.shape[0]:
             # rows with a label first (stable: each group in its own order), so that the gradient
             # GEMM runs on them only; every per-row result is put back in place below
-            labels1d = labels1d.to(device=hidden2d.device, dtype=torch.int64)
             order = torch.argsort((labels1d == IGNORE_INDEX).to(torch.int8), stable=True)
             hidden_in, labels_in = hidden2d.index_select(0, order), labels1d.index_select(0, order)
         else:
             hidden_in, labels_in, labelled_rows = hidden2d, labels1d, None
         with torch.autocast(hidden2d.device.type, enabled=False):
-            token_loss, entropy, argmax, grad_hidden = _forward_chunks(
+            token_loss, entropy, argmax, grad_hidden, stats = _forward_chunks(
                 hidden_in, weight, labels_in, compute_dtype, want_grad, chunk_rows, block_v, block_rows, cache_weight,
                 grad_rows=labelled_rows)
         if order is not None:
-            token_loss, entropy, argmax = (torch.empty_like(t).index_copy_(0, order, t) for t in (token_loss, entropy, argmax))
+            token_loss, entropy, argmax, stats = (torch.empty_like(t).index_copy_(0, order, t)
+                                                  for t in (token_loss, entropy, argmax, stats))
             full = torch.zeros((hidden2d.shape[0], grad_hidden.shape[1]), dtype=grad_hidden.dtype, device=grad_hidden.device)
             grad_hidden = full.index_copy_(0, order[:labelled_rows], grad_hidden)
         loss_sum = token_loss.sum()  # in the rows' own order, as without the reordering
         ctx.hidden_dtype = hidden2d.dtype
         ctx.has_grad = grad_hidden is not None
         if ctx.has_grad:
-            ctx.save_for_backward(grad_hidden)
+            # G, and what backward needs to overflow where stock does (_lm_head_ce_bwd_kernel):
+            # the labels and stats (p_y, p1, p2, j1): 16 bytes a row; the head's weight is a
+            # parameter (read only on rows that overflow)
+            ctx.save_for_backward(grad_hidden, labels1d, stats, weight)
         ctx.mark_non_differentiable(entropy, argmax, token_loss)
         return loss_sum, entropy, argmax, token_loss
 
@@ -389,10 +583,10 @@ class _FusedLMHeadCE(torch.autograd.Function):
         if not ctx.has_grad:
             raise RuntimeError("fused_lm_head_loss: forward ran without gradient bookkeeping "
                                "(want_grad=False) but a gradient was requested")
-        (scaled,) = ctx.saved_tensors
-        # grad_loss_sum carries the GradScaler factor and 1 / num_items_in_batch: applied in fp32.
-        factor = grad_loss_sum.to(torch.float32) / GRAD_SCALE
-        grad_hidden = (scaled.to(torch.float32) * factor).to(ctx.hidden_dtype)
+        scaled, labels1d, stats, weight = ctx.saved_tensors
+        # grad_loss_sum carries the GradScaler factor and 1 / num_items_in_batch: applied in fp32,
+        # with stock's overflows (inf / NaN rows and elements) reproduced, in one launch.
+        grad_hidden = launch_bwd_kernel(scaled, labels1d, stats, weight, grad_loss_sum, ctx.hidden_dtype)
         return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
@@ -483,7 +677,9 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
 # --------------------------------------------------------------------------------------------------
 def sm75_specs():
     """Every GPU launch configuration used: fp16 logits (autocast) and fp32 logits, with and without
-    the in-place gradient, at BLOCK_ROWS x BLOCK_V with NUM_WARPS. (The interpreter's big tiles,
+    the in-place gradient, at BLOCK_ROWS x BLOCK_V with NUM_WARPS; the backward kernel for fp16 G
+    (autocast: fp32 hidden states and head) and fp32 G, one row per program, Qwen2.5-1.5B's hidden
+    size 1536 -> BWD_BLOCK_H columns, BWD_NUM_WARPS. (The interpreter's big tiles,
     INTERP_BLOCK_ROWS x INTERP_BLOCK_V, never run on a GPU.)"""
     for dtype, torch_dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
         for write_grad in (True, False):
@@ -491,7 +687,8 @@ def sm75_specs():
                 "name": f"lm_head_ce_rows {dtype} grad={int(write_grad)} R{BLOCK_ROWS} B{BLOCK_V} w{NUM_WARPS}",
                 "fn": _lm_head_ce_rows_kernel,
                 "signature": {"logits_ptr": f"*{dtype}", "labels_ptr": "*i64", "loss_ptr": "*fp32",
-                              "entropy_ptr": "*fp32", "argmax_ptr": "*i64", "n_rows": "i32", "row_stride": "i32",
+                              "entropy_ptr": "*fp32", "argmax_ptr": "*i64", "stats_ptr": "*fp32",
+                              "n_rows": "i32", "row_stride": "i32",
                               "grad_scale": "fp32", "VOCAB": "constexpr", "IGNORE": "constexpr",
                               "NEG_FILL": "constexpr", "WRITE_GRAD": "constexpr", "BLOCK_ROWS": "constexpr",
                               "BLOCK_V": "constexpr"},
@@ -499,3 +696,15 @@ def sm75_specs():
                                "WRITE_GRAD": write_grad, "BLOCK_ROWS": BLOCK_ROWS, "BLOCK_V": BLOCK_V},
                 "num_warps": NUM_WARPS,
             }
+    for dtype in ("fp16", "fp32"):
+        yield {
+            "name": f"lm_head_ce_bwd {dtype} R1 H{BWD_BLOCK_H} w{BWD_NUM_WARPS}",
+            "fn": _lm_head_ce_bwd_kernel,
+            "signature": {"scaled_ptr": f"*{dtype}", "out_ptr": "*fp32", "labels_ptr": "*i64", "stats_ptr": "*fp32",
+                          "w_ptr": "*fp32", "upstream_ptr": "*fp32", "n_rows": "i32",
+                          "scaled_stride": "i32", "out_stride": "i32", "w_stride": "i32",
+                          "inv_grad_scale": "fp32", "limit": "fp32", "HIDDEN": "constexpr", "IGNORE": "constexpr",
+                          "BLOCK_ROWS": "constexpr", "BLOCK_H": "constexpr"},
+            "constexprs": {"HIDDEN": QWEN2_HIDDEN, "IGNORE": IGNORE_INDEX, "BLOCK_ROWS": 1, "BLOCK_H": BWD_BLOCK_H},
+            "num_warps": BWD_NUM_WARPS,
+        }
