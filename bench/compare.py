@@ -728,7 +728,8 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.compare", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a real Qwen2.5-1.5B-Instruct dir (default: seeded random stand-in)")
     ap.add_argument("--data", help="dataset file (default: the embedded 256 Kazakh examples)")
     ap.add_argument("--tokenizer", help="tokenizer dir for the stand-in (default: built offline)")

@@ -2,7 +2,7 @@
 probe timed before Soup starts, in every bench.run_one pass (result.json: "host_probe").
 
 Why: on the lent machine the host's speed moves between calls and within one (the baseline's shipped
-steps 3-64 took 7.45 s in one call of 2026-12-03 and 14.8 s in another, the same code and data).
+steps 3-64 took 7.45 s in one call and 14.8 s in another, the same code and data).
 Every host-bound step follows it, so a solution / baseline ratio means what it says only where both
 passes had the same host. The probe puts a number on each pass's host; the report shows it beside
 the run's figures (bench/report.py, column "host probe (us a call)").

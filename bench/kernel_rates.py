@@ -129,7 +129,7 @@ def markdown(table: list[dict], copy_gbs: float, tokens: tuple[float, float, flo
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.kernel_rates", description=__doc__.splitlines()[0])
     ap.add_argument("result")
     ap.add_argument("--copy-gbs", type=float, default=4178.0, help="device copy bandwidth (bench_nf4, H200: 4178)")
     ap.add_argument("--measure-copy", action="store_true",

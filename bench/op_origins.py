@@ -147,6 +147,6 @@ def format_rows(rows: list[dict], steps: int, top: int = 50) -> str:
     if rest:
         lines.append(f"| {sum(r['gpu_ms'] for r in rest):.3f} | | | ({len(rest)} more) | |")
     others = [r for r in rows if r["op"].startswith("aten::") and r["op"] not in MATMUL_OPS]
-    lines += ["", f"PyTorch ops that are not matrix products or attention (issue 13.2): "
+    lines += ["", f"PyTorch ops that are not matrix products or attention: "
               f"{sum(r['gpu_ms'] for r in others):.3f} ms a step in {len(others)} rows", ""]
     return "\n".join(lines + _table(others, total, top))

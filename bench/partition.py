@@ -28,7 +28,7 @@ rates() also measures the partition's and the whole GPU's matmul TFLOP/s and cop
 constants of bench/t4_projection.py's prediction for the partition).
 
 Enter it after the model is loaded, not before: a model loaded and quantized (bitsandbytes)
-inside the partition came out with NaN on the H200 (2026-12-03): bitsandbytes' quantize kernels run
+inside the partition came out with NaN on the H200: bitsandbytes' quantize kernels run
 on the legacy default stream, which the partition's non-blocking stream does not wait for.
 bench/run_one.py enters at the Trainer's construction (docs/named_runs.md, point 4).
 

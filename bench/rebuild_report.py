@@ -147,7 +147,8 @@ def rebuild(outs, machines, reason: str, into: Path | None = None) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.rebuild_report", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path, nargs="+", help="comparison --out folders (one or several)")
     ap.add_argument("--machine", type=Path, help="machine.json (default OUT/machine.json; one folder only)")
     ap.add_argument("--into", type=Path, help="where the report goes (default: the one folder; required with "

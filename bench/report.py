@@ -86,8 +86,8 @@ def _rows(rep: dict) -> list[tuple[str, object, object, str]]:
     ]
 
 
-# The project's targets (issue 5): solution at most this fraction of the baseline, per report row
-# ("steps 3-N": the run's timed steps, timed_steps).
+# The project's targets: solution at most this fraction of the baseline, per report row
+# ("steps 3-N": the run's timed steps, timed_steps); TARGETS_TITLE says them in words.
 TARGETS = [
     ("training time excl. first 2 steps (s)", 1 / 3, "1/3"),
     ("training time, Soup's duration (s)", None, None),  # no target of its own: shown beside steps 3-N
@@ -95,13 +95,15 @@ TARGETS = [
     ("peak GPU memory reserved (GiB)", 1 / 2, "1/2"),
     ("GPU kernel time, steps 3-N (s)", 1 / 3, "1/3"),
 ]
+TARGETS_TITLE = ("Against the project's targets (solution at most 1/3 of the baseline's time, "
+                 "1/2 of its memory)")
 
 
 def _targets_section(rep: dict) -> list[str]:
     """Each target row: solution / baseline against the target fraction, and when missed, by how
     much (the solution figure minus the largest one that would meet it)."""
     rows = {name: (b, s) for name, b, s, _ in _rows(rep)}
-    out = ["## Against the project's targets (issue 5)", "",
+    out = [f"## {TARGETS_TITLE}", "",
            "| figure | solution / baseline | target | status |", "| --- | ---: | ---: | --- |"]
     for template, frac, label in TARGETS:
         name = template.replace("steps 3-N", timed_steps(rep))
@@ -130,12 +132,17 @@ def _ratio(b, s, better):
 
 CPU_FIRST_LINE = ("CPU run: times on a CPU say nothing about the GPU, and Soup switches NF4 (4-bit) off on a CPU: "
                   "the NF4 kernels did not take part (our kernels ran in Triton's interpreter).")
+# Soup's precision on a CPU (soup_cli.utils.gpu.bf16_fp16_flags: neither bf16 nor fp16 off CUDA)
+CPU_FP32_LINE = ("Soup trains in fp32 on a CPU (fp16 only on a GPU): there is no GradScaler and no fp16 overflow, "
+                 "so the rule check's GradScaler row has no skipped steps or loss scale to compare here; "
+                 "the GPU run checks them.")
 
 
 def summary_table(rep: dict) -> str:
-    """bench.compare's printed summary: (on a CPU, first, CPU_FIRST_LINE), the headline rows, the
-    share, the graphs, the T4 projection, then every run's solution / baseline ratios."""
-    lines = [CPU_FIRST_LINE] if (rep.get("gpu") or {}).get("name") == "cpu" else []
+    """bench.compare's printed summary: (on a CPU, first, CPU_FIRST_LINE and CPU_FP32_LINE), the
+    headline rows, the share, the graphs, the T4 projection, then every run's solution / baseline
+    ratios. A report is a CPU run when its "gpu" name is "cpu" (bench.compare's _gpu: no CUDA)."""
+    lines = [CPU_FIRST_LINE, CPU_FP32_LINE] if (rep.get("gpu") or {}).get("name") == "cpu" else []
     lines.append(f"{'':40} {'baseline':>12} {'solution':>12} {'gain':>12}")
     for name, b, s, better in _rows(rep):
         lines.append(f"{name:40} {_fmt(b):>12} {_fmt(s):>12} {_ratio(b, s, better):>12}")
@@ -563,7 +570,7 @@ def markdown(rep: dict) -> str:
     out += [f"Own kernels that ran: {', '.join(rep.get('own_kernels_ran') or []) or 'none'}", ""]
     out += _cuda_graph_lines(rep)
     out += _targets_section(rep)
-    out += t4_projection.section(rep.get("t4_projection"))  # issue 13.5: a model, not a measurement
+    out += t4_projection.section(rep.get("t4_projection"))  # the T4 projection: a model, not a measurement
     for variant in ("baseline", "solution", "solution_graphs_off"):
         ks = rep["kernel_split"].get(variant)
         if not ks:
@@ -589,7 +596,8 @@ def markdown(rep: dict) -> str:
     if rep["gpu"]["name"] == "cpu":
         out += ["", "## What differs from the GPU run", "",
                 "- CPU: Soup switches 4-bit quantization off (bitsandbytes NF4 training needs CUDA), so the NF4 "
-                "and LoRA-on-NF4 patches do not take part; Soup trains in fp32 (no fp16 autocast).",
+                "and LoRA-on-NF4 patches do not take part; Soup trains in fp32 (no fp16 autocast), so there is "
+                "no GradScaler and no fp16 overflow: the GradScaler rule has nothing to compare on a CPU.",
                 "- The model is the tiny stand-in (same architecture and 151936 vocabulary, hidden 64, 2 layers).",
                 "- Our kernels run in Triton's CPU interpreter: this checks the wiring and numerics, not speed; "
                 "times on the CPU say nothing about the GPU.",
@@ -613,7 +621,7 @@ def main(argv=None) -> int:
 
     from bench.rules import ReportError, load_report
 
-    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.report", description=main.__doc__)
     ap.add_argument("report_json", type=Path)
     args = ap.parse_args(argv)
     try:

@@ -25,7 +25,7 @@ loaded and quantized by then) to the end of Soup's run; measured before Soup sta
 measured, left): the partition's and the whole GPU's matmul and copy rates, and a GEMM on every
 path a step uses (result.json: "partition"). Not earlier: with the model loaded inside the
 partition, gpu-bound-sm16's baseline logged loss 0 and grad_norm NaN at every step in two calls in
-a row (H200, 2026-12-03), and a model loaded and quantized inside it gave non-finite hidden
+a row (H200), and a model loaded and quantized inside it gave non-finite hidden
 states from the fourth layer's output on, while the same model loaded on the whole GPU and run
 inside the partition gave the whole GPU's loss. The cause, read in bitsandbytes 0.50.2
 (backends/cuda/ops.py): its quantize kernels (`quantize_4bit`, `quantize_blockwise`) take no
@@ -383,7 +383,8 @@ def parse_steps(text: str) -> tuple[int, int | None]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.run_one", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variant", choices=["baseline", "solution"], required=True)
     ap.add_argument("--model", required=True)
     ap.add_argument("--data", required=True)

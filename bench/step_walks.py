@@ -83,7 +83,7 @@ def _median_us(fn, reps: int) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.step_walks", description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--reps", type=int, default=300)
     args = ap.parse_args(argv)

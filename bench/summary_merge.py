@@ -52,7 +52,8 @@ def merge(summaries: list[dict], names: list[str] | None = None) -> tuple[dict, 
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.summary_merge", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("summaries", nargs="+", type=Path, help="summary.json files written by bench.compare")
     ap.add_argument("-o", "--out", type=Path, required=True, help="the merged file to write")
     args = ap.parse_args(argv)

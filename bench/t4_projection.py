@@ -264,16 +264,16 @@ def skipped(base_timed, base_prof, sol_timed, sol_prof, device: str | None = Non
         return (f"the report's main run is {shape}, not shipped; the official baseline's figures are the shipped "
                 "data's at the defaults")
     if device is not None and SOURCE_GPU not in device:
-        return (f"measured on {device}: the model's constants describe an {SOURCE_GPU} "
-                "(a real T4 run needs no projection)")
+        return (f"these runs were measured on {'the CPU' if device == 'cpu' else device}, and the model turns "
+                f"{SOURCE_GPU} measurements into T4 estimates (a run on a real T4 needs no projection)")
     for label, r in (("baseline", base_prof), ("solution", sol_prof)):
         if not r or not (r.get("profile") or {}).get("kernel_times_s"):
-            return f"no profiled pass of the {label} (GPU kernel times are the model's input)"
+            return f"there is no profiled pass of the {label} (its GPU kernel times are the model's input)"
         if not _timed_steps(r):
             return f"the {label}'s profiled pass has no steps after the first two"
     for label, r in (("baseline", base_timed), ("solution", sol_timed)):
         if not r or not _timed_steps(r) or not r.get("train_excl_first2_s"):
-            return f"no timed steps of the {label}"
+            return f"there are no timed steps of the {label}"
     return None
 
 
@@ -390,12 +390,19 @@ def summary(proj: dict | None) -> dict | None:
 
 
 def console_line(proj: dict | None) -> str:
-    """One line for bench.compare's printed summary."""
-    if not proj or proj.get("skipped"):
-        return f"{LABEL}: {'not projected' if not proj else 'not projected: ' + proj['skipped']}"
-    return (f"{LABEL}: {proj['steps']}-step training baseline {proj['baseline_train_s']:.1f} s, solution "
-            f"{proj['solution_train_s']:.1f} s (calibrated; raw {proj['baseline_train_s_raw']:.1f} / "
-            f"{proj['solution_train_s_raw']:.1f} s, calibration error {proj['calibration_error']:+.1%})")
+    """bench.compare's printed summary line: one plain sentence, what a T4 would take by the model
+    (calibrated), and how far the bare model was from the official baseline; or why there is no
+    projection."""
+    if not proj:
+        return f"{LABEL}: not made (this report is older than the projection)."
+    if proj.get("skipped"):
+        return f"{LABEL}: not made, because {proj['skipped']}."
+    err = proj["calibration_error"]
+    return (f"{LABEL}: on a T4, {proj['steps']} training steps would take about {proj['baseline_train_s']:.1f} s "
+            f"with the baseline and {proj['solution_train_s']:.1f} s with the solution, after scaling both so "
+            f"that the baseline matches the official T4 figure of {OFFICIAL_BASELINE_TRAIN_S:.0f} s (before "
+            f"scaling the model gave {proj['baseline_train_s_raw']:.1f} s and {proj['solution_train_s_raw']:.1f} s, "
+            f"{abs(err):.1%} {'above' if err >= 0 else 'below'} the official figure).")
 
 
 # --- the same model, pointed at a measured machine: an SM partition of the same GPU ---------------

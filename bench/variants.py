@@ -82,7 +82,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.variants", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("variants", nargs="+")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--baseline", action="store_true", help="also a profiled baseline run, first")

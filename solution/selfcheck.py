@@ -13,13 +13,19 @@ one line per check, in Russian and English:
 then a summary whose first lines are the failed checks. Exit status: 0 every check OK (SKIP lines
 are not failures), 1 a check failed, 2 a bad command line (one ``error:`` line, nothing run).
 
+On a machine without a CUDA GPU it sets TRITON_INTERPRET=1 for itself (before any kernel module is
+imported) and checks the kernels in Triton's CPU interpreter: a SKIP line for the GPU says why the
+GPU checks were skipped and which ones (the kernels compiled and run on the GPU, the CUDA-only
+attention kernel, the CUDA memory allocator setting), and the summary says it again; the exit
+status is 0 when everything that can run on the CPU passed. The CPU run takes seconds (small shapes).
+
 The checks, in order:
 1. versions: Python, torch, Triton, transformers, peft, bitsandbytes, trl; the libraries through
    the same ``check()`` each patch runs in ``apply()`` (for transformers and trl: the sha256 of the
    stock sources the patches mirror, solution/patches/_sources.py), so "accepted" means the patch
-   installs here;
+   installs here; each patch is named as $SOLUTION_SKIP_PATCHES names it (``_apply.patch_names()``);
 2. the device: a CUDA GPU of sm_75 or newer (solution/env.py's ``check_support``), or Triton's CPU
-   interpreter when TRITON_INTERPRET=1;
+   interpreter when TRITON_INTERPRET=1 (set by the self-check itself where there is no CUDA GPU);
 3. every module of solution/kernels: launched on that device at small odd shapes (its launch
    counter must move), forward and backward compared with a float64 PyTorch reference
    (solution/_references.py) as a norm-wise relative error ||ours - ref|| / ||ref||, which must
@@ -49,10 +55,12 @@ EPS = 1e-6
 # fp32; a wrong kernel errs by 1e-1 or more.
 TOLERANCE = 2e-3
 
-# (distribution, module that gives __version__, patch modules whose check() decides acceptance)
+# (distribution, module that gives __version__, modules of solution/patches whose check() decides
+# acceptance); every module of solution.patches.PATCHES is under one library
 LIBRARIES = (
     ("transformers", "transformers", ("qwen2_rmsnorm", "qwen2_decoder_layer", "qwen2_rope", "qwen2_mlp",
-                                      "qwen2_unpad", "trainer_lengths", "trainer_flops", "trainer_clip")),
+                                      "qwen2_layer_node", "qwen2_unpad", "trainer_lengths", "trainer_flops",
+                                      "trainer_clip")),
     ("peft", "peft", ("peft_lora_bnb", "peft_model_walks")),
     ("bitsandbytes", "bitsandbytes", ("bnb_linear4bit",)),
     ("trl", "trl", ("qwen2_lm_head_loss",)),
@@ -126,12 +134,15 @@ def check_triton() -> Line:
 
 
 def check_library(dist: str, module: str, patches: tuple[str, ...]) -> Line:
-    """The installed ``dist`` through the check() of every patch that depends on it."""
+    """The installed ``dist`` through the check() of every patch that depends on it (``patches``:
+    modules of solution/patches); the patches are named by their NAME, the name
+    $SOLUTION_SKIP_PATCHES takes."""
     version = _version(dist, module)
     subject = f"{dist} {version}" if version else dist
-    reasons = []
-    for name in patches:
-        patch = importlib.import_module(f"solution.patches.{name}")
+    reasons, names = [], []
+    for module_name in patches:
+        patch = importlib.import_module(f"solution.patches.{module_name}")
+        names.append(patch.NAME)
         reason = patch.check()
         if reason is not None:
             reasons.append(f"{patch.NAME}: {reason}")
@@ -140,27 +151,76 @@ def check_library(dist: str, module: str, patches: tuple[str, ...]) -> Line:
     if reasons:
         return Line("FAIL", subject, "не принят, эти патчи не встанут (сток останется)",
                     "not accepted, these patches would be skipped: " + "; ".join(reasons))
-    return Line("OK", subject, "принят", f"accepted by the patches {', '.join(patches)}")
+    return Line("OK", subject, "принят патчами", f"accepted by the patches {', '.join(names)}")
 
 
 # --------------------------------------------------------------------------------------------------
 # 2. the device
 # --------------------------------------------------------------------------------------------------
-def check_device() -> tuple[Line, str | None]:
-    """(line, "cuda" / "cpu" where the kernel checks run, or None when they cannot run)."""
+# What a run without the GPU leaves unchecked (the GPU line and the summary say it).
+GPU_CHECKS_RU = ("ядра, собранные и запущенные на GPU, ядро внимания только для CUDA, "
+                 "настройка памяти CUDA (cuda_allocator)")
+GPU_CHECKS_EN = ("the kernels compiled and run on the GPU, the CUDA-only attention kernel, "
+                 "the CUDA memory allocator setting (cuda_allocator)")
+
+
+def interpret_without_gpu() -> bool:
+    """On a machine without a CUDA GPU, let this process run our kernels in Triton's CPU
+    interpreter ($TRITON_INTERPRET=1 through settings.use_interpreter, as tests/conftest.py does
+    for the tests), before any kernel module is imported. True when it set it; False when there is
+    a CUDA GPU, when the interpreter is already on, when PyTorch is missing (check_torch says so),
+    or when a kernel module is already imported (too late: check_device then says why nothing runs)."""
+    from solution.settings import interpreter_enabled, use_interpreter
+
+    try:
+        import torch
+    except ImportError:
+        return False
+    if torch.cuda.is_available() or interpreter_enabled():
+        return False
+    if any(name.startswith("solution.kernels.") and not name.rsplit(".", 1)[1].startswith("_")
+           for name in sys.modules):
+        return False
+    use_interpreter()
+    return True
+
+
+def no_gpu_reason() -> tuple[str, str]:
+    """(Russian, English) why the kernels do not run on a GPU here, for a machine where they run
+    in Triton's CPU interpreter."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ("задан TRITON_INTERPRET=1: ядра идут в интерпретаторе Triton на CPU, не на GPU",
+                "TRITON_INTERPRET=1 is set: the kernels run in Triton's CPU interpreter, not on the GPU")
+    if torch.version.cuda is None:
+        return (f"на этой машине нет CUDA GPU (PyTorch {torch.__version__} собран без CUDA)",
+                f"no CUDA GPU on this machine (PyTorch {torch.__version__} is built without CUDA)")
+    return ("на этой машине нет CUDA GPU (PyTorch не видит GPU или его драйвер)",
+            "no CUDA GPU on this machine (PyTorch sees no GPU or no GPU driver)")
+
+
+def check_device() -> tuple[list[Line], str | None]:
+    """(lines, "cuda" / "cpu" where the kernel checks run, or None when they cannot run). On the
+    CPU interpreter: a SKIP line for the GPU (why, and which checks that leaves out), then the
+    CPU's OK line."""
     from solution.env import check_support
 
     support = check_support()
     if not support.ok:
-        return Line("FAIL", "GPU", "ядра здесь не запустятся", support.reason), None
+        return [Line("FAIL", "GPU", "ядра здесь не запустятся", support.reason)], None
     if support.device == "interpreter":
-        return Line("OK", "CPU", "интерпретатор Triton (только проверка чисел, не скорости)",
-                    support.reason), "cpu"
+        ru, en = no_gpu_reason()
+        return [Line("SKIP", "GPU", f"{ru}; проверки на GPU пропущены: {GPU_CHECKS_RU}",
+                     f"{en}; the GPU checks are skipped: {GPU_CHECKS_EN}"),
+                Line("OK", "CPU", "ядра проверяются в интерпретаторе Triton на CPU (числа, не скорость)",
+                     "the kernels are checked in Triton's CPU interpreter instead (their numbers, not their "
+                     "speed)")], "cpu"
     import torch
 
     major, minor = torch.cuda.get_device_capability()
-    return Line("OK", f"GPU {torch.cuda.get_device_name()} (sm_{major}{minor})", "принята",
-                "accepted (sm_75 or newer)"), "cuda"
+    return [Line("OK", f"GPU {torch.cuda.get_device_name()} (sm_{major}{minor})", "принята",
+                 "accepted (sm_75 or newer)")], "cuda"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -495,8 +555,9 @@ def check_kernel(name: str, fn: Callable, needs_cuda: bool, device: str | None) 
     if device is None:
         return Line("SKIP", subject, "устройство не принято (строка GPU выше)", "no accepted device (GPU line above)")
     if needs_cuda and device != "cuda":
-        return Line("SKIP", subject, "ядро PyTorch для переменной длины есть только на CUDA",
-                    "PyTorch's variable-length kernel is CUDA-only (the CPU runs its row-by-row reference)")
+        return Line("SKIP", subject, "проверка на GPU: ядро внимания PyTorch для строк разной длины есть только "
+                    "на CUDA", "a GPU check: PyTorch's attention kernel for rows of different lengths exists only "
+                    "on CUDA (on the CPU, attention runs row by row through PyTorch's standard attention)")
     from solution.kernels import _launches
 
     _launches.reset()
@@ -554,16 +615,19 @@ def check_patches(device: str | None) -> Line:
 
 # --------------------------------------------------------------------------------------------------
 def _run(subject: str, check: Callable, *args):
-    """The result of ``check(*args)`` (a Line, or a tuple starting with one) with what it printed
-    kept in the line's ``detail``; an exception is a FAIL line for ``subject`` naming it."""
+    """The result of ``check(*args)`` (a Line, or a tuple whose first item is a Line or a list of
+    them) with what it printed on stdout and stderr (a library's log lines and warnings, e.g.
+    bitsandbytes' note about an optional CPU kernel) kept in its first line's ``detail``, shown only
+    under a failed line; an exception is a FAIL line for ``subject`` naming it."""
     buf = io.StringIO()
     try:
-        with contextlib.redirect_stdout(buf):
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
             result = check(*args)
     except Exception as exc:  # noqa: BLE001 - every failure becomes one line
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         result = Line("FAIL", subject, "ошибка при проверке", f"{type(exc).__name__}: {first}")
     line = result[0] if isinstance(result, tuple) else result
+    line = line[0] if isinstance(line, list) else line
     line.detail = buf.getvalue().strip()
     return result
 
@@ -584,8 +648,9 @@ def run_all(emit: Callable[[str], None] = print) -> list[Line]:
     for dist, module, patches in LIBRARIES:
         record(_run(dist, check_library, dist, module, patches))
     result = _run("GPU", check_device)
-    device_line, device = result if isinstance(result, tuple) else (result, None)
-    record(device_line)
+    device_lines, device = result if isinstance(result, tuple) else ([result], None)
+    for line in device_lines:
+        record(line)
     for name, fn, needs_cuda in KERNELS:
         record(_run(f"kernel {name}", check_kernel, name, fn, needs_cuda, device))
     record(_run("patches", check_patches, device))
@@ -593,11 +658,17 @@ def run_all(emit: Callable[[str], None] = print) -> list[Line]:
 
 
 def summary(lines: list[Line]) -> list[str]:
-    """The summary: failed lines first, then the count."""
+    """The summary: failed lines first, then (when the GPU checks were skipped) a line saying so
+    and where to run them, then the count."""
     failed = [l for l in lines if l.status == "FAIL"]
     ok = sum(l.status == "OK" for l in lines)
     skipped = sum(l.status == "SKIP" for l in lines)
     out = [l.text() for l in failed]
+    if any(l.status == "SKIP" and l.subject == "GPU" for l in lines):
+        out.append("Проверки на GPU пропущены: ядра проверены только в интерпретаторе Triton на CPU; запустите "
+                   "python -m solution.selfcheck на машине с GPU, где пойдёт обучение / The GPU checks were "
+                   "skipped: the kernels were checked only in Triton's CPU interpreter; run python -m "
+                   "solution.selfcheck on the GPU machine where the training will run")
     if failed:
         out.append(f"ИТОГ / SUMMARY: {len(failed)} из {len(lines)} проверок не прошли / {len(failed)} of "
                    f"{len(lines)} checks failed ({ok} OK, {skipped} SKIP)")
@@ -611,6 +682,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv:
         print(f"error: python -m solution.selfcheck takes no arguments, got {' '.join(argv)!r}", file=sys.stderr)
         return 2
+    interpret_without_gpu()  # no CUDA GPU: the kernels run in Triton's CPU interpreter
     lines = run_all()
     print("-" * 80)
     for text in summary(lines):

@@ -2,7 +2,7 @@
 
 ``Settings.from_env()`` is the only reader of the environment in solution/ (with
 ``interpreter_enabled``, ``allocator_configured`` and ``child_environ`` for the variables of Triton,
-PyTorch and child processes). apply() reads the settings once, validates every value before it
+PyTorch and child processes; ``use_interpreter`` is its only writer). apply() reads the settings once, validates every value before it
 installs anything, and makes them the active settings (``current()``) until revert(): patches and
 the step read them at install or call time through ``current()``; the kernels under
 solution/kernels/ never do: their callers pass plain arguments (``nf4_mlp(policy=...)``).
@@ -158,6 +158,13 @@ def interpreter_enabled() -> bool:
     """True when Triton runs kernels on the CPU through its interpreter ($TRITON_INTERPRET=1, which
     Triton itself reads at each launch: read now, not once)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_interpreter() -> None:
+    """Set $TRITON_INTERPRET=1 in this process (and the children it starts): Triton's @triton.jit
+    then makes interpreted kernels that run on the CPU. Triton reads the variable as each kernel is
+    decorated, so it takes effect for the kernel modules imported after this call."""
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def c_compiler() -> str | None:

@@ -3,8 +3,12 @@
 Without CUDA, Triton kernels run through Triton's CPU interpreter: TRITON_INTERPRET=1 must be
 set before triton is first imported, which is why it happens here, at collection time.
 GPU-only tests carry @pytest.mark.gpu and skip cleanly without CUDA.
+At the end of a run the terminal summary lists the skipped tests grouped by reason, with counts
+(pytest_terminal_summary), so that a CPU run says why its GPU tests did not run.
 """
+import collections
 import os
+import re
 
 import pytest
 
@@ -19,11 +23,46 @@ import torch  # noqa: E402
 HAS_CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
+GPU_REASON = "needs a CUDA GPU (runs in full on the GPU machine)"
+# A test's own skip reason that means the same as GPU_REASON ("needs CUDA", "bitsandbytes 4-bit
+# needs CUDA", "native_dropout is the CUDA path"); "needs two CUDA GPUs" keeps its own line.
+_NEEDS_CUDA = re.compile(r"needs (a )?CUDA(?! GPUs)|\bthe CUDA path\b")
+_NOT_INSTALLED = re.compile(r"could not import '([^']+)'")
+
+
 def pytest_collection_modifyitems(config, items):
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs in full on the GPU machine)")
+    skip_gpu = pytest.mark.skip(reason=GPU_REASON)
     for item in items:
         if "gpu" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_gpu)
+
+
+def skip_reason(report) -> str:
+    """A skipped test's reason in the summary's words: every "needs CUDA" reason as GPU_REASON, a
+    missing module (pytest.importorskip) as "needs MODULE, not installed here", any other as the
+    test gives it."""
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) and len(longrepr) == 3 else str(longrepr)
+    reason = reason.removeprefix("Skipped: ").strip()
+    if _NEEDS_CUDA.search(reason):
+        return GPU_REASON
+    missing = _NOT_INSTALLED.search(reason)
+    if missing:
+        return f"needs {missing.group(1)}, not installed here"
+    return reason
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """After the run: the skipped tests grouped by reason, most first, one line each (a skip is
+    not a failure; the line says why the test did not run here)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if getattr(r, "skipped", False)]
+    if not skipped:
+        return
+    counts = collections.Counter(skip_reason(r) for r in skipped)
+    tests = "test" if len(skipped) == 1 else "tests"
+    terminalreporter.write_sep("-", f"{len(skipped)} {tests} skipped (not failures), by reason")
+    for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])):
+        terminalreporter.write_line(f"{n:5d}  {reason}")
 
 
 @pytest.fixture

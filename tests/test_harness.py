@@ -583,7 +583,7 @@ def test_op_origins_group_ops_by_their_launching_line():
     assert rows[2]["origin"] == "(no Python frame)"
     text = op_origins.format_rows(rows, steps=3)
     assert "aten::copy_" in text and "78.4%" in text and "launched from" in text
-    assert "not matrix products or attention (issue 13.2): 0.510 ms a step in 3 rows" in text
+    assert "not matrix products or attention: 0.510 ms a step in 3 rows" in text
     mm = op_origins.rows_from([NS(name="aten::mm", stack=here + ["nn.Module: Qwen2MLP_21"],
                                   self_device_time_total=9.0, device_type=cpu)])
     assert mm[0]["origin"].endswith("< transformers/models/qwen2/modeling_qwen2.py(90): forward")
@@ -662,3 +662,16 @@ def test_step_walks_bench_runs_and_agrees(capsys):
     out = capsys.readouterr().out
     assert "same answers: yes" in out and "`_scan`, one walk (now)" in out
     assert "same norm: yes" in out  # the Trainer's clip, stock against patches/trainer_clip.py
+
+
+@pytest.mark.parametrize("module", ["compare", "rules", "report", "rebuild_report", "summary_merge", "variants",
+                                    "run_one", "kernel_rates", "step_walks"])
+def test_help_names_the_command_the_user_types(module, capsys):
+    """--help and usage errors show ``python -m bench.X``, the command the README gives, not the file name."""
+    import importlib
+
+    main = importlib.import_module(f"bench.{module}").main
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: python -m bench.{module} ")

@@ -324,9 +324,10 @@ def test_soups_duration_stands_beside_steps_3_n(monkeypatch):
     assert table.index("training time, Soup's duration") < table.index("training time excl. first 2 steps")
 
 
-def test_a_cpu_comparison_says_first_that_its_times_are_no_gpu_times(monkeypatch):
-    first = report.summary_table(_report(monkeypatch, gpu="cpu")).splitlines()[0]
+def test_a_cpu_comparison_says_first_that_its_times_are_no_gpu_times_and_training_is_fp32(monkeypatch):
+    first, second = report.summary_table(_report(monkeypatch, gpu="cpu")).splitlines()[:2]
     assert first == report.CPU_FIRST_LINE
+    assert second == report.CPU_FP32_LINE and "fp32" in second and "no GradScaler" in second
     assert "say nothing about the GPU" in first and "NF4" in first and "off" in first
     assert report.summary_table(_report(monkeypatch)).splitlines()[0] != report.CPU_FIRST_LINE
 

@@ -1,7 +1,10 @@
 """python -m solution.selfcheck (solution/selfcheck.py) on the CPU interpreter.
 
-(a) As the user runs it: a child process with TRITON_INTERPRET=1 prints one line per check (Russian
-    and English), every check OK or SKIP (only the CUDA-only attention), a summary, exit 0.
+(a) As the user runs it on a machine without a GPU: a child process, with no TRITON_INTERPRET in its
+    environment (the self-check sets it for itself; on a GPU machine the test sets it, to check the
+    same interpreter path), prints one line per check (Russian and English), every check OK or SKIP
+    (the GPU, saying why, and the CUDA-only attention), nothing on stderr, a summary that says the
+    GPU checks were skipped, exit 0. Its patch names are the ones $SOLUTION_SKIP_PATCHES takes.
 (b) A failing check (a kernel made to differ from its reference, or no accepted device) is a FAIL
     line, leads the summary, and makes the exit status 1; a bad command line exits 2 with one
     ``error:`` line before any check runs.
@@ -26,11 +29,15 @@ ROOT = Path(__file__).resolve().parent.parent
 CYRILLIC = re.compile(r"[А-Яа-яЁё]")
 
 
-def test_selfcheck_on_the_cpu_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": pythonpath_without_repo(str(ROOT))}
-    proc = subprocess.run([sys.executable, "-m", "solution.selfcheck"], cwd=ROOT, env=env, capture_output=True,
+def test_selfcheck_on_the_cpu_interpreter(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = pythonpath_without_repo(str(ROOT))
+    if torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
+    proc = subprocess.run([sys.executable, "-m", "solution.selfcheck"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stderr == ""  # a library's log lines (bitsandbytes' optional CPU kernel) stay inside the checks
     lines = proc.stdout.splitlines()
     checks = [l for l in lines if re.match(r"(OK|FAIL|SKIP) ", l)]
     subjects = [l[5:].split(":")[0] for l in checks]
@@ -43,11 +50,44 @@ def test_selfcheck_on_the_cpu_interpreter():
     assert "patches" in subjects
     for line in checks:
         assert CYRILLIC.search(line) and " / " in line, line  # Russian, then English
-        ok = line.startswith("OK ") or line.startswith("SKIP kernel attn_varlen")
+        ok = line.startswith("OK ") or line.startswith("SKIP kernel attn_varlen") or line.startswith("SKIP GPU: ")
         assert ok, line
+    gpu = next(l for l in checks if l.startswith("SKIP GPU: "))
+    why = "TRITON_INTERPRET=1 is set" if torch.cuda.is_available() else "no CUDA GPU on this machine"
+    assert why in gpu and "the GPU checks are skipped: " + selfcheck.GPU_CHECKS_EN in gpu, gpu
+    assert checks.index(gpu) + 1 == subjects.index("CPU")  # why not the GPU, then what runs instead
     assert re.search(r"OK   kernel nf4_dequant \(cpu\).*: 0 wrong values", proc.stdout)
     assert re.search(r"OK   patches: .* (\d+) installed and reverted, all \d+ replaced objects back", proc.stdout)
+    assert lines[-2].startswith("Проверки на GPU пропущены") and "The GPU checks were skipped" in lines[-2]
     assert lines[-1].startswith("ИТОГ / SUMMARY: все проверки пройдены / every check passed")
+    from solution import _apply
+
+    named = [n for l in checks if "accepted by the patches " in l
+             for n in l.split("accepted by the patches ")[1].split(", ")]
+    assert sorted(named) == sorted(n for n in _apply.patch_names() if n != _apply.ALLOCATOR)
+
+
+def test_every_patch_is_under_one_library():
+    from solution.patches import PATCHES
+
+    listed = [f"solution.patches.{m}" for _, _, modules in selfcheck.LIBRARIES for m in modules]
+    assert sorted(listed) == sorted(PATCHES)
+
+
+def test_no_gpu_line_on_a_gpu_machine(monkeypatch):
+    """With a GPU and no TRITON_INTERPRET the kernels run on the GPU: the self-check leaves the
+    interpreter off and prints no SKIP line for the GPU (an accepted GPU's OK line instead)."""
+    from solution import env
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    assert selfcheck.interpret_without_gpu() is False and "TRITON_INTERPRET" not in os.environ
+    monkeypatch.setattr(env, "check_support", lambda: env.Support(True, "cuda", "test"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    lines, device = selfcheck.check_device()
+    assert device == "cuda" and [l.text() for l in lines] == ["OK   GPU Tesla T4 (sm_75): принята / accepted (sm_75 or newer)"]
+    assert not any("GPU" in t for t in selfcheck.summary(lines)[:-1])
 
 
 @pytest.fixture

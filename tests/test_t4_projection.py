@@ -137,7 +137,7 @@ def test_runs_that_cannot_be_projected_say_why(change, why):
 
 def test_only_an_h200_shipped_run_is_projected():
     assert "NVIDIA T4" in t4.project(*_pair(), device="NVIDIA T4")["skipped"]
-    assert "cpu" in t4.project(*_pair(), device="cpu")["skipped"]
+    assert "measured on the CPU" in t4.project(*_pair(), device="cpu")["skipped"]
     assert "main run is long" in t4.project(*_pair(), device="NVIDIA H200", shape="long")["skipped"]
 
 
@@ -160,7 +160,11 @@ def test_report_and_summary_carry_the_projection(h200_report, tmp_path):
     assert {"baseline_train_s", "solution_train_s", "calibration"} <= set(s)
     assert s["baseline_train_s"] == pytest.approx(80.0) and isinstance(s["calibration"], str)
     assert s["solution"]["bound"] in ("GPU", "host") and s["baseline"]["graphs"] is False
-    assert "T4 projection" in report.summary_table(rep) and "calibration error" in report.summary_table(rep)
+    line = next(ln for ln in report.summary_table(rep).splitlines() if ln.startswith("T4 projection"))
+    assert line == t4.console_line(rep["t4_projection"])
+    assert ("on a T4, 64 training steps would take about 80.0 s with the baseline and " in line
+            and "matches the official T4 figure of 80 s (before scaling the model gave " in line
+            and line.endswith("the official figure).")), line
     # re-rendered from report.json (bench.report's main): the same section and summary
     path = tmp_path / "report.json"
     path.write_text(json.dumps(rep, default=str), encoding="utf-8")
@@ -174,7 +178,9 @@ def test_a_report_without_a_projection_says_so(monkeypatch):
     rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (tiny)", timed(0.1), timed(0.1), None, None,
                                load_workload())
     assert "no profiled pass" in rep["t4_projection"]["skipped"]
-    assert "Not projected: no profiled pass" in report.markdown(rep)
+    assert "Not projected: there is no profiled pass" in report.markdown(rep)
+    assert (t4.console_line(rep["t4_projection"]) == "T4 projection (a model, not a measurement): not made, because "
+            f"{rep['t4_projection']['skipped']}.")
     assert report.summary(rep)["t4_projection"]["skipped"] == rep["t4_projection"]["skipped"]
     rep.pop("t4_projection")  # a report.json from before the projection
     assert "made before bench/t4_projection.py" in report.markdown(rep)

@@ -13,7 +13,7 @@ all three eager (CUDA graphs off: this measures the eager step):
   host's) with LAYERS and with 2 * LAYERS layers, both models built first and their steps timed back
   to back, REPS times: the median of the paired differences over LAYERS is the host time of one
   decoder layer, forward + backward, without the embedding and LM head (two medians taken minutes
-  apart, as before 2026-12-02, carried the host's drift: 4.6 to 8.0 ms for stock's layer);
+  apart carry the host's drift: 4.6 to 8.0 ms for stock's layer);
 - then (the node only) a cProfile of 10 steps: the functions with the most own time, to show which
   Python code the per-layer time is made of (cProfile inflates Python-heavy code ~3x: read the
   ranking, not the absolute figures).
