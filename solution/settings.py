@@ -2,8 +2,8 @@
 
 ``Settings.from_env()`` is the only reader of the environment in solution/ (with
 ``interpreter_enabled``, ``allocator_configured`` and ``child_environ`` for the variables of Triton,
-PyTorch and child processes; ``use_interpreter`` is its only writer). apply() reads the settings once, validates every value before it
-installs anything, and makes them the active settings (``current()``) until revert(): patches and
+PyTorch and child processes; ``use_interpreter`` is its only writer). apply() reads the settings
+once, validates every value before it installs anything, and makes them the active settings (``current()``) until revert(): patches and
 the step read them at install or call time through ``current()``; the kernels under
 solution/kernels/ never do: their callers pass plain arguments (``nf4_mlp(policy=...)``).
 """

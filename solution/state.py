@@ -36,8 +36,3 @@ def clear() -> None:
         container.clear()
     for reset in _RESETS:
         reset()
-
-
-def registered() -> tuple[list, list]:
-    """(containers, resets) registered so far (copies; for tests)."""
-    return list(_KEPT), list(_RESETS)

@@ -174,7 +174,7 @@ def test_varlen_preflight_turns_to_the_padded_layout_once(monkeypatch, capsys):
     assert attention.varlen_works(torch.device("cpu"), torch.float16, 128) and calls == []
     assert not attention.varlen_works(cuda, torch.float16, 128)
     assert "variable-length attention failed (RuntimeError: no varlen on this GPU)" in capsys.readouterr().out
-    assert not (attention.varlen_enabled() or attention.rows_kept_apart())
+    assert not attention.varlen_enabled()
     assert not attention.varlen_works(cuda, torch.float16, 128) and len(calls) == 1
     assert capsys.readouterr().out == ""  # said once
     monkeypatch.setattr(attention, "_VARLEN_FAILED", None)

@@ -65,7 +65,10 @@ def sdpa_unpadded(module, query, key, value, info, dropout=0.0, scaling=None, **
 
 def varlen_enabled() -> bool:
     """Variable-length attention on the packed rows (solution/kernels/attn_varlen.py) instead of
-    the padded layout: true until the kernel refused this machine (``_varlen_failed``)."""
+    the padded layout: true until the kernel refused this machine (``_varlen_failed``). While it
+    holds, attention reads each packed row's extent from ``cu_seqlens``, so an extra packed row (a
+    filler: packing.make_unpadded's ``extra``) attends only to itself; on the padded layout a
+    filler row would share positions with real tokens (the CUDA graphs ask this)."""
     return _VARLEN_FAILED is None
 
 
@@ -127,14 +130,6 @@ def _sdpa_varlen(module, query, key, value, info, scaling, dtype):
     if scaling is None:
         scaling = query.shape[-1] ** -0.5  # SDPA's default
     return attn_varlen.varlen_causal_attention(q, k, v, info, scaling), None
-
-
-def rows_kept_apart() -> bool:
-    """Attention reads each packed row's extent from ``cu_seqlens`` (the layout kernels and
-    variable-length attention both on), so an extra packed row (a filler: packing.make_unpadded's
-    ``extra``) attends only to itself. On the padded layout a filler row would share positions
-    with real tokens. Asked by the CUDA graphs."""
-    return varlen_enabled()
 
 
 def _sdpa_input_dtype(query, key, value):

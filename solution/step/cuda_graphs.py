@@ -511,7 +511,7 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
         return reason
     if torch.cuda.is_current_stream_capturing():
         return "already inside a CUDA graph capture"
-    if not attention.rows_kept_apart():
+    if not attention.varlen_enabled():
         return "attention on the padded layout (host-dependent indices)"
     if hooked:
         return "hooks or instance-level forwards on the decoder layers (they would run only at capture)"

@@ -76,10 +76,9 @@ def settle_precompile(timeout: float = PRECOMPILE_WAIT_S) -> float:
 class Timer:
     """Times one eager forward's layers from ``start()`` to ``stop()`` for a Probe (host and GPU)."""
 
-    def __init__(self, probe: "Probe", device, layers: int):
+    def __init__(self, probe: "Probe", device):
         self.probe, self.stream = probe, torch.cuda.current_stream(device)
         self.t0, self.start_ev = None, torch.cuda.Event(enable_timing=True)
-        self.layers = layers  # the decoder's layers; the forward window is the second half
 
     def start(self) -> None:
         settle_precompile()
@@ -132,10 +131,11 @@ def probe_of(model, device: torch.device, wanted: bool) -> Probe | None:
     return probe
 
 
-def eager_timer(model, device: torch.device, layers: int) -> Timer | None:
-    """A timer for the caller's eager loop over ``layers`` layers while "auto" mode is still
-    measuring this model and no sample is waiting to be read; None otherwise (nothing to time)."""
+def eager_timer(model, device: torch.device) -> Timer | None:
+    """A timer for the caller's eager loop over the layers (it times their second half) while
+    "auto" mode is still measuring this model and no sample is waiting to be read; None otherwise
+    (nothing to time)."""
     probe = _PROBES.get(model)
     if probe is None or probe.verdict is not None or probe.pending or device.type != "cuda":
         return None
-    return Timer(probe, device, layers)
+    return Timer(probe, device)
