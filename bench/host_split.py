@@ -20,8 +20,8 @@ Phases (the wrapped call, in the order the Trainer makes them):
   module X     forward calls of each module class inside the decoder layers, timed by
                class-level wrappers that leave our patches' fused paths on (nested: a
                decoder layer's time includes its attention's, which includes its projections').
-               A fused path that bypasses a module's call (our LoRA layer runs its bnb base
-               layer without calling it) does not count for that module: see the calls.
+               The decoder-layer node runs a whole layer without calling its modules, so a
+               step it takes counts no module calls there: see the calls.
                With gradient checkpointing (off in this workload) a recomputation in the
                backward would count here too
   other        the rest of the step (Trainer bookkeeping, the loss NaN check's device sync,
@@ -87,11 +87,11 @@ class HostSplit:
 
     def _wrap_class_forward(self, cls: type, phase: str) -> None:
         """Time ``cls.forward`` for every instance by replacing the CLASS attribute, never an
-        instance one: our patches take their fused paths only for modules without an
-        instance-level forward (e.g. the fused NF4 MLP, the LoRA layer and the residual + norm
-        kernel check ``"forward" in module.__dict__``), so instance wrappers would time another
-        path. The wrapper also says which function it times (``_solution_stock``: the stock
-        forward that qwen2_decoder_layer checks the norm's class forward against)."""
+        instance one: the decoder-layer node takes a layer only when none of its modules has an
+        instance-level forward (it checks ``"forward" in module.__dict__``), so instance wrappers
+        would time another path. The wrapper also says which function it times
+        (``_solution_stock``: the stock forward that qwen2_layer_node checks the norm's class
+        forward against)."""
         fn = getattr(cls, "forward", None)
         if cls in self._classes or fn is None or fn is torch.nn.Module.forward or getattr(fn, "_host_split", False):
             return

@@ -58,23 +58,10 @@ BYTE_MODEL = {
         lambda t, r, rl: 2 * V * (2 * r + rl),
         "fp16 logits: one read of every row, a second read of the labelled rows, one write (the gradient)"),
     "fp32_add_kernel": (2 * LAYERS, lambda t, r, rl: 2 * LAYERS * 12 * t * H, "2 a layer: two fp32 [T, H] in, one out"),
-    "lora_grad_sum_kernel": (2 * LAYERS, 
-        lambda t, r, rl: LAYERS * (9 * t * H + 9 * t * H),
-        "q and v: two fp16 gradients + the bool mask in, the fp32 input gradient out"),
-    "lora_combine_kernel": (2 * LAYERS, lambda t, r, rl: LAYERS * 8 * t * (H + KV), "q, v: two fp16 [T, out] in, fp32 out"),
-    "_rope_qk_kernel": (2 * LAYERS, 
-        lambda t, r, rl: 2 * LAYERS * (8 * t * (H + KV) + 8 * t * 128),
-        "forward and backward: q, k fp32 read + write, cos / sin read"),
     "_add_rmsnorm_fwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 16 * t * H, "residual, x in; h, y out (fp32)"),
     "_add_rmsnorm_bwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 16 * t * H, "dy, h, the residual's gradient in; dh out"),
     "_rmsnorm_fwd_kernel": (LAYERS + 1, lambda t, r, rl: (LAYERS + 1) * 8 * t * H, "x in, y out (fp32); 28 layers + the final norm"),
     "_rmsnorm_bwd_dx_kernel": (LAYERS + 1, lambda t, r, rl: (LAYERS + 1) * 12 * t * H, "dy, x in; dx out"),
-    "pad_rows_kernel": (4 * LAYERS, 
-        lambda t, r, rl: LAYERS * (6 * t * H + 2 * (4 * t * KV + 2 * t * H)),
-        "q (fp32 in, fp16 out), k and v (fp32 in, 6 heads repeated, fp16 out)"),
-    "unpad_rows_kernel": (4 * LAYERS, 
-        lambda t, r, rl: LAYERS * (4 * t * H + 6 * t * H + 2 * (2 * t * H + 4 * t * KV)),
-        "the attention output (fp16 -> fp16) and, in backward, dq (fp16 -> fp32), dk / dv (6 heads summed, fp32 out)"),
 }
 
 

@@ -76,8 +76,6 @@ def grids(module: str, spec: dict, n: int) -> tuple[list[int] | None, str]:
         return [cdiv(n, c["BLOCK_ROWS"])], ""  # one program per BLOCK_ROWS rows
     if module == "rmsnorm":  # weight gradient: [cols / BLOCK_N, rows / BLOCK_M] partial sums
         return [cdiv(H, c["BLOCK_N"]) * cdiv(n, c["BLOCK_M"])], "only if the norm weight trains (frozen here)"
-    if module == "attn_layout":  # one program per row; varlen on: the packed layout, N rows
-        return [n], "packed layout (padded one, VARLEN=0: not modelled)"
     if module == "fp32_add":  # residual adds, [N, H] elementwise
         return [cdiv(n * H, c["BLOCK"])], ""
     if module == "lm_head_loss":  # one program per BLOCK_ROWS rows of each logits chunk
@@ -86,12 +84,13 @@ def grids(module: str, spec: dict, n: int) -> tuple[list[int] | None, str]:
         sizes = [min(chunk, LM_ROWS - r0) for r0 in range(0, LM_ROWS, chunk)]
         return sorted({cdiv(s, c["BLOCK_ROWS"]) for s in sizes}), f"{len(sizes)} chunks of <= {chunk} rows"
     if module == "lora_nf4":
-        if name.startswith("lora_combine"):  # [N, out] of q_proj (1536) and v_proj (256)
-            return sorted({cdiv(n * H, c["BLOCK"]), cdiv(n * KV, c["BLOCK"])}), ""
-        if name.startswith("pair_cast"):  # A [16, 1536] with B [1536, 16] (q) or [256, 16] (v)
-            a = cdiv(LORA_R * H, c["BLOCK"])
-            return sorted({a + cdiv(H * LORA_R, c["BLOCK"]), a + cdiv(KV * LORA_R, c["BLOCK"])}), "tiny: 2 casts a launch"
-        return [cdiv(n * H, c["BLOCK"])], ""  # the input gradient, [N, 1536], for q and v
+        a = cdiv(LORA_R * H, c["BLOCK"])  # A [16, 1536]; B [1536, 16] (q) or [256, 16] (v)
+        bq, bv = cdiv(H * LORA_R, c["BLOCK"]), cdiv(KV * LORA_R, c["BLOCK"])
+        if name.startswith("quad_cast"):  # the node: q's and v's A and B in one launch
+            return [2 * a + bq + bv], "tiny: 4 casts a launch"
+        if name.startswith("pair_cast"):
+            return sorted({a + bq, a + bv}), "tiny: 2 casts a launch"
+        return None, "not modelled"
     if module == "nf4_dequant":
         nb = c["NB"]
         note = " + ".join(x for x, on in (("bf16 state", c["ROUND_BF16"]), ("no double quant", not c["NESTED"])) if on)
@@ -104,8 +103,6 @@ def grids(module: str, spec: dict, n: int) -> tuple[list[int] | None, str]:
                 1: [(W_Q, n * H), (W_KV, n * H)], 3: [(W_Q, n * H), (W_KV, n * H)],  # LoRA q, v fwd
                 2: [(W_Q, n * H), (W_KV, n * KV)]}[c["CAST_B"]]                      # LoRA q, v bwd
         return sorted({_nf4_programs(w, nb) + cdiv(e, c["CAST_BLOCK"]) for w, e in jobs}), note
-    if module == "rope":  # one program per BLOCK_T tokens (q and k heads together)
-        return [cdiv(n, c["BLOCK_T"])], "benchmark only" if "benchmark" in name else ""
     if module == "swiglu":  # [N / BLOCK_R, I / BLOCK_C] tiles
         return [cdiv(n, c["BLOCK_R"]) * cdiv(I, c["BLOCK_C"])], ""
     return None, "not modelled"

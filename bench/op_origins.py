@@ -9,7 +9,7 @@ from*: e.g. which line's ``.to(torch.float16)`` is the ``float16_copy_kernel`` o
 A row is an op event: its own GPU time is that of the kernels launched inside it and not inside
 a child op, so a Triton kernel launched from our autograd Function's forward counts in that
 Function's row. The backward's ops run on autograd's own thread with no Python frame; their
-origin is the autograd node they ran in ("backward of LoraNF4FunctionBackward"). The kernels of a
+origin is the autograd node they ran in ("backward of _LayerNodeBackward"). The kernels of a
 graph replay have no op at all.
 
 Measurement only, in a pass of its own: recording CPU ops with stacks slows the host a lot.

@@ -123,13 +123,6 @@ def nf4_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | Non
     return out if bias is None else out + _f64(bias.detach().to(torch.float16))
 
 
-def lora_nf4(x, dropout_factor, lora_a, lora_b, weight16, bias, scaling: float) -> torch.Tensor:
-    """peft's LoRA over a bnb NF4 layer: nf4_linear(x) + ((x * dropout_factor) @ A^T @ B^T) * scaling,
-    ``dropout_factor`` the dropout's multiplier per element (mask / (1 - p), or 1)."""
-    xd = _f64(x) * _f64(dropout_factor)
-    return nf4_linear(x, weight16, bias) + (xd @ _f64(lora_a).t() @ _f64(lora_b).t()) * scaling
-
-
 def nf4_mlp(x, gate16, up16, down16) -> torch.Tensor:
     """Qwen2MLP over three NF4 layers: down(silu(gate(x)) * up(x)), fp16 weights, no biases."""
     return swiglu(nf4_linear(x, gate16, None), nf4_linear(x, up16, None)) @ _f64(down16).t()

@@ -156,11 +156,3 @@ def triton_too_old(version: str) -> str | None:
         return (f"Triton {version} is older than {OLDEST_TRITON[0]}.{OLDEST_TRITON[1]}, the oldest our kernels "
                 f"are tested with (PyTorch >= 2.6 brings it)")
     return None
-
-
-def bf16_native() -> bool:
-    """bf16 arithmetic in hardware (sm_80+). torch.cuda.is_bf16_supported() says True on a T4
-    through emulation, so gate on the compute capability instead."""
-    import torch
-
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)

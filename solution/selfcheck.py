@@ -29,7 +29,8 @@ The checks, in order:
 3. every module of solution/kernels: launched on that device at small odd shapes (its launch
    counter must move), forward and backward compared with a float64 PyTorch reference
    (solution/_references.py) as a norm-wise relative error ||ours - ref|| / ||ref||, which must
-   not exceed TOLERANCE (2e-3, printed on the line); NF4 dequantization must be bit-exact;
+   not exceed that kernel's limit (selfcheck_kernels.KERNELS, with its reason; printed on the
+   line); the checks of exact operations must be bit-exact;
 4. the patches: ``solution.apply()`` installs every patch, ``solution.revert()`` puts every
    replaced object back (checked by identity).
 Nothing here trains, writes files or changes a setting that outlives the process; the background
@@ -50,20 +51,15 @@ from solution.selfcheck_kernels import KERNELS
 PYTHON_RANGE = ((3, 11), (3, 14))  # Soup 0.77.0 needs < 3.14; the CPU suite passed on 3.11 and 3.13
 OLDEST_TORCH = (2, 6)  # the torch that brings Triton 3.2 (solution/env.py's OLDEST_TRITON)
 
-# The largest norm-wise relative error accepted, forward and backward: about four fp16 roundings
-# (fp16 keeps 11 significant bits: one rounding errs by at most 2^-11 = 4.9e-4 relative). Measured
-# on the CPU interpreter: 4.4e-4 at most (the NF4 GEMM chains), ~1e-7 for kernels that compute in
-# fp32; a wrong kernel errs by 1e-1 or more.
-TOLERANCE = 2e-3
 
 # (distribution, module that gives __version__, modules of solution/patches whose check() decides
-# acceptance); every module of solution.patches.PATCHES is under one library
+# acceptance); every module of solution.patches.PATCHES is under at least one library (the
+# decoder-layer node mirrors transformers', peft's and bitsandbytes' code: under all three)
 LIBRARIES = (
-    ("transformers", "transformers", ("qwen2_rmsnorm", "qwen2_decoder_layer", "qwen2_rope", "qwen2_mlp",
-                                      "qwen2_layer_node", "qwen2_unpad", "trainer_lengths", "trainer_flops",
-                                      "trainer_clip")),
-    ("peft", "peft", ("peft_lora_bnb", "peft_model_walks")),
-    ("bitsandbytes", "bitsandbytes", ("bnb_linear4bit",)),
+    ("transformers", "transformers", ("qwen2_rmsnorm", "qwen2_layer_node", "qwen2_unpad", "trainer_lengths",
+                                      "trainer_flops", "trainer_clip")),
+    ("peft", "peft", ("qwen2_layer_node", "peft_model_walks")),
+    ("bitsandbytes", "bitsandbytes", ("qwen2_layer_node",)),
     ("trl", "trl", ("qwen2_lm_head_loss",)),
 )
 
@@ -227,7 +223,7 @@ def check_device() -> tuple[list[Line], str | None]:
 # --------------------------------------------------------------------------------------------------
 # 3. the kernels (their checks: solution/selfcheck_kernels.py)
 # --------------------------------------------------------------------------------------------------
-def check_kernel(name: str, fn: Callable, needs_cuda: bool, device: str | None) -> Line:
+def check_kernel(name: str, fn: Callable, needs_cuda: bool, limit: float, device: str | None) -> Line:
     subject = f"kernel {name}"
     if device is None:
         return Line("SKIP", subject, "устройство не принято (строка GPU выше)", "no accepted device (GPU line above)")
@@ -245,8 +241,8 @@ def check_kernel(name: str, fn: Callable, needs_cuda: bool, device: str | None) 
         figures = f"{int(errs['wrong values'])} wrong values (bit-exact required)"
         bad = errs["wrong values"] != 0
     else:
-        figures = ", ".join(f"{k} {e:.1e}" for k, e in errs.items()) + f" (limit {TOLERANCE:.0e})"
-        bad = not all(e <= TOLERANCE for e in errs.values())
+        figures = ", ".join(f"{k} {e:.1e}" for k, e in errs.items()) + f" (limit {limit:.1e})"
+        bad = not all(e <= limit for e in errs.values())
     subject = f"{subject} ({device})"
     if missing:
         return Line("FAIL", subject, "ядро не запускалось", f"did not launch: {', '.join(missing)}")
@@ -265,7 +261,7 @@ def check_patches(device: str | None) -> Line:
                     "no accepted device: apply() installs nothing")
     import solution
     from solution import _apply
-    from solution.patches._base import _MISSING, _Item
+    from solution.patches._base import _MISSING
 
     settings = dataclasses.replace(_apply.check_settings(), precompile=False)
     installed = solution.apply(settings=settings)
@@ -275,8 +271,6 @@ def check_patches(device: str | None) -> Line:
     solution.revert()
 
     def current(owner, name):
-        if isinstance(owner, _Item):
-            return owner.mapping.get(name, _MISSING)
         return owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
 
     not_back = [f"{getattr(o, '__name__', type(o).__name__)}.{n}" for o, n, orig in swapped if current(o, n) is not orig]
@@ -328,8 +322,8 @@ def run_all(emit: Callable[[str], None] = print) -> list[Line]:
     device_lines, device = result if isinstance(result, tuple) else ([result], None)
     for line in device_lines:
         record(line)
-    for name, fn, needs_cuda in KERNELS:
-        record(_run(f"kernel {name}", check_kernel, name, fn, needs_cuda, device))
+    for name, fn, needs_cuda, limit, _why in KERNELS:
+        record(_run(f"kernel {name}", check_kernel, name, fn, needs_cuda, limit, device))
     record(_run("patches", check_patches, device))
     return lines
 

@@ -1,6 +1,8 @@
 """The element-wise kernels with whole blocks unmasked and the last one masked
-(solution/kernels/_blocks.py): both branches, against torch, on sizes that are and are not a
-multiple of the block; and the unmasked branch compiles to 128-bit accesses (PTX, no GPU needed).
+(solution/kernels/_blocks.py: fp32_add_kernel, qkv_grad_sum_kernel and the casts of
+nf4_dequant_cast_kernel): both branches, bit for bit against torch's operations (the fp32 formula
+each kernel reproduces), on sizes that are and are not a multiple of the block; and the unmasked
+branch compiles to 128-bit accesses (sm_90 PTX of the recorded specializations, no GPU needed).
 
 The training launches use blocks of 2048 elements on the GPU and 65536 in the interpreter, so the
 other kernel tests mostly run one of the two branches; here the blocks are small (64)."""
@@ -11,14 +13,15 @@ import re
 import pytest
 import torch
 
-from solution.kernels import fp32_add, lora_nf4, nf4_dequant
+from solution.kernels import fp32_add, nf4_dequant, qkv_grad
 from solution.kernels._launches import cdiv
 
 BLOCK = 64
 SIZES = [64 * 3, 64 * 3 + 17, 5]  # whole blocks only; whole blocks and a tail; a tail only
 # every training launch of the kernels that multiply passes enable_fp_fusion=False (the roundings are stock's:
-# no fused multiply-add); launched without it, the GPU compile fuses `a + keep * g * scale` into an
-# FMA and the results move in the last bit (seen on the H200: this file's tests fail without it)
+# no fused multiply-add); launched without it, the GPU compile may fuse a product and a sum such as
+# `a + (keep * g) * scale` into an FMA and the results move in the last bit (seen on the H200 with the
+# former LoRA grad-sum kernel, whose formula qkv_grad_sum_kernel now holds)
 NO_FMA = {"enable_fp_fusion": False}
 
 
@@ -36,24 +39,29 @@ def test_fp32_add_both_branches(device, n):
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_lora_combine_and_grad_sum_both_branches(device, n):
-    base, lora = (torch.randn(n, device=device).to(torch.float16) for _ in range(2))
-    out = torch.full((n,), float("nan"), device=device)
-    lora_nf4.lora_combine_kernel[_grid(n)](base, lora, out, n, 2.0, BLOCK=BLOCK, **NO_FMA)
-    assert torch.equal(out, base.float() + (lora.float() * 2.0).half().float())
+@pytest.mark.parametrize("drop", [0, 1, 2])
+def test_qkv_grad_sum_both_branches(device, n, drop):
+    """qkv_grad_sum_kernel (the q / k / v input-gradient sum) against the fp32 formula in autograd's
+    order, bit for bit: per LoRA projection fp32(a) + dropout's backward of fp32(b) (DROP 0: none,
+    1: bool mask, (keep * g) * scale, 2: noise, g * noise), then ((v + k) + q)."""
+    scale = 1 / 0.7
+    aq, bq, ak, av, bv = (torch.randn(n, device=device).to(torch.float16) for _ in range(5))
+    keep = [torch.rand(n, device=device) > 0.3 for _ in range(2)]
+    masks = {0: (aq, av), 1: tuple(keep), 2: tuple(k.float() / 0.7 for k in keep)}[drop]
 
-    a16, b16 = (torch.randn(n, device=device).to(torch.float16) for _ in range(2))
-    keep = torch.rand(n, device=device) > 0.3
-    for drop, m in ((0, a16), (1, keep), (2, keep.float() / 0.7)):
-        got = torch.full((n,), float("nan"), device=device)
-        lora_nf4.lora_grad_sum_kernel[_grid(n)](a16, b16, m, got, n, 1 / 0.7, DROP=drop, BLOCK=BLOCK,
-                                                     **NO_FMA)
-        g = b16.float()
+    def projection(a, b, m):
+        g = b.float()
         if drop == 1:
-            g = (keep.float() * g) * torch.tensor(1 / 0.7, dtype=torch.float32)
+            g = (m.float() * g) * torch.tensor(scale, dtype=torch.float32, device=device)
         if drop == 2:
             g = g * m
-        assert torch.equal(got, a16.float() + g), drop
+        return a.float() + g
+
+    out = torch.full((n,), float("nan"), device=device)
+    qkv_grad.qkv_grad_sum_kernel[_grid(n)](aq, bq, masks[0], ak, av, bv, masks[1], out, n, scale,
+                                           DROP=drop, BLOCK=BLOCK, **NO_FMA)
+    ref = (projection(av, bv, masks[1]) + ak.float()) + projection(aq, bq, masks[0])
+    assert torch.equal(out.view(torch.int32), ref.view(torch.int32))
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -117,11 +125,11 @@ def _vector_ptx_kernels() -> set[str]:
 
 # kernel -> the fewest 128-bit stores its PTX must hold: the dequantization's own 4 in the
 # dequant + cast launch, and at least 2 more for one fp16 cast output (with every access masked: those 4 only)
-VECTOR_KERNELS = {"fp32_add_kernel": 1, "lora_combine_kernel": 1, "lora_grad_sum_kernel": 1, "nf4_dequant_cast_kernel": 6}
+VECTOR_KERNELS = {"fp32_add_kernel": 1, "qkv_grad_sum_kernel": 1, "nf4_dequant_cast_kernel": 6}
 
 
 def test_unmasked_blocks_compile_to_vector_accesses():
-    """Every recorded specialization of the four kernels, compiled for sm_90 like the precompile
+    """Every recorded specialization of these kernels, compiled for sm_90 like the precompile
     compiles it, holds 128-bit global loads and stores (with every access masked, the casts had
     none, with Triton 3.6). Runs in a child process without the interpreter."""
     import os

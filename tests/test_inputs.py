@@ -123,8 +123,8 @@ def test_apply_refuses_unknown_patch_names_before_installing_anything(monkeypatc
     with pytest.raises(ValueError, match=r"names no patch: rmsnorm \(known: qwen2_rmsnorm, .*cuda_allocator\)"):
         solution.apply(verbose=False)
     assert solution.installed() == {}
-    monkeypatch.setenv("SOLUTION_SKIP_PATCHES", " qwen2_unpad, cuda_allocator,peft_lora_bnb4bit ")
-    assert _apply.check_settings().skip_patches == {"qwen2_unpad", "cuda_allocator", "peft_lora_bnb4bit"}
+    monkeypatch.setenv("SOLUTION_SKIP_PATCHES", " qwen2_unpad, cuda_allocator,peft_model_walks ")
+    assert _apply.check_settings().skip_patches == {"qwen2_unpad", "cuda_allocator", "peft_model_walks"}
     assert _apply.patch_names()[-1] == "cuda_allocator" and len(_apply.patch_names()) == len(_apply.PATCHES) + 1
 
 

@@ -9,25 +9,30 @@ accepted: no op needed it (NaN against inf would be acceptable only where stock'
 depends on a summation order). Every test also checks that its inputs really reach non-finite
 stock results (``expect_nonfinite``), so a test cannot pass by never overflowing.
 
-Inputs, per op, at small odd shapes, through the autograd Function / launcher the patches call:
-+inf, -inf, NaN, +-65504 (the fp16 limit), values whose square / product overflows fp16 (300 * 300,
-65504 * 2) and fp32 values that round to inf when cast to fp16 (70000, 65520) or to 65504 (65519);
-and upstream gradients that hold inf / NaN / values whose product with a weight overflows fp16.
-The stock side is the module or function the kernel replaces, with the same dtype flow:
+Inputs, per op, at small odd shapes, through the launchers the decoder-layer node
+(solution/step/layer.py) calls, or the autograd Function the qwen2_rmsnorm / qwen2_lm_head_loss
+patches call: +inf, -inf, NaN, +-65504 (the fp16 limit), values whose square / product overflows
+fp16 (300 * 300, 65504 * 2) and fp32 values that round to inf when cast to fp16 (70000, 65520) or
+to 65504 (65519); and upstream gradients that hold inf / NaN / values whose product with a weight
+overflows fp16. The stock side is the module or function the kernel replaces, with the same dtype flow:
   rmsnorm       rmsnorm()                     Qwen2RMSNorm's stock forward (fp32 inside)
-  add_rmsnorm   add_rmsnorm()                 residual + x, then Qwen2RMSNorm's stock forward
-  rope          rope()                        transformers' apply_rotary_pos_emb
-  swiglu        swiglu(g, u, inplace_backward=True) (the Qwen2MLP patch's call), fp16 under autocast
-                and fp32; swiglu_*_fp16_of_fp32 (the fused NF4 MLP's)   F.silu(g) * u, stock fp32
-  fp32_add      add_as_fp32 / residual_add   torch's promoted add and its autograd
-  attn_layout   pad_heads / unpad_heads      index_copy into zeros + repeat_kv + autocast's cast
-  attn_varlen   varlen_causal_attention      stock SDPA on the padded batch (causal + key padding
+  add_rmsnorm   _launch_forward / _launch_backward (rmsnorm's _launch_backward_dw)
+                                              residual + x, then Qwen2RMSNorm's stock forward
+  swiglu        swiglu_fp16_of_fp32 / swiglu_backward_fp16_of_fp32 (the fused NF4 MLP's)
+                                              F.silu(g) * u in fp32 with fp32 autograd, cast to fp16
+  fp32_add      add_as_fp32 (the MLP's input-gradient sum, the residual add; the residual add's
+                fp16 gradient is cast in the down weight's dequantization launch)
+                                              torch's promoted add and its autograd
+  attn_varlen   varlen_forward / varlen_backward (CUDA; on the CPU the node's rows_reference)
+                                              stock SDPA on the padded batch (causal + key padding
                                               mask, as transformers passes it)
   nf4_dequant   dequantize_nf4, DequantPlan.launch casts   bitsandbytes dequantize_4bit, torch casts,
                                                             torch.native_dropout's value
-  nf4_linear    bnb Linear4bit with the bnb_linear4bit patch   bnb's own Linear4bit.forward
-  lora_nf4      peft lora.bnb.Linear4bit with the patches      peft + bnb, under fp16 autocast
-  nf4_mlp       Qwen2MLP with the bnb_linear4bit + qwen2_mlp patches   stock Qwen2MLP on bnb NF4
+  nf4_linear    LinearPlan.dequant_and_cast + F.linear, input_grad16   bnb's own Linear4bit
+  lora_nf4      lora_dropout, lora_forward_gemms, lora_backward_gemms, cast_grads (the base and
+                LoRA sums in torch, as peft makes them)   peft lora.bnb.Linear4bit + bnb, under
+                                                          fp16 autocast
+  nf4_mlp       mlp_forward / mlp_saved / mlp_backward    stock Qwen2MLP on bnb NF4
   lm_head_loss  fused_lm_head_loss (as the patch calls it)   F.linear in fp16 + ForCausalLMLoss
 On the CPU the NF4 stock side is bitsandbytes itself (its CPU dequantization, on shapes where its
 CPU kernel is right: tests/test_nf4_dequant.py), as in the op's own tests.
@@ -36,6 +41,8 @@ Then the same ops on inputs with the real model's outlier channels (docs/outlier
 massive activations (two channels at -7968 / +6368 on a few rows, born as -4192 / +3376 from a super
 weight) and the outlier stand-in's raised trigger (20x: inf in fp16): rmsnorm, add_rmsnorm, the NF4
 linear with super weights, LoRA on normed massive rows, swiglu's super activation, the LM head.
+The sums the node fuses elsewhere (q / v's base + LoRA outputs: kernels/qkv_rope.py; the input
+gradients' sum: kernels/qkv_grad.py) are made here with torch's ops, as peft makes them.
 
 All of the above run on the ``device`` fixture: Triton's CPU interpreter here, the GPU on the GPU
 machine. The whole stack, on the tiny QLoRA model (tests/test_unpad.py's qlora_tiny_model):
@@ -43,8 +50,8 @@ machine. The whole stack, on the tiny QLoRA model (tests/test_unpad.py's qlora_t
     whose hidden states overflow in layer 0 (one token's) and batches without: the same
     parameters get non-finite gradients, step by step;
   * an fp16 training loop with torch.amp.GradScaler(init_scale=2**40), stock against
-    solution.apply(), the same seeds and batches: the same steps skipped, the same scale after
-    every step. Marked gpu; a shorter CPU version (bitsandbytes on the CPU, the interpreter) is
+    solution.apply() (the decoder-layer node runs every layer), the same seeds and batches: the
+    same steps skipped, the same scale after every step. Marked gpu; a shorter CPU version (bitsandbytes on the CPU, the interpreter) is
     marked slow (~1.5 min).
 
 Found and fixed here (issue 16): nf4_dequant's bf16 rounding (bnb's backward chain for bf16
@@ -64,7 +71,6 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import rel_err
-from tests.test_nf4_mlp import mlp_patches  # noqa: F401 - the fixture, shared
 from tests.test_unpad import qlora_tiny_model
 
 pytestmark = [
@@ -132,7 +138,6 @@ def assert_like_stock(ours, stock, tol, what, *, expect_nonfinite=False, exact=F
 # --------------------------------------------------------------------------------------------------
 modeling_qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
 STOCK_NORM_FORWARD = modeling_qwen2.Qwen2RMSNorm.forward  # read at import, before any patch
-STOCK_ROPE = modeling_qwen2.apply_rotary_pos_emb
 
 
 def stock_norm(h, w):
@@ -270,58 +275,21 @@ def test_add_rmsnorm(device, norm_tiling, r_dt, x_dt, w_dt, case):
 
 
 def add_rmsnorm_both(r, x, w0, gh, gy):
-    """(ours, stock), each (h, y, d residual, d x, d weight): add_rmsnorm against residual + x and
-    Qwen2RMSNorm's stock forward, upstream gradients gh (of h) and gy (of y)."""
-    from solution.kernels.add_rmsnorm import add_rmsnorm
+    """(ours, stock), each (h, y, d residual, d x, d weight): the node's launchers (add_rmsnorm's
+    _launch_forward / _launch_backward; the weight gradient rmsnorm's _launch_backward_dw) against
+    residual + x and Qwen2RMSNorm's stock forward, upstream gradients gh (of h) and gy (of y)."""
+    from solution.kernels import add_rmsnorm, rmsnorm
 
-    results = []
-    for impl in ("ours", "stock"):
-        rr, xx, ww = (t.detach().clone().requires_grad_() for t in (r, x, w0))
-        if impl == "ours":
-            h, y = add_rmsnorm(rr, xx, ww, EPS)
-        else:
-            h = rr + xx
-            y = stock_norm(h, ww)
-        results.append((h, y, *torch.autograd.grad((h, y), (rr, xx, ww), (gh, gy))))
-    return results
-
-
-# --------------------------------------------------------------------------------------------------
-# RoPE (solution/kernels/rope.py) against apply_rotary_pos_emb
-# --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("case", ["inputs", "grads"])
-@pytest.mark.parametrize("qk_dt,cs_dt", [(F32, F32), (F16, F16), (F16, F32)])
-def test_rope(device, qk_dt, cs_dt, case):
-    from solution.kernels.rope import rope
-    from tests.test_rope import projection_layout, qwen2_cos_sin
-
-    torch.manual_seed(9)
-    B, Hq, Hk, L, D = 2, 3, 1, 5, 16
-    q = projection_layout(B, Hq, L, D, qk_dt, device)  # the projections' view + transpose layout
-    k = projection_layout(B, Hk, L, D, qk_dt, device)
-    cos, sin = qwen2_cos_sin(B, L, D, cs_dt, device)
-    out_dt = torch.promote_types(qk_dt, cs_dt)
-    gq, gk = torch.randn(q.shape, device=device).to(out_dt), torch.randn(k.shape, device=device).to(out_dt)
-    with torch.no_grad():
-        if case == "inputs":
-            q[0, 0, 0, 1] = INF          # position 0: sin = 0, so inf * 0 = NaN in the rotated half
-            q[0, 1, 2, 9] = -INF
-            q[1, 2, 3, 0] = NAN
-            q[1, 0, 4, :] = FP16_MAX     # 65504 * cos + 65504 * sin > 65504: inf in fp16 only
-            k[0, 0, 3, 2], k[0, 0, 3, 10] = INF, -INF
-            k[1, 0, 1, :] = -FP16_MAX
-        else:
-            gq[0, 0, 1, 1], gq[0, 1, 2, 12], gq[1, 2, 0, 3] = INF, -INF, NAN
-            gq[1, 1, 4, :] = FP16_MAX
-            gk[0, 0, 2, 5], gk[1, 0, 3, :] = NAN, -FP16_MAX
-    res = []
-    for fn in (rope, STOCK_ROPE):
-        qq, kk = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
-        qo, ko = fn(qq, kk, cos, sin)
-        res.append((qo, ko, *torch.autograd.grad((qo, ko), (qq, kk), (gq, gk))))
-    for name, a, b in zip(("q_embed", "k_embed", "dq", "dk"), *res):
-        # the kernel rounds where stock rounds (bit for bit on finite inputs): exact here too
-        assert_like_stock(a, b, 0.0, name, exact=True, expect_nonfinite=(name in ("q_embed", "k_embed")) == (case == "inputs"))
+    n_cols = x.shape[-1]
+    h, y, rstd = add_rmsnorm._launch_forward(r, x, w0, EPS, x.shape)
+    dtypes = add_rmsnorm._grad_dtypes(r.dtype, x.dtype, True, True)
+    grads = dict(zip(dtypes, add_rmsnorm._launch_backward(h.view(-1, n_cols), w0, gy, gh, rstd, dtypes)))
+    dw = rmsnorm._launch_backward_dw(h.view(-1, n_cols), gy, rstd, w0.dtype)
+    ours = (h, y, grads[r.dtype], grads[x.dtype], dw)
+    rr, xx, ww = (t.detach().clone().requires_grad_() for t in (r, x, w0))
+    hs = rr + xx
+    ys = stock_norm(hs, ww)
+    return ours, (hs, ys, *torch.autograd.grad((hs, ys), (rr, xx, ww), (gh, gy)))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -347,43 +315,11 @@ def swiglu_inputs(rows, cols, dtype, device, case, seed=10):
     return tuple(t.to(dtype).to(device) for t in (g, u, dh))
 
 
-def _swiglu_tol(dtype):
-    """tests/test_swiglu.py: bitwise with the table; the interpreter's numpy exp may move an fp16
-    result by one ulp, ~5e-4 relative; fp32 a few roundings."""
-    return 2e-3 if dtype == F16 else 1e-6
-
-
-@pytest.mark.parametrize("case", ["inputs", "grads", "both"])
-@pytest.mark.parametrize("dtype,silu_mode", [(F16, "auto"), (F16, "table"), (F16, "compute"), (F32, "auto")])
-def test_swiglu(device, monkeypatch, dtype, silu_mode, case):
-    """The Qwen2MLP patch's call, swiglu(g, u, inplace_backward=True) on non-leaf g / u, against
-    ``act_fn(g) * u`` (fp16 GEMM outputs under autocast, where silu and mul run in fp16; fp32 when
-    bnb hands back fp32). fp16 in each of tests/test_swiglu.py's silu modes (auto: exhaustive check,
-    then compute or table; table: torch's own fp16 silu; compute forced)."""
-    import solution.kernels.swiglu as sw
-    from solution.kernels import _launches
-    from solution.kernels.swiglu import swiglu
-
-    monkeypatch.setattr(sw, "SILU_MODE", silu_mode)
-    g0, u0, dh = swiglu_inputs(13, 37, dtype, device, case)
-    res = []
-    for impl in ("ours", "stock"):
-        gl, ul = g0.detach().clone().requires_grad_(), u0.detach().clone().requires_grad_()
-        before = _launches.LAUNCHES["swiglu_bwd"]
-        with torch.autocast(device_type=device, dtype=F16, enabled=dtype == F16):
-            g, u = gl * 1, ul * 1  # non-leaf, as the projections' outputs: the in-place backward runs
-            h = swiglu(g, u, inplace_backward=True) if impl == "ours" else F.silu(g) * u
-        res.append((h, *torch.autograd.grad(h, (gl, ul), dh)))
-        assert (_launches.LAUNCHES["swiglu_bwd"] == before + 1) == (impl == "ours")  # not the fallback
-    t = _swiglu_tol(dtype)
-    for name, a, b in zip(("h", "dg", "du"), *res):
-        assert_like_stock(a, b, t, name, expect_nonfinite=name != "h" or case != "grads")
-
-
 @pytest.mark.parametrize("case", ["inputs", "grads", "both"])
 def test_swiglu_fp16_of_fp32(device, case):
-    """The fused NF4 MLP's SwiGLU (FP32_STOCK): fp16 storage of stock's fp32 tensors; stock is
-    silu(fp32 g) * fp32 u with fp32 autograd, cast to fp16 where the next fp16 GEMM casts."""
+    """The fused NF4 MLP's SwiGLU: fp16 storage of stock's fp32 tensors; stock is silu(fp32 g) *
+    fp32 u with fp32 autograd, cast to fp16 where the next fp16 GEMM casts. Tolerance:
+    tests/test_swiglu.py's (the interpreter's numpy exp may move an fp16 result by one ulp)."""
     from solution.kernels import swiglu as sw
 
     g16, u16, dh16 = swiglu_inputs(13, 37, F16, device, case)
@@ -418,8 +354,11 @@ def test_fp32_add(device):
 
 
 def test_residual_add(device):
-    """residual (fp32) + fp16 MLP output and its autograd: the fp16 operand's gradient is the fp32
-    gradient rounded to fp16 (7e4 -> inf)."""
+    """The layer's last residual add as the node makes it: residual (fp32) + the MLP's fp16 output
+    through add_as_fp32 against torch's promoted add; its backward hands the fp32 gradient to the
+    residual as it is and fp16(gradient) to the MLP output (7e4 -> inf, 65519 -> 65504), a cast the
+    node makes in the down weight's dequantization launch (LinearPlan.dequant_and_cast) where
+    autograd's engine casts."""
     from solution.kernels import _launches, fp32_add
 
     gen = torch.Generator().manual_seed(12)
@@ -430,75 +369,21 @@ def test_residual_add(device):
     y[0, 0, :4] = torch.tensor([-INF, 1.0, FP16_MAX, INF])
     dout[1, 1, :5] = torch.tensor([7.0e4, -7.0e4, INF, NAN, 65519.0])
     res, y, dout = res.to(device), y.half().to(device), dout.to(device)
-    out = []
-    for fn in (fp32_add.residual_add, torch.add):
-        r, yy = res.clone().requires_grad_(), y.clone().requires_grad_()
-        before = _launches.LAUNCHES["fp32_add_kernel"]
-        o = fn(r, yy)
-        assert (_launches.LAUNCHES["fp32_add_kernel"] == before + 1) == (fn is fp32_add.residual_add)
-        out.append((o, *torch.autograd.grad(o, (r, yy), dout)))
-    for name, a, b in zip(("out", "dres", "dy"), *out):
-        assert_like_stock(a, b, 0.0, name, exact=True, expect_nonfinite=True)
+    before = _launches.LAUNCHES["fp32_add_kernel"]
+    out = fp32_add.add_as_fp32(res, y)
+    assert _launches.LAUNCHES["fp32_add_kernel"] == before + 1  # the kernel, not torch's fallback
+    down = linear_plan(make_linear4bit(40, 64, bias=False, device=device, seed=6))
+    _, dy16 = down.dequant_and_cast(dout.view(-1, 64))
+    r, yy = res.clone().requires_grad_(), y.clone().requires_grad_()
+    o = torch.add(r, yy)
+    dy = torch.autograd.grad(o, yy, dout)[0]  # the residual's gradient is dout itself, in both
+    assert_like_stock(out, o, 0.0, "out", exact=True, expect_nonfinite=True)
+    assert_like_stock(dy16.view(dy.shape), dy, 0.0, "dy", exact=True, expect_nonfinite=True)
 
 
 # --------------------------------------------------------------------------------------------------
-# Attention layout moves (solution/kernels/attn_layout.py) and variable-length attention
-# (solution/kernels/attn_varlen.py)
+# Variable-length attention (solution/kernels/attn_varlen.py)
 # --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("in_dtype,out_dtype", [(F32, F16), (F16, F16), (F32, F32)])
-def test_attn_pad_heads(device, in_dtype, out_dtype):
-    """pad_heads (pad + repeat_kv + autocast's cast): 70000 -> inf and 65519 -> 65504 in the cast,
-    inf / NaN copied; backward: the fp32 sum over each group of repeated heads (+inf + -inf = NaN,
-    65504 + 65504 = 131008, inf again when rounded to fp16)."""
-    from solution.kernels import attn_layout
-    from solution.step import packing
-    from tests.test_attn_layout import _reference_pad
-
-    lengths, seqlen, heads, rep, d = [5, 2, 7], 7, 2, 3, 16
-    info = packing.make_unpadded(lengths, seqlen, torch.device(device))
-    n = sum(lengths)
-    gen = torch.Generator().manual_seed(13)
-    rows = torch.randn(n, heads, d, generator=gen)
-    rows[0, 0, :5] = torch.tensor([INF, -INF, NAN, 70000.0, 65519.0])
-    rows[6, 1, :] = -FP16_MAX
-    rows = rows.to(in_dtype).to(device)
-    grad = torch.randn(len(lengths), heads * rep, seqlen, d, generator=gen)
-    grad[0, 0, 1, 0], grad[0, 1, 1, 0] = INF, -INF         # one group: +inf + -inf
-    grad[1, 3, 0, 2], grad[1, 4, 0, 2] = FP16_MAX, FP16_MAX  # 131008: inf only in fp16
-    grad[2, 5, 3, 7] = NAN
-    grad = grad.to(out_dtype).to(device)
-    res = []
-    for fn in (attn_layout.pad_heads, _reference_pad):
-        x = rows.clone().requires_grad_()
-        out = fn(x, info, rep, out_dtype)
-        res.append((out, torch.autograd.grad(out, x, grad)[0]))
-    assert_like_stock(res[0][0], res[1][0], 0.0, "padded", exact=True, expect_nonfinite=True)
-    assert_like_stock(res[0][1], res[1][1], 1e-6, "d_rows", expect_nonfinite=True)
-
-
-def test_attn_unpad_heads(device):
-    from solution.kernels import attn_layout
-    from solution.step import packing
-
-    lengths, seqlen, heads, d = [4, 6], 6, 3, 16
-    info = packing.make_unpadded(lengths, seqlen, torch.device(device))
-    gen = torch.Generator().manual_seed(14)
-    out = torch.randn(2, seqlen, heads, d, generator=gen)
-    out[0, 1, 2, :3] = torch.tensor([INF, NAN, -INF])
-    out[0, 5, 0, 0] = NAN  # a pad position: dropped
-    g = torch.randn(sum(lengths), heads, d, generator=gen)
-    g[3, 1, :2] = torch.tensor([INF, NAN])
-    out, g = out.half().to(device).transpose(1, 2), g.half().to(device)
-    res = []
-    for fn in (attn_layout.unpad_heads,
-               lambda t, i: packing.unpad_rows(t.transpose(1, 2).reshape(2 * seqlen, heads, d), i)):
-        x = out.clone().requires_grad_()
-        o = fn(x, info)
-        res.append((o, torch.autograd.grad(o, x, g)[0]))
-    assert_like_stock(res[0][0], res[1][0], 0.0, "rows", exact=True, expect_nonfinite=True)
-    assert_like_stock(res[0][1], res[1][1], 0.0, "d_padded", exact=True, expect_nonfinite=True)
-
-
 def _stock_padded_attention(q, k, v, lengths, scale):
     """What stock runs: q / k / v [1, N, H, D] scattered into the padded [B, H, S, D] batch (pad
     positions hold finite values, here zeros), SDPA with the boolean causal + key-padding mask
@@ -536,8 +421,9 @@ def _visible_keys_attention(q, k, v, lengths, scale):
 @pytest.mark.parametrize("dtype", [F16, F32])
 @pytest.mark.parametrize("case", ["inputs", "grads"])
 def test_attn_varlen(device, dtype, case):
-    """Causal attention of packed rows (the GPU: PyTorch's variable-length kernel; the CPU: SDPA
-    row by row) against stock's padded SDPA: a NaN query, an inf key and a -inf value in the first
+    """Causal attention of packed rows as the node runs it (the GPU: PyTorch's variable-length
+    kernel, varlen_forward / varlen_backward; the CPU: rows_reference, SDPA row by row, and its
+    autograd) against stock's padded SDPA: a NaN query, an inf key and a -inf value in the first
     row must poison exactly what they poison in stock (never the other rows); gradients with inf /
     NaN upstream likewise.
     Accepted as "NaN or inf": none. Values: fp16 kernels with fp32 accumulation in another order,
@@ -561,12 +447,17 @@ def test_attn_varlen(device, dtype, case):
         dout[0, 21, 1, :] = FP16_MAX
     q, k, v, dout = (t.to(dtype).to(device) for t in (q, k, v, dout))
     scale = d ** -0.5
-    res = []
-    for fn in (lambda a, b, c: attn_varlen.varlen_causal_attention(a, b, c, info, scale),
-               lambda a, b, c: _stock_padded_attention(a, b, c, lengths, scale)):
+    if device == "cuda":
+        out, lse, seed, offset = attn_varlen.varlen_forward(q, k, v, info.cu_seqlens, info.max_len, scale)
+        ours = (out, *attn_varlen.varlen_backward(dout, q, k, v, out, lse, info.cu_seqlens, seed, offset,
+                                                  info.max_len, scale))
+    else:
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-        out = fn(qq, kk, vv)
-        res.append((out, *torch.autograd.grad(out, (qq, kk, vv), dout)))
+        out = attn_varlen.rows_reference(qq, kk, vv, lengths, scale)
+        ours = (out, *torch.autograd.grad(out, (qq, kk, vv), dout))
+    qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+    out = _stock_padded_attention(qq, kk, vv, lengths, scale)
+    res = [ours, (out, *torch.autograd.grad(out, (qq, kk, vv), dout))]
     tol = 2e-3 if dtype == F16 else 1e-5
     if device == "cpu" and dtype == F16 and case == "grads":
         # On the CPU both sides are PyTorch's fp16 SDPA (the padded batch against one call per
@@ -686,8 +577,43 @@ def test_nf4_dequant_cast_launch(device):
 
 
 # --------------------------------------------------------------------------------------------------
-# NF4 linear (solution/kernels/nf4_linear.py) against bnb's Linear4bit.forward
+# NF4 layers: the linear plan (solution/kernels/nf4_linear.py), LoRA on NF4 (lora_nf4.py) and the
+# fused MLP (nf4_mlp.py), against bitsandbytes' Linear4bit, peft's lora.bnb.Linear4bit and Qwen2MLP
 # --------------------------------------------------------------------------------------------------
+def make_linear4bit(in_f, out_f, bias=True, device="cpu", seed=0):
+    """A bnb Linear4bit like the workload's: NF4, double quant, fp16 compute, fp32 bias (what
+    prepare_model_for_kbit_training leaves on q/k/v), quantized from random fp16 weights."""
+    import bitsandbytes as bnb
+
+    g = torch.Generator().manual_seed(seed)
+    lin = bnb.nn.Linear4bit(in_f, out_f, bias=bias, compute_dtype=F16, compress_statistics=True, quant_type="nf4")
+    w = (torch.randn(out_f, in_f, generator=g) * 0.05).to(F16)
+    lin.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4")
+    if bias:
+        lin.bias = torch.nn.Parameter(torch.randn(out_f, generator=g) * 0.1, requires_grad=False)
+    return lin.to(device).train()
+
+
+def linear_plan(layer):
+    """The node's kernel plan of a bnb Linear4bit (solution/patches/_bnb.py), checked to be taken."""
+    from solution.patches._bnb import linear_plan as plan_of
+
+    plan = plan_of(layer)
+    assert plan.reason is None, plan.reason
+    return plan
+
+
+def bnb_dequant_rows(device) -> int:
+    """Fewest rows for which bitsandbytes' gemm_4bit surely runs dequant + F.linear (the CPU: any;
+    CUDA: above its fused small-M GEMM's limit, bnb's ``_gemm_4bit_custom_max_m``), so that stock
+    computes the GEMMs the node computes."""
+    if device != "cuda":
+        return 1
+    from bitsandbytes.backends.cuda import ops as cuda_ops
+
+    return cuda_ops._gemm_4bit_custom_max_m + 1
+
+
 def _overflowing_rows(w16: torch.Tensor, value: float) -> torch.Tensor:
     """[2, in] inputs whose fp16 GEMM with w16 [out, in] overflows: value * sign(w16[0]) (output 0
     sums |w| * value) and its negative."""
@@ -719,24 +645,37 @@ def nf4_special_grad(rows, n_out, w16, seed):
 
 
 def _rows_for(device, rows):
-    """On CUDA, more rows than bnb's fused small-M GEMM limit (tests/test_nf4_linear.py's tokens):
-    our path only takes those; the specials sit in the first rows. Even, so that the callers can
-    split the rows into two batch rows."""
-    from tests.test_nf4_linear import bnb_dequant_rows
-
+    """On CUDA, more rows than bnb's fused small-M GEMM limit (``bnb_dequant_rows``); the specials
+    sit in the first rows. Even, so that the callers can split the rows into two batch rows."""
     n = max(rows, bnb_dequant_rows(device))
     return n + n % 2
 
 
+def plan_linear(layer, x, g):
+    """(out, dx) of a frozen NF4 linear (k_proj / o_proj-like, fp32 x) as the node computes them:
+    x cast to fp16 in the weight's dequantization launch, F.linear with bnb's fp16 bias, the fp32
+    copy bnb hands back; backward fp16(g) @ W (input_grad16), promoted to fp32 as autograd does."""
+    from solution.patches._bnb import linear4bit_bias
+
+    plan = linear_plan(layer)
+    w16, x16 = plan.dequant_and_cast(x)
+    out = F.linear(x16, w16, linear4bit_bias(layer)).float()
+    return out, plan.input_grad16(g.to(F16)).float()
+
+
+def stock_linear(layer, x, g):
+    """(out, dx) of bnb's own Linear4bit forward and MatMul4Bit backward."""
+    xx = x.clone().requires_grad_()
+    out = layer(xx)
+    return out, torch.autograd.grad(out, xx, g)[0]
+
+
 @pytest.mark.parametrize("case", ["inputs", "grads"])
 def test_nf4_linear(device, case):
-    """The bnb_linear4bit patch (NF4LinearFunction) against bnb's own forward / MatMul4Bit backward:
-    the same fp16 GEMMs on the same fp16 operands, so equal bit for bit on the CPU (the op's own
-    test: equal on both devices)."""
-    from solution.kernels import _launches
+    """k_proj / o_proj through the node's LinearPlan against bnb's forward / backward: the same fp16
+    GEMMs on the same fp16 operands, so equal bit for bit on the CPU (within fp16 GEMM noise on the
+    GPU, where cuBLAS may pick another kernel for another call)."""
     from solution.kernels.nf4_dequant import dequantize_nf4
-    from tests.conftest import dequant_launches
-    from tests.test_nf4_linear import Patched, make_linear4bit
 
     k, n_out = 99, 40  # bnb's CPU dequantization is right for an odd last dim
     layer = make_linear4bit(k, n_out, bias=True, device=device, seed=4)
@@ -745,144 +684,126 @@ def test_nf4_linear(device, case):
     x = nf4_special_x(rows, k, w16, seed=18) if case == "inputs" else torch.randn(rows, k)
     g = nf4_special_grad(rows, n_out, w16, seed=19) if case == "grads" else torch.randn(rows, n_out)
     x, g = x.to(device), g.to(device)
-    res = []
-    for patched in (True, False):
-        xx = x.clone().requires_grad_()
-        _launches.reset()
-        if patched:
-            with Patched():
-                out = layer(xx)
-                dx = torch.autograd.grad(out, xx, g)[0]
-        else:
-            out = layer(xx)
-            dx = torch.autograd.grad(out, xx, g)[0]
-        assert (dequant_launches() == 2) == patched  # forward + backward on our path, only there
-        res.append((out, dx))
-    assert_like_stock(res[0][0], res[1][0], 0.0, "out", exact=True, expect_nonfinite=case == "inputs")
-    assert_like_stock(res[0][1], res[1][1], 0.0, "dx", exact=True, expect_nonfinite=case == "grads")
+    stock = stock_linear(layer, x, g)
+    ours = plan_linear(layer, x, g)
+    exact = device == "cpu"
+    assert_like_stock(ours[0], stock[0], 3e-3, "out", exact=exact, expect_nonfinite=case == "inputs")
+    assert_like_stock(ours[1], stock[1], 3e-3, "dx", exact=exact, expect_nonfinite=case == "grads")
 
 
-# --------------------------------------------------------------------------------------------------
-# LoRA on NF4 (solution/kernels/lora_nf4.py) against peft's lora.bnb.Linear4bit on bnb
-# --------------------------------------------------------------------------------------------------
-@pytest.fixture
-def autocast_ctx(monkeypatch, device):
-    """torch.autocast(fp16) on the test device, with peft's torch.is_autocast_enabled() answering
-    for that device (tests/test_lora_nf4.py's fixture: on the CPU peft asks the CUDA autocast)."""
-    if device == "cpu":
-        original = torch.is_autocast_enabled
+def lora_layer(in_f, out_f, dropout, device, seed=0, r=16, alpha=32):
+    """peft's lora.bnb.Linear4bit (the workload's r 16, alpha 32: scaling 2.0) over
+    ``make_linear4bit``, fp32 LoRA weights, random A and B (peft starts B at zero)."""
+    from peft import LoraConfig
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
 
-        def is_autocast_enabled(device_type=None):
-            return original("cpu" if device_type is None else device_type)
+    base = make_linear4bit(in_f, out_f, bias=True, device=device, seed=seed)
+    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=["q_proj"], bias="none")
+    layer = LoraLinear4bit(base, "default", config=cfg, r=r, lora_alpha=alpha)
+    g = torch.Generator().manual_seed(seed + 7)
+    for lin in (layer.lora_A["default"], layer.lora_B["default"]):
+        lin.weight = torch.nn.Parameter((torch.randn(lin.weight.shape, generator=g) * 0.05).to(device, F32))
+    return layer.train()
 
-        monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
-    return lambda: torch.autocast(device_type=device, dtype=F16)
+
+def lora_ours(layer, x, g, seed=123):
+    """(out, dx, dA, dB) of q_proj / v_proj as the node computes them (fp32 x and upstream g): the
+    dropout drawn by lora_dropout, lora_forward_gemms, lora_backward_gemms and cast_grads (our
+    kernels and cuBLAS); the sums the node fuses into kernels/qkv_rope.py and kernels/qkv_grad.py
+    (base + fp16(lora * s), fp16(g) and fp16(fp16(g) * s), the input gradients' sum through
+    dropout's backward) made here with torch's ops, in stock's dtypes."""
+    from solution.kernels import lora_nf4
+    from solution.patches._bnb import linear4bit_bias
+
+    base = layer.get_base_layer()
+    plan = linear_plan(base)
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    s = layer.scaling["default"]
+    torch.manual_seed(seed)
+    xd, mask, mode, drop_scale = lora_nf4.lora_dropout(layer.lora_dropout["default"], x)
+    base16, lora16, _, saved = lora_nf4.lora_forward_gemms(plan, x, xd, mask, a, b, linear4bit_bias(base))
+    out = base16.float() + (lora16 * s).float()
+    g16 = g.to(F16)
+    gbase16, gxd16, ga16, gb16 = lora_nf4.lora_backward_gemms(plan, g16, g16 * s, saved, True, True, True)
+    da, db = lora_nf4.cast_grads(ga16, gb16, a.dtype, b.dtype)
+    gxd = gxd16.float()
+    if mode == lora_nf4.DROPOUT_MASK:  # CUDA's native_dropout_backward
+        gxd = torch.ops.aten.native_dropout_backward(gxd, mask, drop_scale)
+    elif mode == lora_nf4.DROPOUT_NOISE:  # the CPU's x * noise
+        gxd = gxd * mask
+    return out, gbase16.float() + gxd, da, db
+
+
+def lora_stock(layer, x, g, autocast_ctx, seed=123):
+    """(out, dx, dA, dB) of peft + bnb under fp16 autocast, the same dropout draws."""
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    xx = x.clone().requires_grad_()
+    torch.manual_seed(seed)
+    with autocast_ctx():
+        out = layer(xx)
+    return (out, *torch.autograd.grad(out, (xx, a, b), g))
 
 
 @pytest.mark.parametrize("case", ["inputs", "grads"])
 @pytest.mark.parametrize("dropout", [0.0, 0.05])
 def test_lora_nf4(device, autocast_ctx, dropout, case):
-    """The peft_lora_bnb + bnb_linear4bit patches (LoraNF4Function) against peft + bnb under fp16
-    autocast, fp32 x (the residual stream's normed values) and fp32 LoRA weights, the same dropout
-    draws: x with inf / NaN / values beyond fp16 / rows whose base GEMM overflows, and upstream
-    gradients with inf / NaN / 7e4 / a row whose input-gradient GEMM overflows. Dropout of an inf
-    is inf * 0 = NaN in stock (the CPU's x * noise, CUDA's native_dropout) and here. The same GEMMs
-    on the same fp16 operands: equal on the CPU; on the GPU within test_lora_nf4.py's 3e-3."""
-    from solution.kernels import _launches
+    """q_proj / v_proj (``lora_ours``) against peft + bnb under fp16 autocast, fp32 x (the residual
+    stream's normed values) and fp32 LoRA weights, the same dropout draws: x with inf / NaN / values
+    beyond fp16 / rows whose base GEMM overflows, and upstream gradients with inf / NaN / 7e4 / a
+    row whose input-gradient GEMM overflows. Dropout of an inf is inf * 0 = NaN in stock (the CPU's
+    x * noise, CUDA's native_dropout) and here. The same GEMMs on the same fp16 operands: equal on
+    the CPU; on the GPU within tests/test_lora_nf4.py's 3e-3."""
     from solution.kernels.nf4_dequant import dequantize_nf4
-    from tests.test_lora_nf4 import Patched, make_lora_layer
 
     k, n_out = 99, 40
-    layer = make_lora_layer(k, n_out, dropout, F32, device, seed=5)
+    layer = lora_layer(k, n_out, dropout, device, seed=5)
     base = layer.get_base_layer()
     w16 = dequantize_nf4(base.weight, base.weight.quant_state)
     rows = _rows_for(device, 11)
     x = nf4_special_x(rows, k, w16, seed=20) if case == "inputs" else torch.randn(rows, k)
     g = nf4_special_grad(rows, n_out, w16, seed=21) if case == "grads" else torch.randn(rows, n_out)
     x, g = x.to(device), g.to(device)
-    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    res = []
-    for patched in (True, False):
-        xx = x.clone().requires_grad_()
-        ctx = Patched() if patched else contextlib_null()
-        _launches.reset()
-        with ctx:
-            torch.manual_seed(123)
-            with autocast_ctx():
-                out = layer(xx)
-            res.append((out, *torch.autograd.grad(out, (xx, a, b), g)))
-        assert (_launches.LAUNCHES["lora_combine"] == 1) == patched  # our path ran, and only there
+    stock = lora_stock(layer, x, g, autocast_ctx)
+    ours = lora_ours(layer, x, g)
     exact = device == "cpu"
-    for name, o, s in zip(("out", "dx", "dA", "dB"), *res):
+    for name, o, s in zip(("out", "dx", "dA", "dB"), ours, stock):
         assert_like_stock(o, s, 3e-3, name, exact=exact,
                           expect_nonfinite=name != ("out" if case == "grads" else "dx"))
 
 
-def contextlib_null():
-    import contextlib
+def nf4_mlp_module(device, hidden=64, inter=192):
+    """transformers' Qwen2MLP whose three projections are bnb NF4 Linear4bit layers (double quant,
+    fp16 compute, no bias), as in the workload (sizes multiples of bnb's blocksize 64)."""
+    from transformers import Qwen2Config
 
-    return contextlib.nullcontext()
-
-
-def test_lora_combine_and_grad_sum(device):
-    """The two elementwise kernels of the LoRA layer against the stock ops they fuse:
-    combine: fp32(base16) + fp32(fp16(lora16 * s)) (peft's fp16 ``output * scaling``: 40000 * 2 ->
-    inf); grad sum: fp32(a16) + dropout_backward(fp32(b16)) with CUDA's native_dropout_backward
-    (mask * grad * scale) or the CPU's grad * noise, summed in fp32 (inf + -inf = NaN)."""
-    from solution.kernels import lora_nf4
-
-    n = 3000 + 7
-    gen = torch.Generator().manual_seed(22)
-    base = torch.randn(n, generator=gen)
-    lora = torch.randn(n, generator=gen)
-    base[:5] = torch.tensor([INF, NAN, -INF, FP16_MAX, 1.0])
-    lora[:8] = torch.tensor([-INF, 1.0, INF, FP16_MAX, 40000.0, -40000.0, NAN, 32752.0])
-    base16, lora16 = base.half().to(device), lora.half().to(device)
-    for out_dtype in (F32, F16):
-        ours = lora_nf4.lora_combine(base16, lora16, 2.0, out_dtype)
-        stock = (base16.float() + (lora16 * 2.0).float()).to(out_dtype)
-        assert_like_stock(ours, stock, 0.0, f"combine -> {out_dtype}", exact=True, expect_nonfinite=True)
-    a16, b16 = lora16, base16
-    keep = torch.rand(n, generator=gen) > 0.3
-    keep[:8] = torch.tensor([True, False, True, False, True, True, False, True])
-    keep = keep.to(device)
-    for mode, m, scale in ((lora_nf4.NO_DROPOUT, None, 1.0),
-                           (lora_nf4.DROPOUT_MASK, keep, 1 / 0.7),
-                           (lora_nf4.DROPOUT_NOISE, keep.float() / 0.7, 1.0)):
-        ours = lora_nf4.lora_grad_sum(a16, b16, m, mode, scale, F32)
-        if mode == lora_nf4.NO_DROPOUT:
-            g = b16.float()
-        elif mode == lora_nf4.DROPOUT_MASK:
-            g = (m.float() * b16.float()) * lora_nf4._native_dropout_scale(0.3)
-        else:
-            g = b16.float() * m
-        stock = a16.float() + g
-        assert_like_stock(ours, stock, 1e-6, f"grad sum mode {mode}", exact=mode != lora_nf4.DROPOUT_MASK,
-                          expect_nonfinite=True)
+    mlp = modeling_qwen2.Qwen2MLP(Qwen2Config(hidden_size=hidden, intermediate_size=inter, hidden_act="silu"))
+    mlp.gate_proj = make_linear4bit(hidden, inter, bias=False, device=device, seed=1)
+    mlp.up_proj = make_linear4bit(hidden, inter, bias=False, device=device, seed=2)
+    mlp.down_proj = make_linear4bit(inter, hidden, bias=False, device=device, seed=3)
+    return mlp
 
 
-# --------------------------------------------------------------------------------------------------
-# Fused NF4 MLP (solution/kernels/nf4_mlp.py) against stock Qwen2MLP on bnb NF4
-# --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("policy", ["speed", "memory"])
+@pytest.mark.parametrize("policy", ["speed", "balanced", "memory"])
 @pytest.mark.parametrize("case", ["inputs", "grads"])
-def test_nf4_mlp(device, mlp_patches, monkeypatch, policy, case):
-    """fp32 x (the workload's stream) through gate / up / SwiGLU / down: inf / NaN inputs, rows
-    whose gate / up GEMMs overflow fp16 and rows whose fp32 silu(g) * u overflows the fp16 cast
-    down_proj makes; dy with inf / NaN / 7e4 and a row whose input-gradient GEMM overflows. Ours
-    returns fp16 (the residual add promotes it: stock's fp32 copy holds the same values).
+def test_nf4_mlp(device, policy, case):
+    """fp32 x (the workload's stream) through gate / up / SwiGLU / down as the node runs them
+    (mlp_forward, mlp_saved under each memory policy, mlp_backward with the fp32 upstream gradient
+    the residual add hands on) against stock Qwen2MLP on bnb NF4: inf / NaN inputs, rows whose
+    gate / up GEMMs overflow fp16 and rows whose fp32 silu(g) * u overflows the fp16 cast down_proj
+    makes; dy with inf / NaN / 7e4 and a row whose input-gradient GEMM overflows. Ours returns fp16
+    (the residual add promotes it: stock's fp32 copy holds the same values).
     Tolerance: tests/test_nf4_mlp.py's (the interpreter's exp is numpy's): 2e-3."""
-    from solution.kernels import _launches
+    from solution.kernels import _launches, nf4_mlp
     from solution.kernels.nf4_dequant import dequantize_nf4
-    from tests.test_nf4_mlp import H, nf4_mlp_module
 
     mlp = nf4_mlp_module(device)
+    hidden = mlp.hidden_size
     wg = dequantize_nf4(mlp.gate_proj.weight, mlp.gate_proj.weight.quant_state)
     wd = dequantize_nf4(mlp.down_proj.weight, mlp.down_proj.weight.quant_state)
     rows = _rows_for(device, 12)
     gen = torch.Generator().manual_seed(23)
-    x = torch.randn(rows, H, generator=gen)
-    dy = torch.randn(rows, H, generator=gen)
+    x = torch.randn(rows, hidden, generator=gen)
+    dy = torch.randn(rows, hidden, generator=gen)
     if case == "inputs":
         x[1, 0], x[2, 3], x[3, 5] = INF, -INF, NAN
         x[4, :2] = torch.tensor([70000.0, 65519.0])
@@ -892,20 +813,18 @@ def test_nf4_mlp(device, mlp_patches, monkeypatch, policy, case):
     else:
         dy[0, 1], dy[1, 2], dy[2, 0], dy[3, 4] = INF, NAN, 7.0e4, -INF
         dy[4] = torch.where(wd[:, 0] >= 0, 1.0, -1.0).float().cpu() * 3000.0
-    x, dy = x.view(2, rows // 2, H).to(device), dy.view(2, rows // 2, H).to(device)
-    res = []
-    for patched in (False, True):
-        if patched:
-            monkeypatch.setenv("SOLUTION_MEMORY_POLICY", policy)
-            mlp_patches.apply(verbose=False)
-            before = _launches.LAUNCHES["swiglu_bwd"]
-        xx = x.clone().requires_grad_()
-        y = mlp(xx)
-        dx = torch.autograd.grad(y, xx, dy.to(y.dtype))[0]  # stock casts dy to fp16 inside: the same
-        res.append((y.float(), dx))
-    assert _launches.LAUNCHES["swiglu_bwd"] == before + 1  # the fused path ran
-    assert_like_stock(res[1][0], res[0][0], 2e-3, "y", expect_nonfinite=case == "inputs")
-    assert_like_stock(res[1][1], res[0][1], 2e-3, "dx", expect_nonfinite=True)
+    x, dy = x.to(device), dy.to(device)
+    xx = x.view(2, rows // 2, hidden).clone().requires_grad_()
+    ys = mlp(xx)
+    dxs = torch.autograd.grad(ys, xx, dy.view(ys.shape))[0]
+    plans = tuple(linear_plan(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    before = _launches.LAUNCHES["swiglu_bwd"]
+    y16, g16, u16, x16 = nf4_mlp.mlp_forward(x, *plans)
+    dx = nf4_mlp.mlp_backward(plans, policy, nf4_mlp.mlp_saved(policy, x16, g16, u16), dy)
+    assert _launches.LAUNCHES["swiglu_bwd"] == before + 1  # the fused SwiGLU backward ran
+    assert y16.dtype == F16 and dx.dtype == F32
+    assert_like_stock(y16.float(), ys.reshape(rows, hidden), 2e-3, "y", expect_nonfinite=case == "inputs")
+    assert_like_stock(dx, dxs.reshape(rows, hidden), 2e-3, "dx", expect_nonfinite=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1255,11 +1174,15 @@ def _grad_scaler_run(device, model_dir, batches, patched, init_scale, final_norm
     step the scale after update(), whether the step was skipped (update() backed the scale off) and
     the loss."""
     import solution
+    from solution.kernels import _launches
     from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.step.layer import NODE_COUNT
 
     solution.revert()
     if patched:
-        assert "qwen2_lm_head_loss" in solution.apply(verbose=False)
+        installed = solution.apply(verbose=False)
+        assert "qwen2_lm_head_loss" in installed and "qwen2_layer_node" in installed
+    nodes_before = _launches.LAUNCHES[NODE_COUNT]
     try:
         model = qlora_tiny_model(model_dir, device)
         with torch.no_grad():
@@ -1282,6 +1205,8 @@ def _grad_scaler_run(device, model_dir, batches, patched, init_scale, final_norm
             scales.append(scaler.get_scale())
             skipped.append(scales[-1] < before)
             losses.append(out.loss.detach().float().cpu())
+        # the solution's steps ran the decoder layers through the node; stock's never did
+        assert (_launches.LAUNCHES[NODE_COUNT] > nodes_before) == patched
         return scales, skipped, torch.stack(losses)
     finally:
         solution.revert()
@@ -1401,11 +1326,9 @@ def test_add_rmsnorm_massive_birth(device, norm_tiling, r_dt, x_dt):
 
 
 def _linear4bit_with(weight: torch.Tensor, device):
-    """tests/test_nf4_linear.py's Linear4bit (NF4, double quant, fp16 compute, fp32 bias) quantized from
+    """``make_linear4bit``'s Linear4bit (NF4, double quant, fp16 compute, fp32 bias) quantized from
     ``weight`` [out, in] instead of random values."""
     import bitsandbytes as bnb
-
-    from tests.test_nf4_linear import make_linear4bit
 
     layer = make_linear4bit(weight.shape[1], weight.shape[0], bias=True, device="cpu", seed=40)
     layer.weight = bnb.nn.Params4bit(weight.to(F16), requires_grad=False, compress_statistics=True, quant_type="nf4")
@@ -1429,8 +1352,6 @@ def test_nf4_linear_super_weight(device, case):
     (~2096 on rows 1-3) into -4192 / +3376-like outputs, and the raised unit's (row 5) into -83,840: inf
     in stock's fp16 GEMM and in ours. Backward: the super weights in the input-gradient GEMM, with
     upstream gradients that are large in the massive channels. Exact on the CPU (the op's own rule)."""
-    from tests.test_nf4_linear import Patched
-
     layer, act = super_weight_linear(device)
     rows = _rows_for(device, 9)
     gen = torch.Generator().manual_seed(42)
@@ -1442,24 +1363,19 @@ def test_nf4_linear_super_weight(device, case):
     if case == "grads":
         g[:, list(MASSIVE)] = 3.0e4  # the input gradient's super-weight column: 2 x 3e4 (fine); x 40: inf
     x, g = x.to(device), g.to(device)
-    res = []
-    for patched in (True, False):
-        xx = x.clone().requires_grad_()
-        with Patched() if patched else contextlib_null():
-            out = layer(xx)
-            res.append((out, torch.autograd.grad(out, xx, g)[0]))
-    assert float(res[1][0][1, MASSIVE[0]].detach()) < -4000  # the birth value reached the output
-    assert_like_stock(res[0][0], res[1][0], 0.0, "out", exact=True, expect_nonfinite=case == "inputs")
-    assert_like_stock(res[0][1], res[1][1], 0.0, "dx", exact=True, expect_nonfinite=case == "grads")
+    stock = stock_linear(layer, x, g)
+    ours = plan_linear(layer, x, g)
+    assert float(stock[0][1, MASSIVE[0]].detach()) < -4000  # the birth value reached the output
+    exact = device == "cpu"
+    assert_like_stock(ours[0], stock[0], 3e-3, "out", exact=exact, expect_nonfinite=case == "inputs")
+    assert_like_stock(ours[1], stock[1], 3e-3, "dx", exact=exact, expect_nonfinite=case == "grads")
 
 
 def test_lora_nf4_massive_normed_inputs(device, autocast_ctx):
     """q / v's input on massive tokens: the normed stream, where the massive channels dominate (-30.6 /
     +24.4 = sqrt(hidden) x their share, the rest near 0); on row 5 the NaN row an overflowed residual
     leaves after the norm. Base weights with the super weights above, LoRA with dropout 0.05."""
-    from tests.test_lora_nf4 import Patched, make_lora_layer
-
-    layer = make_lora_layer(99, 40, 0.05, F32, device, seed=43)
+    layer = lora_layer(99, 40, 0.05, device, seed=43)
     base, _ = super_weight_linear(device)
     layer.base_layer = base
     rows = _rows_for(device, 9)
@@ -1470,41 +1386,33 @@ def test_lora_nf4_massive_normed_inputs(device, autocast_ctx):
     x[5] = NAN
     g = torch.randn(rows, 40, generator=gen)
     x, g = x.to(device), g.to(device)
-    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
-    res = []
-    for patched in (True, False):
-        xx = x.clone().requires_grad_()
-        with Patched() if patched else contextlib_null():
-            torch.manual_seed(123)
-            with autocast_ctx():
-                out = layer(xx)
-            res.append((out, *torch.autograd.grad(out, (xx, a, b), g)))
-    for name, o, s in zip(("out", "dx", "dA", "dB"), *res):  # dx = dy (W + scaled B A): no x in it
+    stock = lora_stock(layer, x, g, autocast_ctx)
+    ours = lora_ours(layer, x, g)
+    for name, o, s in zip(("out", "dx", "dA", "dB"), ours, stock):  # dx = dy (W + scaled B A): no x in it
         assert_like_stock(o, s, 3e-3, name, exact=device == "cpu", expect_nonfinite=name != "dx")
 
 
-@pytest.mark.parametrize("dtype", [F16, F32])
-def test_swiglu_super_activation(device, dtype):
+def test_swiglu_super_activation(device):
     """The unit that makes a massive value: gate 36 (layer 1's largest, published) and up 58.2, the
-    product ~2096 (the super activation); a unit with up 2000 makes 72,000: inf in fp16, as its gate's
-    gradient."""
-    from solution.kernels.swiglu import swiglu
+    product ~2096 (the super activation); a unit with up 2000 makes 72,000: inf in fp16 (the cast
+    down_proj makes), as its gate's gradient. The fused NF4 MLP's SwiGLU (fp16 storage of stock's
+    fp32 tensors) against silu(fp32 g) * fp32 u with fp32 autograd, cast to fp16."""
+    from solution.kernels import swiglu as sw
 
     gen = torch.Generator().manual_seed(45)
     g0, u0, dh = (torch.randn(9, 37, generator=gen) for _ in range(3))
     g0[1:4, 10], u0[1:4, 10] = 36.0, 58.2
     g0[5, 12], u0[5, 12] = 36.0, 2000.0
     dh[1:4, 10], dh[5, 12] = 50.0, 40.0  # dg = dh * u * silu'(36): 2910 (finite), 80,000 (inf in fp16)
-    g0, u0, dh = (t.to(dtype).to(device) for t in (g0, u0, dh))
-    res = []
-    for impl in ("ours", "stock"):
-        gl, ul = g0.detach().clone().requires_grad_(), u0.detach().clone().requires_grad_()
-        with torch.autocast(device_type=device, dtype=F16, enabled=dtype == F16):
-            g, u = gl * 1, ul * 1
-            h = swiglu(g, u, inplace_backward=True) if impl == "ours" else F.silu(g) * u
-        res.append((h, *torch.autograd.grad(h, (gl, ul), dh)))
-    for name, a, b in zip(("h", "dg", "du"), *res):
-        assert_like_stock(a, b, _swiglu_tol(dtype), name, expect_nonfinite=dtype == F16 and name != "du")
+    g16, u16, dh16 = (t.to(F16).to(device) for t in (g0, u0, dh))
+    h = sw.swiglu_fp16_of_fp32(g16, u16)
+    dg, du = torch.empty_like(g16), torch.empty_like(u16)
+    sw.swiglu_backward_fp16_of_fp32(dh16, g16, u16, dg, du)
+    g32, u32 = g16.float().requires_grad_(), u16.float().requires_grad_()
+    h32 = F.silu(g32) * u32
+    dg32, du32 = torch.autograd.grad(h32, (g32, u32), dh16.float())
+    for name, a, b in (("h", h, h32.half()), ("dg", dg, dg32.half()), ("du", du, du32.half())):
+        assert_like_stock(a, b, 2e-3, name, expect_nonfinite=name != "du")
 
 
 def test_lm_head_loss_massive_final_hidden(device):

@@ -116,12 +116,12 @@ def test_apply_says_what_a_skipped_patch_turns_off(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     solution.revert()
     try:
-        solution.apply(verbose=False, settings=Settings(skip_patches={"qwen2_unpad", "peft_lora_bnb4bit", "qwen2_rope"}))
+        solution.apply(verbose=False, settings=Settings(skip_patches={"qwen2_unpad", "qwen2_layer_node", "trainer_flops"}))
         out = capsys.readouterr().out
     finally:
         solution.revert()
     said = {line.split(":")[0]: line for line in out.splitlines() if line.startswith("[solution] skip ")}
     assert "this also turns off the packed step" in said["[solution] skip qwen2_unpad"]
     assert "decoder CUDA graphs" in said["[solution] skip qwen2_unpad"]
-    assert "graphs when LoRA dropout is > 0" in said["[solution] skip peft_lora_bnb4bit"]
-    assert said["[solution] skip qwen2_rope"].endswith("(stock path kept)")
+    assert "this also turns off the packed step" in said["[solution] skip qwen2_layer_node"]
+    assert said["[solution] skip trainer_flops"].endswith("(stock path kept)")

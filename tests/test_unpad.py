@@ -1,14 +1,12 @@
 """No work on padding (solution/step/packing.py, solution/patches/qwen2_unpad.py).
 
-A tiny Qwen2 (+ peft LoRA on q/v) runs a right-padded batch stock and packed; everything the
-trainer sees must agree: the loss, the per-token entropy / argmax / loss at the real positions,
-and every gradient. fp32 on the CPU (interpreter) and on the GPU: the packed path computes the
-same products in another order (attention with is_causal instead of a mask, GEMMs over N rows
-instead of batch x seqlen), so agreement is to fp32 rounding (rel 1e-5), not bit for bit.
+The packed step runs a right-padded batch's real tokens only, every decoder layer through the
+decoder-layer node; everything the trainer sees must agree with stock: the loss and every LoRA
+gradient (within fp16 noise: the packed path computes the same products in another order), the
+random numbers of LoRA's dropout (exactly: drawn over stock's padded shape), and where the packed
+step does not apply (left padding, eval, a cache) stock's forward runs unchanged.
 """
 from __future__ import annotations
-
-import copy
 
 import pytest
 import torch
@@ -67,8 +65,7 @@ def _packed_dropout_against_stock(lengths, seqlen, hidden, p, seed, device):
     torch.manual_seed(seed)
     keep_stock = drop(torch.ones_like(x_pad))
     torch.manual_seed(seed)
-    with packing.running_unpadded(info):
-        xd, keep, _, scale = lora_dropout(drop, x_packed, packed=packing.active())
+    xd, keep, _, scale = lora_dropout(drop, x_packed, packed=info)
     after_ours = torch.rand(1, device=device)
     real = lambda t: packing.unpad_rows(t.reshape(-1, hidden), info)  # noqa: E731 - the real tokens' rows
     assert torch.equal(xd.view(-1, hidden), real(value_stock))
@@ -107,6 +104,9 @@ def unpad_patched():
 
 
 def _lora_model(device, dropout=0.0):
+    """A tiny Qwen2 in fp32 with plain peft LoRA on q/v (no 4-bit weights: the decoder-layer node
+    does not take it, so with the patches installed its forward is stock's; tests/test_several_gpus.py
+    and tests/test_decoder_graphs.py use it for what does not depend on the node)."""
     from peft import LoraConfig, get_peft_model
 
     model = tiny_qwen2(device)
@@ -146,94 +146,53 @@ def _run(model, ids, mask, labels, fused):
     return out, grads
 
 
-# batch kinds: padded rows; a one-token row; no padding at all (rows of equal length, as when every
-# row is truncated at max_length); one row longer than the rest; a batch of one row (with and
-# without padding). Every one of them takes the packed path.
-BATCH_KINDS = [([9, 4, 13], 13), ([1, 6], 8), ([8, 8, 8], 8), ([3, 3, 11, 3], 11), ([7], 7), ([5], 9)]
-
-
-def _attention_path(monkeypatch, path: str) -> None:
-    """Pin sdpa_unpadded's path: "varlen" (the default), "layout_kernels" (the padded layout, as
-    after a refusal of the variable-length kernel), "torch" (torch's index ops, as for a dtype the
-    layout kernels do not take)."""
-    from solution.step import attention
-
-    if path != "varlen":  # a function, not _VARLEN_FAILED: revert() (solution/state.py) resets that
-        monkeypatch.setattr(attention, "varlen_enabled", lambda: False)
-    if path == "torch":
-        monkeypatch.setattr(attention, "_sdpa_input_dtype", lambda query, key, value: None)
-
-
-@pytest.mark.parametrize("attention", ["torch", "layout_kernels", "varlen"])
-@pytest.mark.parametrize("lengths,seqlen", BATCH_KINDS)
-def test_packed_model_matches_stock(device, unpad_patched, monkeypatch, lengths, seqlen, attention):
-    from trl.trainer.sft_trainer import entropy_from_logits
-
-    from solution.kernels import _launches
-
-    _attention_path(monkeypatch, attention)
-    layout_kernels = attention != "torch"
-    _launches.reset()
-    model = _lora_model(device)
-    ref = copy.deepcopy(model)
-    ids, mask, labels = _right_padded_batch(lengths, seqlen, device=device)
-    calls = _count_packed_calls(monkeypatch)
-    out, grads = _run(model, ids, mask, labels, fused=True)
-    assert out.logits is None and len(calls) == 1
-    assert (_launches.LAUNCHES["pad_rows_kernel"] > 0) == layout_kernels
-    varlen_ran = _launches.LAUNCHES["efficient_attention_varlen"] + _launches.LAUNCHES["attention_rows_reference"]
-    assert (varlen_ran > 0) == (attention == "varlen")
-    unpad_patched.restore()  # the reference: stock transformers / peft / trl code
-    ref_out, ref_grads = _run(ref, ids, mask, labels, fused=False)
-    assert len(calls) == 1
-    assert rel_err(out.loss, ref_out.loss) < 1e-5
-    real = mask.bool()
-    ent_ref = entropy_from_logits(ref_out.logits.detach())
-    assert rel_err(out.token_entropy[real], ent_ref[real]) < 1e-5
-    assert torch.all(out.token_entropy[~real] == 0)
-    labelled = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[:, 1:] != IGNORE
-    assert torch.equal(out.token_argmax[labelled], ref_out.logits.argmax(-1)[labelled])
-    assert set(grads) == set(ref_grads) and any("lora_B" in n for n in grads)
-    for name, g in grads.items():
-        assert rel_err(g, ref_grads[name]) < 1e-4, name
-
-
-def test_packed_path_is_taken_only_when_it_applies(device, unpad_patched, monkeypatch):
-    calls = _count_packed_calls(monkeypatch)
-    model = _lora_model(device)
-    ids, mask, labels = _right_padded_batch([5, 3], 6, device=device)
-    _run(model, ids, mask, labels, fused=True)
-    assert len(calls) == 1
-    _run(model, ids, torch.ones_like(mask), labels, fused=True)  # no padding: packed too (zero pads)
-    assert len(calls) == 2
-    _run(model, ids, mask.flip(1), labels, fused=True)  # left padding
-    with unpad_patched_request():
-        model(input_ids=ids, attention_mask=mask, labels=labels)  # use_cache unset: config's True -> stock
-    model.eval()
-    with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask)  # eval / no grad
-    assert len(calls) == 2
-    # a LoRA dropout our LoRA kernel does not own (plain peft Linear): the RNG would differ -> stock
-    dropped = _lora_model(device, dropout=0.1)
-    _run(dropped, ids, mask, labels, fused=True)
-    assert len(calls) == 2
-
-
 def test_check_and_revert():
-    from transformers.modeling_utils import AttentionInterface
     from transformers.models.qwen2.modeling_qwen2 import Qwen2Model
 
     from solution.patches import qwen2_unpad
     from solution.patches._base import Swaps
 
-    stock_fwd, stock_sdpa = Qwen2Model.__dict__["forward"], AttentionInterface._global_mapping["sdpa"]
+    assert qwen2_unpad.check() is None
+    stock_fwd = Qwen2Model.__dict__["forward"]
     swaps = Swaps()
     qwen2_unpad.install(swaps)
     assert Qwen2Model.__dict__["forward"] is not stock_fwd
-    assert AttentionInterface._global_mapping["sdpa"] is not stock_sdpa
-    assert qwen2_unpad.check() is not None  # the sdpa entry is taken: a second install is refused
     swaps.restore()
-    assert Qwen2Model.__dict__["forward"] is stock_fwd and AttentionInterface._global_mapping["sdpa"] is stock_sdpa
+    assert Qwen2Model.__dict__["forward"] is stock_fwd
+
+
+def test_packed_step_is_taken_only_when_it_applies(device, tmp_path, autocast_ctx):
+    """apply() at its defaults on the workload's stack (tiny stand-in): a right-padded batch and one
+    with no padding run packed (every layer through the node); left padding, a forward with a
+    cache requested and a forward without gradients run stock's forward (no node launch)."""
+    import solution
+    from solution.kernels import _launches
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.settings import Settings
+    from solution.step.layer import NODE_COUNT
+    from workload.model_standin import write_standin
+
+    model_dir = write_standin(tmp_path / "tiny", size="tiny")
+    ids, mask, labels = _right_padded_batch([5, 3], 6, vocab=100, device=device)
+    solution.revert()
+    solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
+    try:
+        model = qlora_tiny_model(model_dir, device)
+        layers = model.config.num_hidden_layers
+
+        def nodes(attention_mask, grad=True, **kw) -> int:
+            _launches.reset()
+            with autocast_ctx(), fused_lm_head_requested(), torch.set_grad_enabled(grad):
+                model(input_ids=ids, attention_mask=attention_mask, labels=labels, **kw)
+            return _launches.LAUNCHES[NODE_COUNT]
+
+        assert nodes(mask, use_cache=False) == layers
+        assert nodes(torch.ones_like(mask), use_cache=False) == layers  # no padding: packed too
+        assert nodes(mask.flip(1), use_cache=False) == 0  # left padding
+        assert nodes(mask, use_cache=True) == 0  # a cache requested
+        assert nodes(mask, grad=False) == 0  # no gradient (as in evaluation)
+    finally:
+        solution.revert()
 
 
 def test_skip_setting_leaves_a_patch_out(monkeypatch):
@@ -251,46 +210,6 @@ def test_skip_setting_leaves_a_patch_out(monkeypatch):
         assert Qwen2Model.__dict__["forward"] is stock_fwd
     finally:
         solution.revert()
-
-
-def test_sft_trainer_logs_match_stock_with_packed_batches(device, tmp_path, monkeypatch):
-    """A real trl SFTTrainer run (right-padded batches of variable length, LoRA on q/v, no
-    gradient checkpointing as in Soup 0.77): every logged metric with the LM-head + unpad patches
-    equals stock's, and the packed path ran on every step."""
-    from trl import SFTConfig, SFTTrainer
-
-    from solution.patches import qwen2_lm_head_loss, qwen2_unpad
-    from solution.patches._base import Swaps
-    from tests.test_lm_head_loss import _tiny_dataset, _tiny_tokenizer
-
-    def train(use_patch, out):
-        model = _lora_model(device)
-        args = SFTConfig(output_dir=str(out), per_device_train_batch_size=4, max_steps=2, logging_steps=1,
-                         report_to=[], use_cpu=(device == "cpu"), gradient_checkpointing=False,
-                         save_strategy="no", seed=0, learning_rate=1e-2, disable_tqdm=True)
-        trainer = SFTTrainer(model=model, args=args, train_dataset=_tiny_dataset(1000),
-                             processing_class=_tiny_tokenizer(1000))
-        swaps = Swaps()
-        if use_patch:
-            qwen2_lm_head_loss.install(swaps)
-            qwen2_unpad.install(swaps)
-        try:
-            trainer.train()
-        finally:
-            swaps.restore()
-        return [h for h in trainer.state.log_history if "loss" in h]
-
-    stock = train(False, tmp_path / "stock")
-    calls = _count_packed_calls(monkeypatch)
-    ours = train(True, tmp_path / "ours")
-    assert len(calls) == 2  # both steps ran packed
-    assert len(stock) == len(ours) == 2
-    for s, o in zip(stock, ours):
-        assert set(s) == set(o)
-        for key in ("num_tokens", "mean_token_accuracy", "learning_rate", "epoch", "step"):
-            assert o[key] == s[key], (key, o[key], s[key])
-        for key in ("loss", "entropy", "grad_norm"):
-            assert abs(o[key] - s[key]) <= 1e-5 * max(1.0, abs(s[key])), (key, o[key], s[key])
 
 
 def qlora_tiny_model(model_dir, device="cuda", device_map=None):
@@ -339,21 +258,19 @@ def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None, device_
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention", ["padded", "varlen"])
-def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, attention):
+def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     """The workload's stack on a tiny model: NF4 double-quant weights (bitsandbytes), peft LoRA
     r=16 on q/v with dropout 0.05, fp16 autocast, every patch through solution.apply(), a
     right-padded batch: loss and LoRA gradients against stock on the same seed (the dropout masks
     are the same draws). Tolerances: the packed path runs the fp16 GEMMs over N rows instead of
     batch x seqlen (cuBLAS may pick other kernels) and attention with is_causal instead of a mask,
     so results differ at fp16 rounding: loss rel 1e-3, gradients rel 3e-2 (fp16 sums over ~100
-    tokens). attention: the padded layout or PyTorch's variable-length kernel (the default)."""
+    tokens)."""
     if device != "cuda":
         pytest.skip("bitsandbytes 4-bit needs CUDA")
     from solution.kernels import _launches
     from workload.model_standin import write_standin
 
-    _attention_path(monkeypatch, attention)
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
     ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 
@@ -361,72 +278,11 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path, monkeypatch, att
     _launches.reset()
     loss_o, grads_o, _ = _qlora_step(model_dir, ids, mask, labels, patched=True)
     assert _launches.LAUNCHES["nf4_dequant_cast"] > 0
-    assert (_launches.LAUNCHES["efficient_attention_varlen"] > 0) == (attention == "varlen")
+    assert _launches.LAUNCHES["efficient_attention_varlen"] > 0
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():
         assert rel_err(grads_o[name], g) < 3e-2, name
-
-
-def test_layout_kernels_take_only_the_dtypes_they_reproduce():
-    """The pad kernels cast to the dtype SDPA computes in: autocast's (fp16 only: bf16 is not
-    theirs) or the inputs' own; anything else keeps the torch ops, which do exactly stock's."""
-    from solution.step.attention import _sdpa_input_dtype
-
-    q, k = torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 3, 16)
-    assert _sdpa_input_dtype(q, k, k) == torch.float32
-    assert _sdpa_input_dtype(q, k, k.to(torch.bfloat16)) is None
-    assert _sdpa_input_dtype(q.half(), k.half(), k.half()) == torch.float16
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert _sdpa_input_dtype(q, k, k) is None
-    assert _sdpa_input_dtype(torch.zeros(1, 4, 3, 12), k, k) is None  # head_dim not a power of two
-
-
-@pytest.mark.parametrize("reentrant", [False, True])
-def test_packed_path_under_gradient_checkpointing_matches_stock(device, unpad_patched, monkeypatch, reentrant):
-    """training.gradient_checkpointing: every layer recomputes its forward in backward. The packed
-    path takes such a model too (each layer through transformers' own checkpoint function, the
-    recompute inside the packed rows' context): loss and gradients as stock's checkpointed run,
-    and every layer's forward runs twice (forward + recompute)."""
-    from solution.step import decoder
-
-    model = _lora_model(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-    if reentrant:  # what prepare_model_for_kbit_training does: the embedding's output requires grad
-        model.enable_input_require_grads()
-    ref = copy.deepcopy(model)
-    ids, mask, labels = _right_padded_batch([9, 4, 13], 13, device=device)
-    calls = _count_packed_calls(monkeypatch)
-    runs = []
-    real_layer_forward = decoder._layer_forward
-
-    def counted(layer):
-        forward = real_layer_forward(layer)
-        return lambda *a, **k: runs.append(1) or forward(*a, **k)
-
-    monkeypatch.setattr(decoder, "_layer_forward", counted)
-    out, grads = _run(model, ids, mask, labels, fused=True)
-    assert len(calls) == 1
-    n_layers = model.config.num_hidden_layers
-    assert len(runs) == 2 * n_layers  # each layer: forward, then the recompute in backward
-    unpad_patched.restore()
-    ref_out, ref_grads = _run(ref, ids, mask, labels, fused=False)
-    assert rel_err(out.loss, ref_out.loss) < 1e-5
-    assert set(grads) == set(ref_grads) and any("lora_B" in n for n in grads)
-    for name, g in grads.items():
-        assert rel_err(g, ref_grads[name]) < 1e-4, name
-
-
-def test_checkpointed_layer_with_hooks_keeps_the_stock_forward(device, unpad_patched, monkeypatch):
-    """A checkpointed layer with a module hook: stock runs the hook inside the checkpoint; the
-    packed path calls the layer's forward itself, so such a model keeps the stock forward."""
-    model = _lora_model(device)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.base_model.model.model.layers[0].register_forward_hook(lambda *a: None)
-    ids, mask, labels = _right_padded_batch([5, 3], 6, device=device)
-    calls = _count_packed_calls(monkeypatch)
-    _run(model, ids, mask, labels, fused=True)
-    assert calls == []
 
 
 @pytest.mark.gpu

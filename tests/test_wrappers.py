@@ -6,8 +6,8 @@ test sets) and hooks or wrappers on the patched modules inside a layer.
 Under gradient checkpointing the packed step calls the layer class's forward itself (the node, or
 ``step/decoder.py``'s ``_run_checkpointed``), so a layer with an instance-level forward or hooks
 makes the model keep stock's forward (``_checkpointing_ok``); inside a layer, the decoder-layer
-node refuses a layer whose modules carry hooks or instance forwards and the modules run (the
-patched module path calls them). Either way the wrapper runs in the forward and in the recompute
+node refuses a layer whose modules carry hooks or instance forwards, and the whole step then
+runs stock's forward (which calls them). Either way the wrapper runs in the forward and in the recompute
 as often as with stock, and the loss and LoRA gradients are as close to stock's as the solution
 is without the wrapper (the backward starts from loss x 1024, as GradScaler's first steps do, so
 that the tiny model's fp16 gradients are not subnormal).

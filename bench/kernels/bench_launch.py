@@ -4,11 +4,11 @@
 
 Rows (microseconds of host time per call, median of 7 rounds of 500 calls; the kernels are tiny,
 so the GPU keeps up and the wall time is the host's):
-- a Triton launch: ``lora_combine_kernel[grid](...)`` (Triton's JITFunction.run), directly and
-  through solution.kernels._launches.launch (what every launch of ours goes through); and the same
-  kernel's compiled launcher called directly (``CompiledKernel.run`` with the bound arguments: no
-  argument binding, specialization key or cache lookup), with the stream read each call; the
-  same three for RoPE's kernel (31 arguments), to see how the binding cost grows with arguments;
+- a Triton launch: ``fp32_add_kernel[grid](...)`` (Triton's JITFunction.run; 4 arguments and a
+  BLOCK), directly and through solution.kernels._launches.launch (what every launch of ours goes
+  through); and the same kernel's compiled launcher called directly (``CompiledKernel.run`` with
+  the bound arguments: no argument binding, specialization key or cache lookup), with the stream
+  read each call;
 - torch.add of two fp16 tensors, torch.empty: what a PyTorch op costs on this host, for scale;
 - F.linear fp16 [M, 1536] x [1536, 1536]^T with the same M every call, and with a new M every call
   (packed batches give a new M every step; cuBLAS picks an algorithm per shape).
@@ -28,7 +28,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from bench.kernels._common import bench_args  # noqa: E402
 from solution.kernels import _launches  # noqa: E402
-from solution.kernels.lora_nf4 import GPU_BLOCK, GPU_NUM_WARPS, lora_combine_kernel  # noqa: E402
+from solution.kernels.fp32_add import GPU_BLOCK, GPU_NUM_WARPS, fp32_add_kernel  # noqa: E402
 
 
 def host_us(fn, calls: int = 500, rounds: int = 7) -> float:
@@ -59,23 +59,6 @@ def _direct(kernel, grid, args, kwargs):
     return call
 
 
-def _rope_call():
-    """(kernel, grid, args, kwargs) of one RoPE launch at the workload's shapes (1,000 tokens)."""
-    from solution.kernels import rope
-
-    seen = []
-    real = rope.launch
-    rope.launch = lambda kernel, grid, name, *a, **k: seen.append((kernel, grid, a, k))
-    try:
-        q = torch.randn(1, 1000, 12, 128, device="cuda").transpose(1, 2)
-        k = torch.randn(1, 1000, 2, 128, device="cuda").transpose(1, 2)
-        cos = torch.randn(1, 1000, 128, device="cuda")
-        rope._launch(q, k, torch.empty_like(q), torch.empty_like(k), cos, cos, backward=False)
-    finally:
-        rope.launch = real
-    return seen[0]
-
-
 def main() -> None:
     args = bench_args(__doc__)
     if args is None:
@@ -85,15 +68,12 @@ def main() -> None:
     b = torch.randn(n, device="cuda").half()
     out = torch.empty(n, device="cuda")
     grid = (_launches.cdiv(n, GPU_BLOCK),)
-    kw = dict(BLOCK=GPU_BLOCK, num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
+    kw = dict(BLOCK=GPU_BLOCK, num_warps=GPU_NUM_WARPS)
     rows = {}
-    rows["Triton launch, kernel[grid](...)"] = host_us(lambda: lora_combine_kernel[grid](a, b, out, n, 2.0, **kw))
+    rows["Triton launch, kernel[grid](...)"] = host_us(lambda: fp32_add_kernel[grid](a, b, out, n, **kw))
     rows["Triton launch through _launches.launch"] = host_us(
-        lambda: _launches.launch(lora_combine_kernel, grid, "bench", a, b, out, n, 2.0, **kw))
-    rows["compiled launcher called directly"] = host_us(_direct(lora_combine_kernel, grid, (a, b, out, n, 2.0), kw))
-    rope_call = _rope_call()
-    rows["RoPE (31 args): kernel[grid](...)"] = host_us(lambda: rope_call[0][rope_call[1]](*rope_call[2], **rope_call[3]))
-    rows["RoPE (31 args): compiled launcher called directly"] = host_us(_direct(*rope_call))
+        lambda: _launches.launch(fp32_add_kernel, grid, "bench", a, b, out, n, **kw))
+    rows["compiled launcher called directly"] = host_us(_direct(fp32_add_kernel, grid, (a, b, out, n), kw))
     rows["torch.add fp16"] = host_us(lambda: torch.add(a, b))
     rows["torch.empty"] = host_us(lambda: torch.empty(n, device="cuda"))
     w = torch.randn(1536, 1536, device="cuda").half()

@@ -6,9 +6,8 @@ training step spends its Python time, one level below bench/host_split.py.
 The workload's stack at full width (hidden 1536, MLP 8960, 12/2 heads) with LAYERS decoder layers:
 bnb NF4 double-quant weights, prepare_model_for_kbit_training, peft LoRA r=16 on q/v with dropout
 0.05, fp16 autocast, a right-padded batch of 4 rows (lengths 300/120/512/80, ~1,000 real tokens,
-the workload's mean). Variants, in the same process: stock; ours with the layers as modules
-(``SOLUTION_SKIP_PATCHES=qwen2_layer_node``); ours with each layer as one node (the default),
-all three eager (CUDA graphs off: this measures the eager step):
+the workload's mean). Variants, in the same process: stock; ours with each layer as one node
+(the default), both eager (CUDA graphs off: this measures the eager step):
 - wall ms of forward + loss + backward (the GPU work of 4 layers is ~1 ms, so the wall time is the
   host's) with LAYERS and with 2 * LAYERS layers, both models built first and their steps timed back
   to back, REPS times: the median of the paired differences over LAYERS is the host time of one
@@ -133,9 +132,7 @@ def main() -> None:
     rows, profile_text = {}, ""
     from solution.settings import Settings
 
-    variants = {"stock": None,
-                "modules": Settings(cuda_graphs="0", skip_patches=frozenset({"qwen2_layer_node"})),
-                "node": Settings(cuda_graphs="0")}
+    variants = {"stock": None, "node": Settings(cuda_graphs="0")}
     with tempfile.TemporaryDirectory() as tmp:
         for variant, settings in variants.items():
             solution.revert()

@@ -19,6 +19,9 @@ attention output under fp16 autocast), 2048 x 1536, weight fp32 frozen; forward 
 upstream gradients for both h (the later ``residual + mlp_out``) and y (the MLP), as in the layer.
 Three implementations, printed as two stock-vs-ours pairs: the stock ops vs ``add_rmsnorm``, and
 torch's add followed by our RMSNorm kernel (what the RMSNorm patch alone runs) vs ``add_rmsnorm``.
+``add_rmsnorm`` is solution/kernels/add_rmsnorm.py's two launchers as the decoder-layer node calls
+them (``_launch_forward``, then ``_launch_backward`` with both upstream gradients; no autograd):
+its "saved for backward" is the per-row rstd, and its gradients are returned, not accumulated.
 Bytes: forward residual, x, weight -> h, y; backward dh, dy, h, weight -> d residual, dx.
 """
 from __future__ import annotations
@@ -33,7 +36,7 @@ import torch  # noqa: E402
 from bench.kernels._common import bench_args, fwd_and_fwd_bwd_rates, nbytes, print_stock_vs_ours  # noqa: E402
 import triton  # noqa: E402
 
-from solution.kernels.add_rmsnorm import add_rmsnorm  # noqa: E402
+from solution.kernels import add_rmsnorm  # noqa: E402
 from solution.kernels.rmsnorm import rmsnorm  # noqa: E402
 
 HIDDEN = 1536
@@ -103,18 +106,18 @@ def bench_case(shape, x_dtype, w_dtype):
 ADD_CASE = ((4, 512), torch.float32, torch.float16, torch.float32)  # shape, residual, x, weight
 
 
-def _memory_pair(fn, r, x, gh, gy):
-    """_memory for ``fn(r, x) -> (h, y)``: (bytes kept for backward besides h and y, peak fwd+bwd)."""
+def _memory_pair(fwd, bwd):
+    """_memory for a forward ``fwd() -> (h, y, state)`` and its backward ``bwd(h, y, state)``:
+    (bytes kept for backward besides h and y, peak fwd+bwd)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    h, y = fn(r, x)
+    h, y, state = fwd()
     kept = torch.cuda.memory_allocated() - base - sum(t.numel() * t.element_size() for t in (h, y))
-    torch.autograd.backward((h, y), (gh, gy))
+    grads = bwd(h, y, state)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    r.grad = x.grad = None
-    del h, y
+    del h, y, state, grads
     return kept, peak
 
 
@@ -132,26 +135,44 @@ def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
         h = r + x
         return h, rmsnorm(h, m.weight, EPS)
 
-    def fused(r, x):
-        return add_rmsnorm(r, x, m.weight, EPS)
-
     r = (torch.randn(*shape, HIDDEN, device="cuda") * 4).to(r_dtype).requires_grad_(True)
     x = torch.randn(*shape, HIDDEN, device="cuda", dtype=x_dtype, requires_grad=True)
     h_dtype = torch.promote_types(r_dtype, x_dtype)
     gh = torch.randn(*shape, HIDDEN, device="cuda", dtype=h_dtype)
     gy = torch.randn(*shape, HIDDEN, device="cuda", dtype=torch.promote_types(h_dtype, w_dtype))
-    timed = {}
-    for name, fn in (("stock ops", stock), ("add + our rmsnorm", add_then_ours), ("add_rmsnorm", fused)):
-        with torch.no_grad():
-            t_fwd = triton.testing.do_bench(lambda: fn(r, x), warmup=10, rep=50, return_mode="median")
+    r2, x2 = r.detach().view(-1, HIDDEN), x.detach().view(-1, HIDDEN)
+    gh2, gy2 = gh.view(-1, HIDDEN), gy.view(-1, HIDDEN)
+    grad_dtypes = add_rmsnorm._grad_dtypes(r_dtype, x_dtype, True, True)
 
-        def fwd_bwd():
-            torch.autograd.backward(fn(r, x), (gh, gy))
+    def autograd_pair(fn):
+        def fwd():
+            return (*fn(r, x), None)
+
+        def bwd(h, y, _):
+            torch.autograd.backward((h, y), (gh, gy))
+        return fwd, bwd
+
+    def fused_fwd():  # (h, y, rstd)
+        return add_rmsnorm._launch_forward(r2, x2, m.weight, EPS, tuple(x.shape))
+
+    def fused_bwd(h, y, rstd):
+        return add_rmsnorm._launch_backward(h.view(-1, HIDDEN), m.weight, gy2, gh2, rstd, grad_dtypes)
+
+    impls = (("stock ops", *autograd_pair(stock)), ("add + our rmsnorm", *autograd_pair(add_then_ours)),
+             ("add_rmsnorm", fused_fwd, fused_bwd))
+    timed = {}
+    for name, fwd, bwd in impls:
+        with torch.no_grad():
+            t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
+
+        def fwd_bwd(fwd=fwd, bwd=bwd):
+            bwd(*fwd())
 
         t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[r, x], return_mode="median")
-        kept, peak = _memory_pair(fn, r, x, gh, gy)
+        kept, peak = _memory_pair(fwd, bwd)
+        r.grad = x.grad = None
         with torch.no_grad():
-            h, y = fn(r, x)
+            h, y, _ = fwd()
         row = {"impl": name, "tokens": shape[0] * shape[1], "res_dtype": str(r_dtype).split(".")[-1],
                "x_dtype": str(x_dtype).split(".")[-1], "w_dtype": str(w_dtype).split(".")[-1],
                "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "saved_for_bwd_MiB": kept / 2**20,
@@ -161,7 +182,7 @@ def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
         del h, y
     # correctness guard: the benchmark must compare equal work (h is exact, y within rounding)
     with torch.no_grad():
-        (h_o, y_o), (h_s, y_s) = fused(r, x), stock(r, x)
+        (h_o, y_o, _), (h_s, y_s) = fused_fwd(), stock(r, x)
         timed["add_rmsnorm"]["h_bit_equal_to_stock"] = bool(torch.equal(h_o, h_s))
         timed["add_rmsnorm"]["max_abs_diff_vs_stock"] = (y_o.float() - y_s.float()).abs().max().item()
     return [timed["stock ops"], timed["add_rmsnorm"], timed["add + our rmsnorm"], dict(timed["add_rmsnorm"])]

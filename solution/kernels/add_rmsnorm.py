@@ -7,7 +7,7 @@
    i.e. one elementwise add and one Qwen2RMSNorm (``weight * (h.float() * rstd).to(h.dtype)``), and
    in backward autograd's sum of the two gradients that reach h (from the norm, and from the later
    ``residual + mlp_out``) plus AddBackward's cast of that sum to the attention output's dtype.
-   solution/patches/qwen2_decoder_layer.py routes the decoder layer through ``add_rmsnorm``.
+   The decoder-layer node (solution/step/layer.py) calls ``_launch_forward`` / ``_launch_backward``.
 
 2. Why that was slow. Every step is a separate pass over the [tokens, hidden] tensor, and the
    work is memory-bound. Forward: the add reads residual and x and writes h, then the norm reads h
@@ -37,9 +37,8 @@
        then cast to residual's and x's dtypes (AddBackward + the engine's cast).
    The row sums (mean of squares, mean of dy * xhat) are reduced in another order than torch's
    ops, so fp32 y and gradients differ from stock in the last bits (~1e-7 relative); not bit-exact.
-   Rows longer than rmsnorm.MAX_HIDDEN, dtypes other than fp16/fp32, and residual / x of different
-   shapes are refused by ``add_rmsnorm_supported`` (the patch then runs the stock ops). Double
-   backward raises (``once_differentiable``). Tests: tests/test_add_rmsnorm.py.
+   The node's planner takes only norms ``rmsnorm.rmsnorm_supported`` accepts (fp16 / fp32, rows up
+   to rmsnorm.MAX_HIDDEN). Tests: tests/test_add_rmsnorm.py.
 
 5. How it was measured: docs/kernels/add_rmsnorm.md, section 5 (``python
    bench/kernels/bench_rmsnorm.py``, "residual add + RMSNorm" case: against the stock ops and
@@ -50,12 +49,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from solution.kernels import rmsnorm as _rms
 from solution.kernels._launches import cdiv, launch
-from solution.kernels.rmsnorm import (_TRITON_TYPE, _as_rows, _launch_backward_dw, _rms_grad_rows, _rms_scale_rows,
-                                      _row_config, _row_tile, _rows_per_program, rmsnorm_supported)
+from solution.kernels.rmsnorm import _TRITON_TYPE, _rms_grad_rows, _rms_scale_rows, _row_config, _row_tile, _rows_per_program
 
 
 # --------------------------------------------------------------------------------------------------
@@ -110,13 +107,6 @@ def _add_rmsnorm_bwd_kernel(h_ptr, w_ptr, gy_ptr, gh_ptr, rstd_ptr, d1_ptr, d2_p
 # --------------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------------
-def add_rmsnorm_supported(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Can the kernels handle these tensors (dtypes fp16/fp32, same shapes, hidden <= MAX_HIDDEN,
-    one device)? Which devices the kernels run on is checked by the caller."""
-    return (isinstance(residual, torch.Tensor) and isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor)
-            and residual.shape == x.shape and rmsnorm_supported(residual, weight) and rmsnorm_supported(x, weight))
-
-
 def _grad_dtypes(res_dtype: torch.dtype, x_dtype: torch.dtype, need_res: bool, need_x: bool) -> list[torch.dtype]:
     """Dtypes of the gradient buffers the backward kernel writes (d1, then d2): residual's and x's,
     one buffer per distinct dtype among the inputs that need a gradient."""
@@ -154,53 +144,6 @@ def _launch_backward(h2, weight, gy2, gh2, rstd, dtypes):
                gy2.stride(0), 0 if gh2 is None else gh2.stride(0), n_cols,
                gh2 is not None, len(outs) == 2, rows, block, num_warps=warps)
     return outs
-
-
-class AddRMSNormFunction(torch.autograd.Function):
-    """autograd wrapper: forward returns (h, y) and saves h (an output, so no extra memory), the
-    weight and rstd (4 bytes per row)."""
-
-    @staticmethod
-    def forward(ctx, residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
-        n_cols = x.shape[-1]
-        r2, x2 = _as_rows(residual, n_cols), _as_rows(x, n_cols)
-        w = weight if weight.is_contiguous() else weight.contiguous()
-        h, y, rstd = _launch_forward(r2, x2, w, float(eps), x.shape)
-        ctx.set_materialize_grads(False)  # grad_h is None when h is not used later: skip reading zeros
-        ctx.save_for_backward(h, w, rstd)
-        ctx.dtypes = (residual.dtype, x.dtype, weight.dtype)
-        return h, y
-
-    @staticmethod
-    @once_differentiable  # no double backward: raise instead of silently wrong 2nd derivatives
-    def backward(ctx, grad_h, grad_y):
-        h, w, rstd = ctx.saved_tensors
-        res_dtype, x_dtype, w_dtype = ctx.dtypes
-        need_res, need_x, need_w = ctx.needs_input_grad[:3]
-        if grad_y is None:  # y unused: h's gradient only goes through the add (stock AddBackward)
-            if grad_h is None:
-                return None, None, None, None
-            return (grad_h.to(res_dtype) if need_res else None, grad_h.to(x_dtype) if need_x else None,
-                    None, None)
-        n_cols = h.shape[-1]
-        h2 = h.view(-1, n_cols)
-        gy2 = _as_rows(grad_y, n_cols)
-        grads = {}
-        dtypes = _grad_dtypes(res_dtype, x_dtype, need_res, need_x)
-        if dtypes:
-            gh2 = None if grad_h is None else _as_rows(grad_h, n_cols)
-            grads = {dt: g.view(h.shape) for dt, g in zip(dtypes, _launch_backward(h2, w, gy2, gh2, rstd, dtypes))}
-        d_w = _launch_backward_dw(h2, gy2, rstd, w_dtype) if need_w else None
-        return grads.get(res_dtype) if need_res else None, grads.get(x_dtype) if need_x else None, d_w, None
-
-
-def add_rmsnorm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor,
-                eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(h, y) = (residual + x, Qwen2RMSNorm(h)) in one pass, with the stock ops' exact dtypes and
-    roundings: h in promote(residual, x), y = ``weight * (h.float() * rstd).to(h.dtype)`` in
-    promote(h, weight). residual, x: same shape [..., N], fp16/fp32, any strides; weight [N].
-    Both outputs are contiguous; differentiable w.r.t. residual, x and weight."""
-    return AddRMSNormFunction.apply(residual, x, weight, eps)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,9 +1,7 @@
 """Causal attention over packed rows of different lengths, with no padded positions at all.
 
-1. What it replaces. With no work on padding (solution/step/packing.py) attention is the one op that
-   still goes back to the padded layout: ``sdpa_unpadded`` (solution/patches/qwen2_unpad.py) pads
-   q / k / v to [batch, heads, longest row, 128] (our attn_layout kernels) and calls PyTorch's
-   memory-efficient SDPA with ``is_causal=True``, as stock does on the padded batch.
+1. What it replaces. Stock's attention on the padded batch: q / k / v as [batch, heads, longest
+   row, 128] and PyTorch's memory-efficient SDPA with the causal padding mask.
 
 2. Why that is slow. The attention kernel does its causal work on every padded position too: a
    row of length L in a batch padded to S costs ~S^2 / 2 instead of ~L^2 / 2 (and so does the
@@ -15,9 +13,8 @@
    variable-length mode (``aten::_efficient_attention_forward`` / ``_backward`` with
    ``cu_seqlens``): the packed rows [1, N, heads, 128] and the row offsets, causal from the top
    left within each row (SDPA's ``is_causal``), one launch for all rows. Grouped-query attention
-   is not supported by that mode: the KV heads are repeated 2 -> 12 and cast to fp16 by our
-   ``pad_rows_kernel`` on the packed layout (``packing.packed_layout``: batch 1, no pad
-   positions), in the same single pass per tensor as on the padded path.
+   is not supported by that mode: the KV heads are repeated 2 -> 12 by kernels/qkv_rope.py, in the
+   launch that also sums the LoRA outputs and applies RoPE.
    This is PyTorch's own kernel (not a kernel library). It is the default rather than a Triton
    attention because Triton >= 3.3 runs ``tl.dot`` on a T4 without tensor cores (field notes); our
    own Triton attention was built and measured against it and lost (docs/PERFORMANCE.md, "Code
@@ -25,24 +22,23 @@
 
 4. Correctness risks. Per real query the set of keys is the padded path's (causal within the row);
    what can differ is the order of the fp32 sums inside the kernel (other tile counts for other
-   lengths), so results agree to fp16 rounding, not bit for bit: tested against the padded path
-   and against stock (tests/test_unpad.py, GPU). Attention dropout (Qwen2's is 0.0) and anything
-   but fp16 / fp32 keep the padded path. Without CUDA (the CPU interpreter) there is no
-   variable-length kernel: ``rows_reference`` runs SDPA row by row instead, so that the wiring
-   (layouts, row offsets, gradients through the layout kernels) is tested on the CPU too.
+   lengths), so results agree to fp16 rounding, not bit for bit: tested against stock
+   (tests/test_unpad.py, tests/test_attn_varlen.py, GPU). Attention dropout (Qwen2's is 0.0) keeps
+   stock's forward. Without CUDA (the CPU interpreter) there is no variable-length kernel:
+   ``rows_reference`` runs SDPA row by row instead, so that the wiring (row offsets, gradients) is
+   tested on the CPU too.
    The backward lets the kernel choose how to split the key dimension (as stock SDPA does), which
    may sum with atomics: not bitwise reproducible run to run (neither is the padded path's).
 
 5. How it was measured: docs/kernels/attn_varlen.md, section 5 (profiled whole runs against the
    padded path: GPU time, attention kernels, peak memory, loss). GPU tests: tests/test_attn_varlen.py,
-   tests/test_unpad.py. The padded layout stays only as the fallback where the kernel refuses
-   (step/attention.py, ``varlen_works``).
+   tests/test_unpad.py. Where the kernel refuses (step/attention.py, ``varlen_works``), the packed
+   step is off and stock's forward runs.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from solution.kernels._launches import record
 
@@ -100,24 +96,6 @@ def preflight(device: torch.device, dtype: torch.dtype, head_dim: int) -> Runtim
     return None
 
 
-class VarlenCausalAttention(torch.autograd.Function):
-    """q, k, v [1, N, H, D] (same heads: KV already repeated), contiguous -> out [1, N, H, D]."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_len, scale):
-        out, lse, seed, offset = varlen_forward(q, k, v, cu_seqlens, max_len, scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, seed, offset)
-        ctx.max_len, ctx.scale = max_len, scale
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dout):
-        q, k, v, out, lse, cu_seqlens, seed, offset = ctx.saved_tensors
-        dq, dk, dv = varlen_backward(dout, q, k, v, out, lse, cu_seqlens, seed, offset, ctx.max_len, ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
 def rows_reference(q, k, v, lengths, scale):
     """The same result row by row with F.scaled_dot_product_attention (any device; differentiable).
     q, k, v [1, N, H, D] -> [1, N, H, D].
@@ -134,20 +112,11 @@ def rows_reference(q, k, v, lengths, scale):
     return torch.cat(outs, dim=1)
 
 
-def varlen_causal_attention(q, k, v, info, scale) -> torch.Tensor:
-    """Causal attention of each packed row on its own. q, k, v [1, N, H, D] contiguous, same dtype;
-    ``info`` the batch's ``Unpadded`` (row lengths, offsets). Returns [1, N, H, D]."""
-    if q.device.type == "cuda":
-        return VarlenCausalAttention.apply(q, k, v, info.cu_seqlens, info.max_len, scale)
-    record("attention_rows_reference", ours=False)
-    return rows_reference(q, k, v, list(info.lengths), scale)
-
-
 # The private ATen ops called above, positionally: the schemas they were reviewed with (one each,
 # the same in torch 2.10.0, 2.11.0, 2.12.0, 2.12.1 and 2.13.0: native_functions.yaml of each
 # release). Another schema (an argument moved, renamed or added before those we pass, another
 # overload) could give the positional calls another meaning: ``schema_refusal`` then refuses the
-# kernel and step/attention.py keeps the padded layout (stock's SDPA call).
+# kernel and the packed step is off (step/attention.py: stock's forward runs).
 ACCEPTED_SCHEMAS = {
     "aten::_efficient_attention_forward": (
         "aten::_efficient_attention_forward(Tensor query, Tensor key, Tensor value, Tensor? bias, "

@@ -5,7 +5,7 @@ residual add of the MLP's fp16 output.
    PyTorch elementwise kernel that cannot vectorize because its operands differ in dtype:
    - backward: ``dx = fp32(dg @ Wg); dx += du @ Wu``: a cast kernel (fp16 -> fp32) and an add
      kernel (fp32 += fp16), per layer;
-   - forward: ``residual + mlp_out`` in the decoder layer, fp32 + fp16 -> fp32.
+   - forward: ``residual + mlp_out`` at the end of the decoder layer, fp32 + fp16 -> fp32.
    (Their share of the GPU time in the profile: docs/kernels/fp32_add.md, section 2.)
 
 2. Why that is slow. A mixed-dtype TensorIterator kernel loads and converts one element at a time
@@ -13,9 +13,9 @@ residual add of the MLP's fp16 output.
    back in the add.
 
 3. What it does instead. ``fp32_add_kernel``: out = fp32(a) + fp32(b), one pass, 16-byte vector
-   loads, any mix of fp16 / fp32 inputs, fp32 output. ``add_as_fp32`` (no autograd, for the MLP
-   backward) and ``residual_add`` (autograd: the gradient of the fp16 operand is the fp32 gradient
-   rounded to fp16, which is what autograd's engine does for stock's promoted add).
+   loads, any mix of fp16 / fp32 inputs, fp32 output (``add_as_fp32``, no autograd: the
+   decoder-layer node's backward makes the fp16 operand's gradient, the fp32 gradient rounded to
+   fp16, as autograd's engine does for stock's promoted add).
 
 4. Correctness risks. None in the values: one fp32 addition of the same two fp32 values that
    torch adds (fp16 -> fp32 is exact; the sum is commutative), round to nearest, no FMA involved.
@@ -23,8 +23,8 @@ residual add of the MLP's fp16 output.
    bit against torch (tests/test_fp32_add.py), on the CPU interpreter and on the GPU.
 
 5. How it was measured: docs/kernels/fp32_add.md, section 5 (profiled end-to-end runs against
-   torch's adds, same bits). It is fixed behaviour: the callers (patches/qwen2_decoder_layer.py,
-   nf4_mlp.mlp_backward, step/layer.py) always use it where it applies.
+   torch's adds, same bits). It is fixed behaviour: the callers (nf4_mlp.mlp_backward,
+   step/layer.py) always use it.
 """
 from __future__ import annotations
 
@@ -78,28 +78,6 @@ def add_as_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     block = GPU_BLOCK if out.device.type == "cuda" else INTERPRETER_BLOCK
     launch(fp32_add_kernel, (cdiv(n, block),), "fp32_add_kernel", a, b, out, n, block, num_warps=GPU_NUM_WARPS)
     return out
-
-
-class _ResidualAdd(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, residual, y):
-        ctx.dtypes = (residual.dtype, y.dtype)
-        return add_as_fp32(residual, y)
-
-    @staticmethod
-    def backward(ctx, grad):
-        res_dtype, y_dtype = ctx.dtypes
-        return grad.to(res_dtype), grad.to(y_dtype)
-
-
-def residual_add(residual: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """residual (fp32) + y (fp16 or fp32) -> fp32, differentiable, the values of torch's promoted
-    add; torch's add when the kernel does not apply."""
-    if residual.dtype != torch.float32 or not supported(residual, y):
-        return residual + y
-    if torch.is_grad_enabled() and (residual.requires_grad or y.requires_grad):
-        return _ResidualAdd.apply(residual, y)
-    return add_as_fp32(residual, y)
 
 
 def sm75_specs():

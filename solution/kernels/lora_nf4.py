@@ -1,41 +1,27 @@
-"""LoRA on a frozen NF4 linear (peft's ``lora.bnb.Linear4bit``, q_proj / v_proj) as one
-torch.autograd.Function, with the elementwise work fused into Triton launches.
+"""LoRA on a frozen NF4 linear (peft's ``lora.bnb.Linear4bit``: q_proj, v_proj) as the
+decoder-layer node (solution/step/layer.py) runs it: its dropout, its GEMMs and the casts around
+them, with the elementwise work fused into Triton launches.
 
-What peft 0.21 computes (``Linear4bit.forward``, single active adapter, not merged, no DoRA,
-under torch.autocast(fp16) as in training):
-    result = base_layer(x).clone()              # bnb Linear4bit: fp16 GEMM, cast back to x.dtype
-    output = lora_B(lora_A(dropout(x))) * scaling   # autocast: fp16 GEMMs, fp16 result
-    result = result + output                    # fp32 (x is fp32: the fp32 residual stream)
-Element by element that is  out = fp32(base16) + fp32(fp16(fp32(lora16) * scaling)).
-
-What costs: besides the three GEMMs, full-size elementwise passes: forward casts x to fp16 (for
-the base), the base output to fp32, clones it, casts dropout(x) to fp16 (for lora_A), scales the
-LoRA output, adds; backward casts the fp32 gradient to fp16 twice, scales it, casts both fp16
-input gradients back to fp32, applies dropout's backward and sums the two. On the GPU that is 15
-kernels forward and ~17 backward (bnb's 3-launch dequantization included), mostly small on the
-CPU side but each one a launch.
-
-What we do instead (same numbers):
-  forward : torch's dropout op on x (the mask is kept: ``lora_dropout``); ONE Triton launch
-            dequantizes W into the scratch buffer and casts x and dropout(x) to fp16
-            (``nf4_dequant_cast_kernel``); base16 = F.linear(x16, W, bias16), h16 = F.linear(xd16,
-            A16), lora16 = F.linear(h16, B16) (cuBLAS, the same calls as stock); ONE kernel writes
-            out = fp32(base16) + fp32(fp16(lora16 * scaling)) (``lora_combine_kernel``).
-  backward: ONE launch re-dequantizes W (bnb's rounding chain) and turns the fp32 gradient into
-            g16 and fp16(g16 * scaling); cuBLAS for grad_B, grad_h, grad_A, the LoRA input
-            gradient and the base input gradient; ONE kernel (``lora_grad_sum_kernel``) applies
-            dropout's backward to the LoRA input gradient and adds the base one, in fp32, with
-            the roundings autograd's separate casts / dropout backward / sum would make.
-That is 7 kernels forward (2 Triton, dropout, 3 GEMMs, 1 Triton launch casting A and B:
-``pair_cast_kernel``) and 8 backward (2 Triton, 5 GEMMs, 1 Triton launch casting the A/B
-gradients), in one autograd node.
-On the packed path (no work on padding) the dropout mask is drawn over stock's padded shape and
-its value was computed by torch as ``x * mask * scale`` in fp32 (two elementwise kernels and an
-fp32 tensor), then cast. Instead the cast launch computes fp16((x * mask) * scale) itself from x
-and the bool mask (``_cast_block`` mode 3): the same bits (tests), measured faster end to end
-(docs/kernels/lora_nf4.md, section 3).
-Gradients of A and B come back in the parameters' own dtype (bf16 / fp32 / fp16), as the
-autocast cast's backward gives them.
+1. What it replaces. What peft 0.21 computes (``Linear4bit.forward``, one active adapter, under
+   torch.autocast(fp16) as in training): ``result = base_layer(x).clone(); result = result +
+   lora_B(lora_A(dropout(x))) * scaling``. Besides the three GEMMs: full-size elementwise passes
+   (x to fp16 for the base, the base output to fp32, the clone, dropout(x) to fp16 for lora_A, the
+   scaling, the add; in backward the casts of the gradient, dropout's backward and the sum) and
+   the casts of A and B, each a launch.
+2. Why that was slow. ~15 kernels forward and ~17 backward per projection, most of them small
+   launches whose host cost exceeds their GPU time on a fast GPU.
+3. What it does instead. ``lora_dropout``: torch's own dropout op, with the mask drawn over
+   stock's padded shape (``draw_padded_mask``: the same random numbers as stock on the packed
+   rows) and kept; ONE Triton launch dequantizes W and casts x and dropout(x) to fp16
+   (``dequant_and_cast_inputs``; dropout's value computed in that launch from x and the mask);
+   cuBLAS for the GEMMs, as stock (``lora_forward_gemms``); the sum of the base and LoRA outputs
+   is made by kernels/qkv_rope.py, the input gradients' sum by kernels/qkv_grad.py; the four LoRA
+   weights of q and v are cast to fp16 in one launch, their gradients back in one (``cast_four``).
+4. Correctness risks. The dropout mask must consume the generator exactly as stock's call does
+   (tests/test_unpad.py checks the mask against stock's nn.Dropout on the padded tensor); the
+   fused casts round to nearest even as torch's ``.to``. Gradients of A and B come back in the
+   parameters' own dtype, as the autocast cast's backward gives them.
+5. How it was measured: docs/kernels/lora_nf4.md.
 """
 from __future__ import annotations
 
@@ -43,79 +29,15 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 import triton
 import triton.language as tl
 
-from solution.kernels._blocks import load_block, store_block
 from solution.kernels._device import runs_here
 from solution.kernels._launches import cdiv, launch
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS
 
-GPU_BLOCK = 2048
-GPU_NUM_WARPS = 8
-INTERPRETER_BLOCK = 1 << 16
-
 # dropout modes (how the LoRA input gradient goes through dropout's backward)
 NO_DROPOUT, DROPOUT_MASK, DROPOUT_NOISE = 0, 1, 2
-
-
-@triton.jit
-def _combine(offs, mask, base_ptr, lora_ptr, out_ptr, scaling, MASKED: tl.constexpr):
-    base = load_block(base_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
-    lora = load_block(lora_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
-    scaled = (lora * scaling).to(tl.float16).to(tl.float32)  # peft's fp16 `output * scaling`
-    store_block(out_ptr + offs, (base + scaled).to(out_ptr.dtype.element_ty), mask, MASKED)
-
-
-@triton.jit(do_not_specialize=["n"])
-def lora_combine_kernel(base_ptr, lora_ptr, out_ptr, n, scaling, BLOCK: tl.constexpr):
-    """out = fp32(base) + fp32(fp16(fp32(lora) * scaling)), stored in out's dtype (fp32 or fp16).
-    base, lora: fp16. This is peft's ``result.clone() + lora_B(...) * scaling`` in one pass.
-    Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
-    start = tl.program_id(0) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
-    if start + BLOCK <= n:
-        _combine(offs, mask, base_ptr, lora_ptr, out_ptr, scaling, False)
-    else:
-        _combine(offs, mask, base_ptr, lora_ptr, out_ptr, scaling, True)
-
-
-@triton.jit
-def _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP: tl.constexpr, MASKED: tl.constexpr):
-    a = load_block(a_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
-    g = load_block(b_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    if DROP == 1:
-        keep = load_block(m_ptr + offs, mask, 0, MASKED).to(tl.float32)
-        g = ((keep * g) * drop_scale).to(out_ty).to(tl.float32)
-    if DROP == 2:
-        noise = load_block(m_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
-        g = (g * noise).to(out_ty).to(tl.float32)
-    store_block(out_ptr + offs, (a + g).to(out_ty), mask, MASKED)
-
-
-@triton.jit(do_not_specialize=["n"])
-def lora_grad_sum_kernel(a_ptr, b_ptr, m_ptr, out_ptr, n, drop_scale, DROP: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """Input gradient of the LoRA layer, in out's dtype T (x's dtype):
-    out = T(fp32(a) + fp32(g)), with a = base-path gradient (fp16) and g = the LoRA-path gradient
-    b (fp16, gradient of dropout(x)) taken through dropout's backward:
-      DROP 0 (no dropout)          g = b
-      DROP 1 (torch.native_dropout, bool mask m: CUDA)  g = T((fp32(m) * fp32(b)) * drop_scale),
-                                   as native_dropout_backward computes it
-      DROP 2 (CPU composite dropout, noise m = mask / (1 - p) in T)  g = T(fp32(b) * fp32(m)),
-                                   as the MulBackward of ``x * noise``
-    i.e. exactly autograd's casts of the two fp16 gradients, dropout's backward and their sum.
-    Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
-    start = tl.program_id(0) * BLOCK
-    offs = start + tl.arange(0, BLOCK)
-    mask = offs < n
-    if start + BLOCK <= n:
-        _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP, False)
-    else:
-        _grad_sum(offs, mask, a_ptr, b_ptr, m_ptr, out_ptr, drop_scale, DROP, True)
 
 
 @triton.jit(do_not_specialize=["n0", "n1"])
@@ -215,32 +137,6 @@ def cast_four(tensors, dtypes):
     return outs
 
 
-def _grid_block(n: int, device: torch.device):
-    block = GPU_BLOCK if device.type == "cuda" else INTERPRETER_BLOCK
-    return (cdiv(n, block),), block
-
-
-def lora_combine(base16: torch.Tensor, lora16: torch.Tensor, scaling: float, out_dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(base16.shape, dtype=out_dtype, device=base16.device)
-    n = out.numel()
-    grid, block = _grid_block(n, out.device)
-    launch(lora_combine_kernel, grid, "lora_combine",
-           base16, lora16, out, n, scaling, BLOCK=block,
-           num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
-    return out
-
-
-def lora_grad_sum(a16: torch.Tensor, b16: torch.Tensor, drop_mask, drop_mode: int, drop_scale: float,
-                  out_dtype: torch.dtype) -> torch.Tensor:
-    out = torch.empty(a16.shape, dtype=out_dtype, device=a16.device)
-    n = out.numel()
-    grid, block = _grid_block(n, out.device)
-    launch(lora_grad_sum_kernel, grid, "lora_grad_sum",
-           a16, b16, a16 if drop_mask is None else drop_mask, out, n, drop_scale,
-           DROP=drop_mode, BLOCK=block, num_warps=GPU_NUM_WARPS, enable_fp_fusion=False)
-    return out
-
-
 def _dropout_is_native(x: torch.Tensor) -> bool:
     """Does ``F.dropout`` run ``native_dropout`` for x? (``at::dropout``'s is_fused_kernel_acceptable:
     CUDA / XPU / lazy / privateuse1 tensors; the caller already checked 0 < p < 1 and x non-empty.)"""
@@ -294,11 +190,10 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False,
     random numbers) torch's ``F.dropout`` uses, but keeping the mask for our fused backward.
     Returns (xd, mask, mode, scale): xd None when dropout is the identity (eval mode, p == 0).
     ``defer``: on the packed path (mask drawn over the padded shape) with a CUDA fp32 contiguous x,
-    xd is a ``_Deferred`` instead of an fp32 tensor: ``lora_nf4`` then makes fp16(dropout(x)) in its
-    cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer; measured
+    xd is a ``_Deferred`` instead of an fp32 tensor: ``dequant_and_cast_inputs`` then makes
+    fp16(dropout(x)) in its cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer; measured
     faster end to end: docs/kernels/lora_nf4.md, section 3). Training always defers
-    (solution/patches/peft_lora_bnb.py, step/layer.py); defer=False is the reference the tests
-    compare it with.
+    (step/layer.py); defer=False is the reference the tests compare it with.
 
     ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
     (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite
@@ -308,15 +203,14 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False,
     ``packed``: the packed batch (solution/step/packing.py's Unpadded) whose real-token rows x
     holds, or None: the draw is then made over stock's padded shape and its real rows kept, so the
     random numbers are stock's (``padded_draw_shape``). ``mask_source``: on CUDA, where the masks
-    come from instead of a draw (a CUDA graph's replay: solution/step/cuda_graphs.py), or None. The
-    caller (solution/patches/peft_lora_bnb.py) reads both from the packed step's context."""
+    come from instead of a draw (a CUDA graph's replay: solution/step/cuda_graphs.py), or None."""
     if not draws(dropout):
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
     # Packed real tokens of a right-padded batch: draw over stock's padded shape, keep the real
     # rows, so the random numbers are stock's.
     padded_shape = padded_draw_shape(x, packed)
-    with torch.no_grad():  # our Function owns the whole input gradient, dropout's part included
+    with torch.no_grad():  # the node's backward makes the whole input gradient, dropout's part included
         if _dropout_is_native(x):
             if mask_source is not None:
                 # Layers replayed from a CUDA graph (solution/step/cuda_graphs.py): the mask was drawn
@@ -389,18 +283,10 @@ def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None)
     return w16, x16, xd16
 
 
-def lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling):
-    """One LoRA-NF4 projection's forward (LoraNF4Function's): (out, saved), saved = (xd16, h16, a16,
-    b16) what its backward needs (``lora_backward_parts``)."""
-    base16, lora16, _, saved = lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16)
-    return lora_combine(base16, lora16, scaling, x.dtype), saved
-
-
 def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None, ab16=None):
-    """``lora_forward_parts`` up to its GEMMs: (base16, lora16, x16, saved), the fp16 base output
-    (bias included) and the fp16 LoRA B output, which ``lora_combine`` sums as peft does (the
-    decoder-layer node, solution/step/layer.py, sums them in kernels/qkv_rope.py instead, with the
-    same operations). ``ab16``: (fp16 A, fp16 B) cast by the caller (the node casts q's and v's in
+    """One LoRA-NF4 projection's forward GEMMs: (base16, lora16, x16, saved), the fp16 base output
+    (bias included) and the fp16 LoRA B output, which kernels/qkv_rope.py sums as peft does;
+    saved = (xd16, h16, a16, b16), what ``lora_backward_gemms`` needs. ``ab16``: (fp16 A, fp16 B) cast by the caller (the node casts q's and v's in
     one launch)."""
     w16, x16, xd16 = dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
     base16 = F.linear(x16, w16, bias16)
@@ -412,33 +298,13 @@ def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None,
     return base16, lora16, x16, (xd16, h16, a16, b16)
 
 
-def lora_backward_parts(plan, grad_out, saved, scaling, need_x, need_a, need_b, a_dtype, b_dtype):
-    """One LoRA-NF4 projection's backward without the input gradient's final sum: (g16,
-    grad_base16, grad_xd16, grad_a, grad_b): g16 = fp16(grad_out), the two fp16 parts of x's
-    gradient (None unless need_x), A's and B's gradients in their dtypes (None unless asked for).
-    Both parts of x's gradient are issued before another weight is dequantized into the shared
-    scratch buffer (stream order keeps the buffer's reuse safe)."""
-    g = grad_out if grad_out.is_contiguous() else grad_out.contiguous()
-    # one launch: W again (bnb's backward rounding chain; only when the input gradient is
-    # needed), g16 = fp16(g) (autograd's cast of the gradient of the fp16 GEMM outputs) and
-    # gs16 = fp16(g16 * scaling) (the gradient of lora_B's output, as peft's fp16 `* scaling`)
-    w16 = plan.weight16()
-    g16 = g if g.dtype == torch.float16 else torch.empty(g.shape, dtype=torch.float16, device=g.device)
-    gs16 = torch.empty(g.shape, dtype=torch.float16, device=g.device)
-    plan.dq.launch(w16, plan.round_bwd, dequant=need_x, a=g, a16=None if g16 is g else g16,
-                   b16=gs16, cast_b=2, scaling=scaling)
-    grad_xd16, grad_a, grad_b = _lora_backward_gemms(gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype)
-    grad_base16 = torch.matmul(g16, w16) if need_x else None
-    return g16, grad_base16, grad_xd16, grad_a, grad_b
-
-
 def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b):
-    """``lora_backward_parts`` from the two fp16 gradients the caller made (g16 = fp16(grad_out),
-    gs16 = fp16(g16 * scaling): the decoder-layer node's kernels/qkv_rope.py): the LoRA GEMMs, then
+    """One LoRA-NF4 projection's backward GEMMs from the two fp16 gradients the caller made
+    (g16 = fp16(grad_out), gs16 = fp16(g16 * scaling): kernels/qkv_rope.py): the LoRA GEMMs, then
     the base weight's input gradient (``LinearPlan.input_grad16``, only when need_x). Returns
     (grad_base16, grad_xd16, grad_a, grad_b), all fp16: the node casts q's and v's A and B
     gradients to the weights' dtypes in one launch."""
-    grad_xd16, grad_a, grad_b = _lora_backward_gemms(gs16, saved, need_x, need_a, need_b, None, None, cast=False)
+    grad_xd16, grad_a, grad_b = _lora_backward_gemms(gs16, saved, need_x, need_a, need_b)
     return (plan.input_grad16(g16) if need_x else None), grad_xd16, grad_a, grad_b
 
 
@@ -450,70 +316,25 @@ def cast_grads(grad_a, grad_b, a_dtype, b_dtype):
     return None if grad_a is None else grad_a.to(a_dtype), None if grad_b is None else grad_b.to(b_dtype)
 
 
-def _lora_backward_gemms(gs16, saved, need_x, need_a, need_b, a_dtype, b_dtype, cast=True):
-    """The LoRA side's backward GEMMs: (grad_xd16, grad_a, grad_b); grad_a and grad_b cast to
-    a_dtype / b_dtype (``cast_grads``) unless ``cast`` is False."""
+def _lora_backward_gemms(gs16, saved, need_x, need_a, need_b):
+    """The LoRA side's backward GEMMs: (grad_xd16, grad_a, grad_b), all fp16."""
     xd16, h16, a16, b16 = saved
     n_out, r, n_in = gs16.shape[-1], h16.shape[-1], xd16.shape[-1]
     grad_a = grad_b = grad_xd16 = None
-    if need_b:  # lora_B: grad_weight = gs^T h (fp16, cast to B's dtype below)
+    if need_b:  # lora_B: grad_weight = gs^T h
         grad_b = gs16.reshape(-1, n_out).t().mm(h16.reshape(-1, r))
     if need_a or need_x:
         grad_h16 = torch.matmul(gs16, b16)  # [..., r]
-        if need_a:  # lora_A: grad_weight = grad_h^T xd16 (fp16, cast to A's dtype below)
+        if need_a:  # lora_A: grad_weight = grad_h^T xd16
             grad_a = grad_h16.reshape(-1, r).t().mm(xd16.reshape(-1, n_in))
-    if cast:
-        grad_a, grad_b = cast_grads(grad_a, grad_b, a_dtype, b_dtype)
     if need_x:
         grad_xd16 = torch.matmul(grad_h16, a16)
     return grad_xd16, grad_a, grad_b
 
 
-class LoraNF4Function(torch.autograd.Function):
-    """out = fp32(F.linear(x16, dequant(W), bias16)) + fp32(fp16(F.linear(F.linear(xd16, A16), B16) * s))
-
-    x: layer input (fp32 or fp16), the only differentiable activation: its gradient includes the
-    path through dropout. lora_a [r, in], lora_b [out, r]: trainable, any float dtype (cast to
-    fp16 as autocast does). bias16: the base bias, fp16 (bnb casts it), or None. plan: the base
-    layer's ``LinearPlan`` (frozen packed NF4 weight). xd, drop_mask, drop_mode, drop_scale: from
-    ``lora_dropout`` (xd None: no dropout). scaling: LoRA alpha / r. Output dtype: x.dtype.
-    """
-
-    @staticmethod
-    def forward(ctx, x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode, drop_scale, scaling):
-        out, saved = lora_forward_parts(plan, x, xd, drop_mask, lora_a, lora_b, bias16, scaling)
-        ctx.save_for_backward(*saved, drop_mask)
-        ctx.plan, ctx.scaling = plan, scaling
-        ctx.drop_mode, ctx.drop_scale = drop_mode, drop_scale
-        ctx.dtypes = (x.dtype, lora_a.dtype, lora_b.dtype, None if bias16 is None else bias16.dtype)
-        return out
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        *saved, drop_mask = ctx.saved_tensors
-        need_x, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
-        x_dtype, a_dtype, b_dtype, bias_dtype = ctx.dtypes
-        g16, grad_base16, grad_xd16, grad_a, grad_b = lora_backward_parts(
-            ctx.plan, grad_out, saved, ctx.scaling, need_x, need_a, need_b, a_dtype, b_dtype)
-        grad_x = grad_bias = None
-        if need_x:
-            grad_x = lora_grad_sum(grad_base16, grad_xd16, drop_mask, ctx.drop_mode, ctx.drop_scale, x_dtype)
-        if need_bias:
-            grad_bias = g16.reshape(-1, g16.shape[-1]).sum(0, dtype=bias_dtype)
-        return grad_x, grad_a, grad_b, grad_bias, None, None, None, None, None, None
-
-
-def lora_nf4(x, lora_a, lora_b, bias16, plan, xd=None, drop_mask=None, drop_mode: int = NO_DROPOUT,
-             drop_scale: float = 1.0, scaling: float = 1.0) -> torch.Tensor:
-    """See LoraNF4Function. x fp32/fp16 [..., in]; returns x.dtype [..., out]."""
-    return LoraNF4Function.apply(x, lora_a, lora_b, bias16, plan, xd, drop_mask, drop_mode,
-                                 float(drop_scale), float(scaling))
-
-
 def sm75_specs():
-    """Launch configurations used in training (x fp32 -> fp32 output, dropout on CUDA: bool mask;
-    fp16 for completeness; the A / B casts fp32 -> fp16 forward, fp16 -> fp32 backward)."""
+    """Launch configurations used in training: the A / B casts fp32 -> fp16 forward, fp16 -> fp32
+    backward."""
     for src, dst in (("fp32", "fp16"), ("fp16", "fp32")):
         sig = {}
         for i in range(4):
@@ -529,19 +350,3 @@ def sm75_specs():
                           "src1_ptr": f"*{src}", "dst1_ptr": f"*{dst}", "n1": "i32", "BLOCK": "constexpr"},
             "constexprs": {"BLOCK": PAIR_CAST_BLOCK}, "num_warps": 4,
         }
-    for out_ty in ("fp32", "fp16"):
-        yield {
-            "name": f"lora_combine(out={out_ty})", "fn": lora_combine_kernel,
-            "signature": {"base_ptr": "*fp16", "lora_ptr": "*fp16", "out_ptr": f"*{out_ty}", "n": "i32",
-                          "scaling": "fp32", "BLOCK": "constexpr"},
-            "constexprs": {"BLOCK": GPU_BLOCK}, "num_warps": GPU_NUM_WARPS,
-            "options": {"enable_fp_fusion": False},
-        }
-        for drop, m_ty in ((NO_DROPOUT, "*fp16"), (DROPOUT_MASK, "*i1")):
-            yield {
-                "name": f"lora_grad_sum(out={out_ty},drop={drop})", "fn": lora_grad_sum_kernel,
-                "signature": {"a_ptr": "*fp16", "b_ptr": "*fp16", "m_ptr": m_ty, "out_ptr": f"*{out_ty}",
-                              "n": "i32", "drop_scale": "fp32", "DROP": "constexpr", "BLOCK": "constexpr"},
-                "constexprs": {"DROP": drop, "BLOCK": GPU_BLOCK}, "num_warps": GPU_NUM_WARPS,
-                "options": {"enable_fp_fusion": False},
-            }

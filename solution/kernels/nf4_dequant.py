@@ -343,7 +343,8 @@ class DequantPlan:
                cast_b: int = 0, scaling: float = 1.0) -> None:
         """Dequantize into ``out`` (fp16, contiguous, ``numel`` elements), and in the same launch,
         when ``a`` is given, the fp16 casts of ``_cast_block``: a16 = fp16(a) (if a16 is given),
-        cast_b=1: b16 = fp16(b), cast_b=2: b16 = fp16(fp16(a) * scaling). a, b, a16, b16: contiguous,
+        cast_b=1: b16 = fp16(b), cast_b=2: b16 = fp16(fp16(a) * scaling), cast_b=3: b16 =
+        fp16(a * b * scaling) with b a bool dropout mask (dropout's value). a, b, a16, b16: contiguous,
         same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``: the casts only.
         round_bf16: round the weight through bf16 first (bnb's backward for bf16 states)."""
         if a is None:

@@ -1,48 +1,32 @@
-"""Frozen NF4 linear layer: y = x @ dequant(W)^T + b with our one-kernel NF4 dequantization and
-cuBLAS, as a torch.autograd.Function that gives only grad_input (and grad_bias when the bias is
-trainable), never a weight gradient.
+"""A frozen NF4 linear layer's plan (``LinearPlan``): what the decoder-layer node
+(solution/step/layer.py) and the fused MLP (nf4_mlp.py) need to run bitsandbytes' NF4 linear as
+one dequantization launch into a reused buffer plus cuBLAS.
 
-What it replaces (bitsandbytes 0.50.2, read in the installed package):
-``bnb.nn.Linear4bit.forward`` casts x to the compute dtype (fp16), casts the bias *parameter* to
-x.dtype in place (``bias.data = bias.data.to(x.dtype)``: q/k/v biases that
-prepare_model_for_kbit_training made fp32 become fp16 after the first call), calls
-``bnb.matmul_4bit`` -> ``MatMul4Bit`` -> ``torch.ops.bitsandbytes.gemm_4bit``, and casts the
-result back to x's dtype. On CUDA ``gemm_4bit`` either runs bnb's fused 4-bit GEMM (small M only:
-``_gemm_4bit_use_custom_fn``) or ``_dequant_linear_fallback``: two dequantization launches (scales,
-then weights) and a torch add into freshly allocated tensors, then ``F.linear(x, W, bias)``.
-Backward (``MatMul4Bit.backward``, after autograd cast the fp32 gradient to fp16):
-``grad @ dequantize_4bit(W).to(grad.dtype)`` where ``dequantize_4bit`` produces
-``quant_state.dtype`` (a second rounding when the state was quantized from bf16), then autograd
-casts the fp16 input gradient back to fp32; ``grad.sum(0, dtype=bias.dtype)`` for a trainable bias.
-Per call on the GPU (fp32 activations): 6 kernels forward (cast x, 3 for the weight, GEMM, cast
-out), 6 backward (cast grad, 3 for the weight, GEMM, cast grad_x), 3 autograd nodes.
+What it stands for (bitsandbytes 0.50.2, read in the installed package): ``bnb.nn.Linear4bit.
+forward`` casts x to the compute dtype (fp16), casts the bias *parameter* to x.dtype in place,
+calls ``bnb.matmul_4bit`` (on CUDA for training-size inputs ``_dequant_linear_fallback``: two
+dequantization launches and a torch add into fresh tensors, then ``F.linear(x, W, bias)``), and
+casts the result back to x's dtype. Backward: ``grad @ dequantize_4bit(W).to(grad.dtype)``, where
+``dequantize_4bit`` produces ``quant_state.dtype`` (a second rounding when the state was quantized
+from bf16).
 
-What we do: the same in-place bias cast; ONE Triton launch that dequantizes the weight into a
-reused per-device scratch buffer AND casts x to fp16 (``nf4_dequant_cast_kernel``: same bits as
-``x.to(torch.float16)``); the very same ``F.linear(x16, W, bias16)`` call -> the same cuBLAS GEMM
-on the same fp16 operands, so the forward is bit-identical to bnb's dequant+linear path; the cast
-back to x's dtype. Backward: ONE launch re-dequantizes (with bnb's rounding chain) and casts the
-fp32 gradient to fp16, then the same ``torch.matmul`` and the cast back. That is 3 kernels forward
-and 3 backward, in one autograd node. When bnb would choose its fused small-M kernel we leave the
-call to bnb, so the numerics stay bnb's there as well.
-
-Per-call Python work is kept small: everything about a layer that does not depend on x (checks
-of the weight and its state, kernel arguments, the scratch view) is computed once per layer into
-a ``LinearPlan`` (cached, re-validated by identity checks only), and the packed weight is
-handed to Triton as a plain tensor (``Params4bit`` runs Python code on every tensor method).
-The host cost of each: docs/kernels/nf4_linear.md, section 3.
+What the plan gives: ONE Triton launch dequantizes the weight into a reused per-device scratch
+buffer and casts x to fp16 (``dequant_and_cast``: ``nf4_dequant_cast_kernel``, same bits as
+``x.to(torch.float16)``), for the very same ``F.linear(x16, W, bias16)`` call as bnb's; in
+backward the same with bnb's rounding chain (``round_bwd``), and ``input_grad16``. Everything
+about a layer that does not depend on x (checks of the weight and its state, kernel arguments,
+the scratch view) is computed once per layer, and the packed weight is handed to Triton as a
+plain tensor (``Params4bit`` runs Python code on every tensor method).
 
 This file takes tensors and plain arguments (the packed weight, its quant state, the layer's
-compute dtype, x); what reads a bnb ``Linear4bit`` module (the per-layer plan cache, bnb's
-quant-state repair, its fused-GEMM choice, the in-place bias cast) is solution/patches/_bnb.py.
+compute dtype, x); what reads a bnb ``Linear4bit`` module (the plan cache, bnb's quant-state
+repair, the in-place bias cast) is solution/patches/_bnb.py.
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
-import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from solution.kernels._device import kernel_device_reason, on_current_device
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS, DequantPlan, unsupported_reason
@@ -164,54 +148,3 @@ def input_reason(plan: LinearPlan, x: torch.Tensor) -> str | None:
     if x.dim() == 0 or x.shape[-1] != plan.k or x.numel() == 0:
         return "input / weight shapes"
     return None
-
-
-# ---------------------------------------------------------------------------------------------
-# the layer
-
-class NF4LinearFunction(torch.autograd.Function):
-    """out = fp16 GEMM F.linear(fp16(x), dequant(W), bias16), returned in x's dtype; backward:
-    grad_x = (fp16(grad) @ dequant(W)) in x's dtype, grad_bias if the bias requires grad. The
-    casts of x, of the output and of the gradients are inside (one autograd node instead of
-    three), with the values of bnb's / autograd's casts."""
-
-    @staticmethod
-    def forward(ctx, x, bias16, plan):
-        w16, x16 = plan.dequant_and_cast(x)
-        out = F.linear(x16, w16, bias16)
-        # like bnb's MatMul4Bit: keep only the plan (packed weight + state, persistent), never
-        # the fp16 weight, so nothing of size out x in stays alive until backward
-        ctx.plan = plan
-        ctx.x_dtype = x.dtype
-        ctx.bias_dtype = None if bias16 is None else bias16.dtype
-        return out if x.dtype == torch.float16 else out.to(x.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        need_x, need_bias = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        plan = ctx.plan
-        grad_x = grad_bias = None
-        if need_x:
-            # one launch: W in bnb's backward rounding chain + fp16(grad) (autograd's cast of the
-            # gradient of our fp32 output)
-            w16, g16 = plan.dequant_and_cast(grad_out, plan.round_bwd)
-            grad_x = torch.matmul(g16, w16)
-            if ctx.x_dtype != torch.float16:
-                grad_x = grad_x.to(ctx.x_dtype)
-        else:
-            g16 = grad_out if grad_out.dtype == torch.float16 else grad_out.to(torch.float16)
-        if need_bias:
-            grad_bias = g16.reshape(-1, g16.shape[-1]).sum(0, dtype=ctx.bias_dtype)
-        return grad_x, grad_bias, None
-
-
-def nf4_linear_call(plan: LinearPlan, x: torch.Tensor, bias16: torch.Tensor | None) -> torch.Tensor:
-    """bnb Linear4bit's forward on our path (after ``input_reason`` and the caller's own checks said
-    yes: solution/patches/_bnb.py's ``call_reason``): x [..., in] fp32 /
-    fp16 / bf16 -> [..., out] in x's dtype; autograd for x and the bias only."""
-    if torch.is_grad_enabled() and (x.requires_grad or (bias16 is not None and bias16.requires_grad)):
-        return NF4LinearFunction.apply(x, bias16, plan)
-    w16, x16 = plan.dequant_and_cast(x)
-    out = F.linear(x16, w16, bias16)
-    return out if x.dtype == torch.float16 else out.to(x.dtype)

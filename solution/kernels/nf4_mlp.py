@@ -1,10 +1,11 @@
 """The frozen NF4 MLP block of Qwen2 (gate_proj, up_proj, SwiGLU, down_proj, all bnb NF4 without
-LoRA) as ONE autograd function that keeps the gate / up outputs in fp16, and a memory policy that
-chooses what the backward gets: the saved gate / up outputs, or the block's input to recompute them.
+LoRA) as the decoder-layer node (solution/step/layer.py) runs it: forward and backward that keep the
+gate / up outputs in fp16, and a memory policy that chooses what the backward gets: the saved gate /
+up outputs, or the block's input to recompute them.
 
 What it replaces. In the workload the residual stream is fp32 (prepare_model_for_kbit_training
-makes the norms fp32), so bnb's Linear4bit casts its fp16 GEMM output back to fp32. Stock (and our
-per-layer path before this) per MLP call and token:
+makes the norms fp32), so bnb's Linear4bit casts its fp16 GEMM output back to fp32. Stock, per MLP
+call and token:
     g = fp32(x16 @ Wg), u = fp32(x16 @ Wu)        two fp32 [T, 8960] tensors, SAVED for backward
     h = silu(g) * u                                fp32, then cast to fp16 for down_proj
     backward: dh fp16 -> fp32 cast, fp32 SwiGLU backward, dg / du fp32 -> two fp16 casts, two
@@ -18,8 +19,8 @@ the fp32 copies. So here:
     x16 = fp16(x)   (one cast, fused into the gate weight's dequantization launch; stock casts x
                      once per projection)
     g16 = x16 @ Wg, u16 = x16 @ Wu                 kept fp16 (saved: half the bytes)
-    h16 = fp16(fp32 silu(g) * u)                   swiglu FP32_STOCK: stock's fp32 math, then the
-                                                   fp16 cast down_proj makes
+    h16 = fp16(fp32 silu(g) * u)                   swiglu.py: stock's fp32 math, then the fp16
+                                                   cast down_proj makes
     y16 = h16 @ Wd                                 returned in fp16; the caller's residual add
                                                    promotes it to fp32, the same values as stock's
                                                    fp32 copy
@@ -27,11 +28,11 @@ the fp32 copies. So here:
     (the casts the gate / up backward make); dx = fp32(dg16 @ Wg) + fp32(du16 @ Wu) (the fp32 sum
     autograd makes of the two projections' input gradients; the sum is commutative, so the order
     does not matter).
-Every rounding is stock's: the loss and every gradient are the same numbers (tests compare with
-stock bit for bit where the GPU gives the same GEMM kernels, and within fp16 noise otherwise).
+Every rounding is stock's: the same numbers where the GPU gives the same GEMM kernels, within fp16
+noise otherwise (tests/test_nf4_mlp.py).
 
-The memory policy (the ``policy`` argument: SOLUTION_MEMORY_POLICY, read by apply() and passed by
-solution/patches/qwen2_mlp.py):
+The memory policy (SOLUTION_MEMORY_POLICY, read by apply(), kept in each layer's plan and passed to
+``mlp_saved`` / ``mlp_backward`` by the node):
   "speed" (default): save g16 and u16 (2 x T x 8960 x 2 bytes per layer).
   "balanced": save x16 and g16 (T x (1536 + 8960) x 2 bytes, 1.7x less) and recompute u16 in
       backward: one more NF4 dequantization and GEMM per layer.
@@ -41,23 +42,20 @@ solution/patches/qwen2_mlp.py):
 Any other value makes apply() raise a clear error before it installs anything; apply() reports
 the policy in use.
 
-Correctness risks: (1) the backward overwrites the saved g16 / u16 with dg / du (they are private
-to this function); a second backward through the same graph (retain_graph=True) would read
-gradients as activations, so it raises instead. (2) Only for fp32 inputs (the workload): other
-input dtypes keep the per-layer path, whose stock semantics differ (fp16 intermediates).
-(3) The caller must check that the three projections are plain bnb Linear4bit layers on our path
-with no hooks and no bias (solution/patches/qwen2_mlp.py does).
+Correctness risks: (1) the backward overwrites the saved g16 / u16 with dg / du; a second backward
+through the same graph (retain_graph=True) would read gradients as activations, so the node raises
+instead. (2) Only for fp32 inputs (the workload's; the node's planner refuses others). (3) The three
+projections must be plain bnb Linear4bit layers with no hooks and no bias (the planner,
+solution/patches/qwen2_layer_node.py, checks it).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.function import once_differentiable
 
 from solution.kernels import fp32_add
 from solution.kernels.nf4_linear import LinearPlan
 from solution.kernels.swiglu import swiglu_backward_fp16_of_fp32, swiglu_fp16_of_fp32
-from solution.settings import MEMORY_POLICIES
 
 
 def mlp_forward(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan):
@@ -117,40 +115,3 @@ def mlp_backward(plans, policy: str, saved: tuple, dy2: torch.Tensor) -> torch.T
     # one Triton pass for fp32(dxg) + fp32(dxu): the fp32 sum autograd makes of the two projections'
     # input gradients (fp32_add.py)
     return fp32_add.add_as_fp32(dxg, up.input_grad16(u16))
-
-
-class NF4MLPFunction(torch.autograd.Function):
-    """x [..., H] fp32 -> y [..., H] fp16 = down(swiglu(gate(x), up(x))), the values stock computes
-    (see the module doc); gradient for x only (the three weights are frozen)."""
-
-    @staticmethod
-    def forward(ctx, x, gate, up, down, policy):
-        y, g16, u16, x16 = mlp_forward(x, gate, up, down)
-        ctx.plans = (gate, up, down)
-        ctx.policy = policy
-        ctx.x_shape = x.shape
-        ctx.consumed = False
-        ctx.save_for_backward(*mlp_saved(policy, x16, g16, u16))
-        return y
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        if ctx.consumed:
-            raise RuntimeError("NF4 MLP: a second backward through the same graph is not supported "
-                               "(the first one reused the saved activations' memory)")
-        saved = ctx.saved_tensors
-        ctx.consumed = True
-        dx = mlp_backward(ctx.plans, ctx.policy, saved, dy.reshape(-1, dy.shape[-1]))
-        return dx.view(ctx.x_shape), None, None, None, None
-
-
-def nf4_mlp(x: torch.Tensor, gate: LinearPlan, up: LinearPlan, down: LinearPlan,
-            policy: str = "speed") -> torch.Tensor:
-    """The MLP block on our path (the caller checked the conditions in the module doc); returns
-    fp16. ``policy``: "speed", "balanced" or "memory" (the module doc)."""
-    if policy not in MEMORY_POLICIES:
-        raise ValueError(f"nf4_mlp: unknown memory policy {policy!r}")
-    if torch.is_grad_enabled() and x.requires_grad:
-        return NF4MLPFunction.apply(x, gate, up, down, policy)
-    return mlp_forward(x, gate, up, down)[0]

@@ -1,9 +1,9 @@
 """The input gradient of q_proj, k_proj and v_proj (one normed x, three projections) in one pass.
 
 1. What it replaces. Qwen2's attention projects the same normed input x three times: q_proj and
-   v_proj (peft LoRA on NF4: lora_nf4.py) and k_proj (NF4: nf4_linear.py). As three autograd nodes
-   each hands autograd an fp32 gradient of x: q's and v's from ``lora_grad_sum`` (the base part plus
-   the LoRA part through dropout's backward), k's as an fp16 -> fp32 cast, and autograd sums them
+   v_proj (peft LoRA on NF4) and k_proj (NF4). In stock each hands autograd an fp32 gradient of x:
+   q's and v's the base part plus the LoRA part through dropout's backward, k's as an fp16 -> fp32
+   cast, and autograd sums them
    in the order its nodes run: v_proj's first, then k_proj's, then q_proj's, so ((v + k) + q)
    (checked on stock Qwen2 on the CPU with backward hooks on the three projections).
 2. Why that is slow. Per element of x's gradient those five passes move ~48 bytes (two grad sums
@@ -17,8 +17,7 @@
    rounds once), so every value is the unfused ops' value. Used by the decoder-layer node
    (solution/step/layer.py).
 4. Correctness risks: the order of summation (fp32 addition is commutative but not associative):
-   pinned by tests against the three layers called one by one (tests/test_layer_node.py), bit for
-   bit; the masks' dtype (bool from native_dropout on CUDA; the CPU's composite dropout gives a
+   pinned bit for bit against an fp32 formula in autograd's order (tests/test_qkv_grad.py); the masks' dtype (bool from native_dropout on CUDA; the CPU's composite dropout gives a
    noise tensor: DROP 2).
 5. How it was measured: the decoder-layer node's measurement (docs/layer_node.md).
 """
@@ -38,7 +37,7 @@ INTERPRETER_BLOCK = 1 << 16
 
 @triton.jit
 def _lora_part(a_ptr, b_ptr, m_ptr, offs, mask, drop_scale, DROP: tl.constexpr, MASKED: tl.constexpr):
-    """fp32(a) + dropout_backward(fp32(b)) in fp32: lora_grad_sum_kernel's value for an fp32 x."""
+    """fp32(a) + dropout_backward(fp32(b)) in fp32: autograd's value for an fp32 x."""
     a = load_block(a_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
     g = load_block(b_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
     if DROP == 1:
@@ -63,7 +62,7 @@ def qkv_grad_sum_kernel(aq_ptr, bq_ptr, mq_ptr, ak_ptr, av_ptr, bv_ptr, mv_ptr, 
                         DROP: tl.constexpr, BLOCK: tl.constexpr):
     """x's fp32 gradient from the three projections' fp16 partial gradients: q (base a_q, LoRA b_q
     through dropout's backward with mask m_q), k (a_k), v (a_v, b_v, m_v); DROP as in
-    lora_nf4.lora_grad_sum_kernel (0 none, 1 bool mask, 2 noise). Whole blocks unmasked, the last
+    stock's dropout backward (0 none, 1 bool mask, 2 noise). Whole blocks unmasked, the last
     one masked (kernels/_blocks.py)."""
     start = tl.program_id(0) * BLOCK
     offs = start + tl.arange(0, BLOCK)

@@ -1,16 +1,13 @@
 """Attention's way in and out for the decoder-layer node: q / k / v to attention's fp16 inputs in
 one launch, and attention's input gradients back to the projections' fp16 gradients in one launch.
 
-1. What it replaces. On the module path the three projections' outputs go to attention through
-   seven launches: ``lora_combine`` for q and for v (fp32 q = fp32(base) + fp32(fp16(lora *
-   scaling)), peft's sum), k's fp16 -> fp32 cast (bnb returns x's dtype), RoPE on q and k
-   (rope.py, fp32), then three ``pad_rows_kernel`` launches (attn_layout.py) that repeat k's and
-   v's 2 heads to 12 (repeat_kv) and cast q, k, v to fp16 (autocast's cast inside SDPA). The
-   backward mirrors it with four: three ``unpad_rows_kernel``
-   (fp32, k's and v's 6 head copies summed), RoPE's backward, and the casts of q's, k's and v's
-   fp32 gradients to fp16 (autograd's casts for the fp16 GEMMs, and fp16(g16 * scaling) for the
-   LoRA B output), which run inside each weight's dequantization launch. The decoder-layer node
-   (solution/step/layer.py) runs this file's two launches instead.
+1. What it replaces. Between the projections and attention stock runs (per layer): peft's sum for
+   q and v (fp32 q = fp32(base) + fp32(fp16(lora * scaling))), k's fp16 -> fp32 cast (bnb returns
+   x's dtype), RoPE on q and k (transformers' ``apply_rotary_pos_emb``, fp32), ``repeat_kv`` of
+   k's and v's 2 heads to 12 and the casts of q, k, v to fp16 (autocast's cast inside SDPA); and
+   in backward the same in reverse: the repeated heads' gradients summed, RoPE's backward, the
+   casts of q's, k's and v's fp32 gradients to fp16 (autograd's casts for the fp16 GEMMs, and
+   fp16(g16 * scaling) for the LoRA B output). Each is an elementwise launch of its own.
 2. Why that was slow. Each of those launches costs host time, plus an output allocation, and the
    eager step is host-bound on a fast GPU. On the GPU they are full passes through fp32
    intermediates: q [N, 1536] fp32 is written by the combine, read and written by RoPE, read by
@@ -21,18 +18,16 @@ one launch, and attention's input gradients back to the projections' fp16 gradie
    ``qkv_rope_unpad_kernel`` reads attention's fp16 dq, dk, dv and writes the five fp16 gradients
    the projections' GEMMs take: q's g16 and fp16(g16 * scaling), k's g16, v's g16 and
    fp16(g16 * scaling); k's and v's 6 head copies summed in fp32 first, RoPE's backward in fp32.
-   The weights' dequantization launches then only dequantize. Seven launches become one forward,
-   four become one backward (and three of the dequantization launches lose their casts).
-4. Correctness risks. (a) Every value is computed with the very fp32 operations, in the same
-   order and with the same roundings, as the launches it replaces (the combine's fp16 round trip
-   of the scaled LoRA output, RoPE's products and sums, the head sums starting from 0.0 in head
-   order, each cast to fp16 once): launched with ``enable_fp_fusion=False`` so no multiply-add
-   becomes an FMA. The result is the same bits, pinned by tests against the launches it replaces
-   and by the node's tests against the module path (tests/test_qkv_rope.py,
-   tests/test_layer_node.py). (b) Shapes: head_dim even with a power-of-two half (one half-row is
-   one tl.arange), cos / sin [1, N, head_dim] with unit stride on the last dim; the node checks
-   ``supported`` and refuses the layer otherwise (it runs as modules, with the seven / four
-   launches). (c) Layout: q, k, v [N, heads *
+   The weights' dequantization launches then only dequantize. One launch each way.
+4. Correctness risks. (a) Every value is computed with the fp32 operations stock runs, in the
+   same order and with the same roundings (peft's fp16 round trip of the scaled LoRA output,
+   RoPE's products and sums, the head sums starting from 0.0 in head order, each cast to fp16
+   once): launched with ``enable_fp_fusion=False`` so no multiply-add becomes an FMA. Pinned bit
+   for bit against PyTorch formulas of stock's operations written in tests/test_qkv_rope.py, and
+   against fp64 with a bound derived from the roundings. (b) Shapes: head_dim even with a
+   power-of-two half (one half-row is one tl.arange), cos / sin [1, N, head_dim] with unit stride
+   on the last dim; the node checks ``supported`` and otherwise the step runs stock's forward.
+   (c) Layout: q, k, v [N, heads *
    head_dim] contiguous; attention's tensors [N, heads, head_dim] with unit stride on head_dim.
 5. How it was measured: docs/kernels/qkv_rope.md.
 """
@@ -53,13 +48,13 @@ INTERP_TILE_ELEMS = 1 << 16
 
 @triton.jit
 def _rope_fwd(x1, x2, c1, s1, c2, s2):
-    """RoPE's forward on the two fp32 halves: rope.py's products and sums (b1 = -s1, b2 = s2)."""
+    """RoPE's forward on the two fp32 halves: x * cos + rotate_half(x) * sin's products and sums (b1 = -s1, b2 = s2)."""
     return x1 * c1 + x2 * (-s1), x2 * c2 + x1 * s2
 
 
 @triton.jit
 def _rope_bwd(g1, g2, c1, s1, c2, s2):
-    """RoPE's backward (the transposed map): rope.py's with b1 = s2, b2 = -s1."""
+    """RoPE's backward (the transposed map): the forward's with b1 = s2, b2 = -s1."""
     return g1 * c1 + g2 * s2, g2 * c2 + g1 * (-s1)
 
 
@@ -81,7 +76,7 @@ def _token_tables(cos_ptr, sin_ptr, n_tokens, cs_row, HALF: tl.constexpr, BLOCK_
 
 @triton.jit
 def _lora_sum(base_ptr, lora_ptr, offs, mask, scaling):
-    """fp32(base) + fp32(fp16(fp32(lora) * scaling)): peft's sum, lora_nf4.lora_combine_kernel's value."""
+    """fp32(base) + fp32(fp16(fp32(lora) * scaling)): peft's sum (its fp16 ``* scaling``, then the fp32 add)."""
     base = tl.load(base_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     lora = tl.load(lora_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     return base + (lora * scaling).to(tl.float16).to(tl.float32)
@@ -135,7 +130,7 @@ def qkv_rope_pad_kernel(bq_ptr, lq_ptr, bk_ptr, bv_ptr, lv_ptr, cos_ptr, sin_ptr
 def _head_sums(src_ptr, t64, row, head, hk, d, ok,
                HALF: tl.constexpr, REP: tl.constexpr, BLOCK_T: tl.constexpr, HKP2: tl.constexpr):
     """The fp32 sums over g < REP of src[t, hk * REP + g, :] (both halves), from 0.0 in head order:
-    attn_layout.unpad_rows_kernel's sum (repeat_kv's backward)."""
+    autograd's sum for repeat_kv's backward."""
     acc1 = tl.zeros([BLOCK_T, HKP2, HALF], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_T, HKP2, HALF], dtype=tl.float32)
     for g in tl.static_range(REP):

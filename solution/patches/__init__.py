@@ -4,11 +4,6 @@ PATCHES lists them in install order; solution._apply walks it.
 """
 PATCHES = [
     "solution.patches.qwen2_rmsnorm",
-    "solution.patches.qwen2_decoder_layer",
-    "solution.patches.qwen2_rope",
-    "solution.patches.qwen2_mlp",
-    "solution.patches.bnb_linear4bit",
-    "solution.patches.peft_lora_bnb",
     "solution.patches.qwen2_layer_node",
     "solution.patches.qwen2_lm_head_loss",
     "solution.patches.qwen2_unpad",

@@ -12,14 +12,6 @@ from typing import Any
 
 _MISSING = object()
 
-class _Item:
-    """Marks a Swaps log entry that is a dict item, not an attribute."""
-
-    __slots__ = ("mapping",)
-
-    def __init__(self, mapping: dict) -> None:
-        self.mapping = mapping
-
 
 class Swaps:
     """Records (owner, attribute, original) so revert() restores the stock objects exactly."""
@@ -32,19 +24,9 @@ class Swaps:
         self._log.append((owner, name, original))
         setattr(owner, name, new)
 
-    def set_item(self, mapping: dict, key: Any, new: Any) -> None:
-        """mapping[key] = new (a plain dict, e.g. a registry of functions), restored like set()."""
-        self._log.append((_Item(mapping), key, mapping.get(key, _MISSING)))
-        mapping[key] = new
-
     def restore(self) -> None:
         for owner, name, original in reversed(self._log):
-            if isinstance(owner, _Item):
-                if original is _MISSING:
-                    owner.mapping.pop(name, None)
-                else:
-                    owner.mapping[name] = original
-            elif original is _MISSING:
+            if original is _MISSING:
                 try:
                     delattr(owner, name)
                 except AttributeError:

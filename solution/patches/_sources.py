@@ -3,8 +3,7 @@
 A patch that re-implements a stock function's body (to fuse part of it), or relies on what a stock
 function does beyond its documented contract, must only run where that body is the one it mirrors.
 Each function below is accepted when the sha256 of its installed source (``inspect.getsource`` of
-the undecorated function; ``registered_kernel_sha256`` for a function registered under a decorator
-and not reachable by name) is one of the listed ones. Each listed hash was checked by reading the
+the undecorated function) is one of the listed ones. Each listed hash was checked by reading the
 diff against the version the patch was written for (transformers 5.17.0, trl 0.29.1, peft 0.21.2,
 bitsandbytes 0.50.2, accelerate 1.15.0, torch 2.13) and finding nothing that changes what the
 mirror computes. Any other source (a newer release, a local edit) makes the patch refuse to install
@@ -20,17 +19,13 @@ Reviewed, transformers 5.16.1 ... 5.24.0 (every release), trl 0.29.0 / 0.29.1 (S
 transformers >= 5.16.1, < 6 and trl >= 0.29, < 1), peft 0.20.0 ... 0.21.2 (Soup: >= 0.20, < 1),
 bitsandbytes 0.49.0 ... 0.50.2 (Soup: >= 0.41), accelerate 1.14.0 ... 1.16.0, torch 2.10.0, 2.11.0,
 2.12.0, 2.12.1, 2.13.0 (the Kaggle image's, the GPU machine's, the installed one's and between):
-- 5.19.0: sdpa_attention_forward gains a paged-attention cache branch (only with a
-  PagedAttentionCache, never in training) - accepted.
 - 5.21.0: Qwen2ForCausalLM.forward slices hidden states through ``slice_logits_to_keep`` (same
-  result for logits_to_keep == 0, the only case the fused path takes); sdpa raises on ``softcap``
-  (Qwen2 has none) - accepted.
-- 5.23.0: type hints (``inputs_embeds: torch.Tensor``); sdpa packs GQA heads for one-token
-  queries (decoding only) - accepted.
+  result for logits_to_keep == 0, the only case the fused path takes) - accepted.
+- 5.23.0: type hints (``inputs_embeds: torch.Tensor``) - accepted.
 - 5.24.0: ``past_key_values`` renamed ``cache`` (arguments of the CausalLM, the model and the
-  decoder layer, fields of the outputs; the old name kept as a deprecated alias); sdpa's paged
-  cache branch moved out - accepted: the mirrors take the cache argument's name from the installed
-  signature (``cache_kwarg``) and the decoder layer passes it through untouched.
+  decoder layer, fields of the outputs; the old name kept as a deprecated alias) - accepted: the
+  mirrors take the cache argument's name from the installed signature (``cache_kwarg``), and the
+  decoder-layer node runs only without a cache.
 - Qwen2Attention.forward (mirrored by the decoder-layer node, solution/step/layer.py): one source
   from 5.16.1 to 5.23.0; 5.24.0 renames ``past_key_values`` to ``cache`` (with ``deprecate_kwarg``)
   and passes ``kwargs`` to ``cache.update`` - accepted: the node runs only without a cache.
@@ -40,10 +35,9 @@ bitsandbytes 0.49.0 ... 0.50.2 (Soup: >= 0.41), accelerate 1.14.0 ... 1.16.0, to
 - Trainer._clip_grad_norm: one source from 5.17.0 to 5.24.0 (accepted); 5.16.1's has no
   mixed-mesh branch and no ``_has_mixed_mesh_grads``, which trainer_clip calls - refused.
 - peft Linear4bit.forward: one source from 0.20.0 to 0.21.2.
-- bitsandbytes Linear4bit.forward, matmul_4bit and the CUDA ``gemm_4bit`` dispatch: one source each
-  from 0.50.0 to 0.50.2 (accepted). 0.49.x casts the bias before the compute-dtype cast, sets the
-  quant state's dtype on the CPU and picks its fused GEMV by another rule (one row, no gradient;
-  no ``_gemm_4bit_custom_max_m``) - refused.
+- bitsandbytes Linear4bit.forward and matmul_4bit: one source each from 0.50.0 to 0.50.2
+  (accepted). 0.49.x casts the bias before the compute-dtype cast and sets the quant state's dtype
+  on the CPU - refused.
 - accelerate: clip_grad_norm_ one source from 1.15.0 to 1.16.0 (1.14.0 refused: not reviewed);
   _clip_grad_norm_dtensor_aware 1.15.0, and 1.16.0's regrouping (every parameter whose ``.grad``
   is None skipped, the others kept in order, one group without DTensors) - accepted.
@@ -54,9 +48,7 @@ bitsandbytes 0.49.0 ... 0.50.2 (Soup: >= 0.41), accelerate 1.14.0 ... 1.16.0, to
 """
 from __future__ import annotations
 
-import ast
 import hashlib
-import importlib.util
 import inspect
 
 ACCEPTED: dict[str, dict[str, str]] = {
@@ -78,13 +70,6 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "transformers.Qwen2Attention.forward": {
         "3d7ae1485294d0c8d57827617a3abed805bcf0c4107ead3d1a47f67eee7dcb1b": "5.16.1-5.23.0",
         "958fda1e108c1fe850f10c41d41d1a3b9281261cf76cb71835433fdf87fddb17": "5.24.0",
-    },
-    "transformers.sdpa_attention_forward": {
-        "2519bd4da7bc7181c84f14ed764249b88bef262fd75f2b441d3e5b23a88c4a96": "5.16.1-5.18.0",
-        "6a965ca3df2d5f0856625f6259718f9645cfc4ab54e2bd56173af4faa3f056e4": "5.19.0-5.20.2",
-        "b3604d235f012925ac45eed5d02cd54df1fec4aff6ca549181241ff69cf71a44": "5.21.0-5.22.2",
-        "e3d016070b6ac957cd7b419a9f3572c8caafa0c0e1d135e70afb80e9c495eb8d": "5.23.0",
-        "9be3d6b1f79abc00ee3a03325c51d1d09127d3155af6cb7bbdf59a49a8aaa412": "5.24.0",
     },
     # peft_model_walks: with the mode unchanged it is Module.train (read in 5.16.1, 5.17.0, 5.20.2, 5.24.0)
     "transformers.PreTrainedModel.train": {
@@ -124,18 +109,18 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "trl.entropy_from_logits": {
         "cfeed25ed40872baac62ba7748bf4a43e994377da6236ac84b3b99252702fc93": "0.29.0-0.29.1",
     },
-    # qwen2_rmsnorm (and qwen2_decoder_layer's fused add + norm): the kernel's formula
+    # qwen2_rmsnorm and the decoder-layer node (qwen2_layer_node): the norm's formula
     "transformers.Qwen2RMSNorm.forward": {
         "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f": "5.16.1-5.24.0",
     },
-    # qwen2_rope: x * cos + rotate_half(x) * sin
+    # the node: RoPE, x * cos + rotate_half(x) * sin
     "transformers.apply_rotary_pos_emb": {
         "ea234325c15de475147027ac7da4307167d082b13f4c62a7f2921fef4f9e5e87": "5.16.1-5.24.0",
     },
     "transformers.rotate_half": {
         "f714a4b1160c694e270d9191a9f133e53856e2a1c62f5cd2f85740f7c2692397": "5.16.1-5.24.0",
     },
-    # qwen2_mlp: down_proj(act_fn(gate_proj(x)) * up_proj(x))
+    # the node: down_proj(act_fn(gate_proj(x)) * up_proj(x))
     "transformers.Qwen2MLP.forward": {
         "03df2d7685cf8446594448cbd33ef676a2b088779d99d9803abe3bed2ec7ad9b": "5.16.1-5.24.0",
     },
@@ -173,33 +158,19 @@ ACCEPTED: dict[str, dict[str, str]] = {
         "3d03debbb03f48589d88274250600ea00768dc0f07c50c020a9eb3fe755c83f1": "2.12.0-2.12.1",
         "de8fda2b752d7303296bc7c2ece331fa505a995a846f2858058932b5b0c9012d": "2.13.0",
     },
-    # peft_lora_bnb: peft's LoRA forward (dropout, then lora_A, lora_B, scaling; the base layer first)
+    # the node's LoRA: peft's forward (dropout, then lora_A, lora_B, scaling; the base layer first)
     "peft.tuners.lora.bnb.Linear4bit.forward": {
         "ba53967c7f8574384a160a6a897e8ec6205718e9bfef9d6998cb40cb8bcf6eb8": "0.20.0-0.21.2",
     },
-    # bnb_linear4bit and peft_lora_bnb's base layer (solution/patches/_bnb.py): bitsandbytes'
-    # forward (quant-state repair, bias cast, compute dtype), its matmul and its fused-GEMM choice
+    # the node's NF4 linears (solution/patches/_bnb.py): bitsandbytes' forward (quant-state repair,
+    # bias cast, compute dtype) and its matmul
     "bitsandbytes.nn.Linear4bit.forward": {
         "d52cf63457717cc718ca0a449dad0967171e679be90d5d2adcafe2e8a141093d": "0.50.0-0.50.2",
     },
     "bitsandbytes.matmul_4bit": {
         "a219d40d62264de60a424e8f9f1bab7656136eb7264a575d39d57a7e2f25ed4a": "0.50.0-0.50.2",
     },
-    "bitsandbytes.backends.cuda.ops.gemm_4bit[cuda]": {
-        "8ce7805e693ee5b582322ea0ac2c945809eb967e296a26a9faefdd27bd1765c5": "0.50.0-0.50.2",
-    },
 }
-
-
-def checkpointing_body(forward):
-    """The plain body under transformers' ``forward_with_checkpointing`` (from 5.23 each
-    GradientCheckpointingLayer subclass's forward is wrapped in it when the class is created;
-    recognised by its code's name, since ``functools.wraps`` copies the function's name), or None
-    when ``forward`` is not that wrapper (up to 5.22 ``__call__`` checkpoints and ``forward`` is the
-    plain body)."""
-    if getattr(getattr(forward, "__code__", None), "co_name", "") == "forward_with_checkpointing":
-        return forward.__wrapped__
-    return None
 
 
 def source_sha256(fn) -> str:
@@ -234,44 +205,6 @@ def first_unexpected(*pairs) -> str | None:
         if reason is not None:
             return reason
     return None
-
-
-def registered_kernel_text(path: str, op: str, device: str) -> str | None:
-    """The source text (decorators included, as ``inspect.getsource`` gives a function) of the
-    function in the Python file ``path`` decorated with ``register_kernel(op, device)``: such
-    functions are all named ``_`` (bitsandbytes' backends), so they cannot be reached by name.
-    The file is parsed, not imported. None when there is no such function."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    lines = text.splitlines(keepends=True)
-    for node in ast.walk(ast.parse(text)):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        for dec in node.decorator_list:
-            func = getattr(dec, "func", None)
-            if (isinstance(dec, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) == "register_kernel"
-                    and [getattr(a, "value", None) for a in dec.args[:2]] == [op, device]):
-                first = min(d.lineno for d in node.decorator_list)
-                return "".join(lines[first - 1:node.end_lineno])
-    return None
-
-
-def registered_kernel_sha256(module_name: str, op: str, device: str) -> str:
-    """sha256 of ``registered_kernel_text`` in the installed ``module_name`` (located, not
-    imported: e.g. bitsandbytes' CUDA backend, which imports only where CUDA is)."""
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin:
-        raise ImportError(f"{module_name} not found")
-    text = registered_kernel_text(spec.origin, op, device)
-    if text is None:
-        raise OSError(f"no kernel registered for {op} on {device} in {module_name}")
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def unexpected_registered_kernel(name: str, module_name: str, op: str, device: str) -> str | None:
-    """None when the function ``module_name`` registers for ``op`` on ``device`` is one of the
-    reviewed sources of ``name``, else the reason."""
-    return _reason(name, lambda: registered_kernel_sha256(module_name, op, device))
 
 
 def cache_kwarg(fn) -> str:

@@ -1,52 +1,74 @@
 """Turns on the decoder-layer node (solution/step/layer.py): on the packed path each Qwen2 decoder
 layer runs as ONE autograd node whose forward and backward are straight sequences of our kernel
-calls, instead of ~13 module calls and autograd nodes a layer.
+calls, instead of stock's ~13 module calls and autograd nodes a layer.
 
 This file is the node's planner: what needs the libraries' modules (bitsandbytes' Linear4bit,
 peft's LoRA layer, transformers' Qwen2 classes) is read here, once per layer, into a
 ``step.layer.LayerPlan``, with a cheap per-step check that it still holds.
 
-The node computes what the patched modules compute, bit for bit, so it runs only where all of
-them are installed (qwen2_rmsnorm, qwen2_decoder_layer, qwen2_rope, qwen2_mlp, bnb_linear4bit,
-peft_lora_bnb; and qwen2_unpad, whose packed step calls it); any layer or step it does not mirror
-exactly runs as modules, said once. ``SOLUTION_SKIP_PATCHES=qwen2_layer_node`` leaves it out
-(the layers then run as modules).
+The node computes what stock's modules compute, in the same order of operations (up to fp16
+roundings: tests/test_default_stack.py). It runs a packed step only when it takes every layer;
+a step it does not take runs stock's forward (padded), said once. ``SOLUTION_SKIP_PATCHES=
+qwen2_layer_node`` leaves it out, and with it the packed step.
 
-Refused (check()) unless the installed ``Qwen2Attention.forward`` is one of the reviewed sources
-(sha256, solution/patches/_sources.py): the node mirrors it.
+Refused (check()) unless every stock source the node stands in for is a reviewed one (sha256,
+solution/patches/_sources.py): transformers' Qwen2 decoder layer, attention, MLP, RMSNorm and
+RoPE, peft's LoRA forward over bitsandbytes 4-bit, bitsandbytes' Linear4bit forward and
+matmul_4bit, torch's checkpoint (the node's own checkpointing stands in for it).
 """
 from __future__ import annotations
 
+import inspect
+
 import torch
 
-from solution.hooks import own_hooks
-from solution.patches._sources import unexpected_source
+from solution import state
+from solution.hooks import has_hooks, own_hooks
+from solution.patches._sources import first_unexpected
 
 NAME = "qwen2_layer_node"
+# What else this patch carries: apply()'s line says it when the patch is skipped.
+ALSO_OFF_WHEN_SKIPPED = "the packed step (no work on padding) and the decoder CUDA graphs: stock's forward runs"
 
-# rows of the probe inputs the plan is checked with: above bitsandbytes' largest small-M row count
-# (its _gemm_4bit_custom_max_m, 1536 on CUDA)
+# the stock functions check() found reviewed (unwrapped: a class-level timing wrapper such as
+# bench/host_split.py's keeps them): a plan is built only while they are still installed
+_CHECKED: list = state.kept([])
+
+# rows of the probe inputs the plan is checked with (a plan must not depend on a step's token count)
 PROBE_ROWS = 4096
+
+
+def _mirrored():
+    """(name in _sources.ACCEPTED, installed function) for every stock source the node mirrors."""
+    import bitsandbytes
+    from bitsandbytes.nn import Linear4bit
+    from peft.tuners.lora import bnb as lora_bnb
+    from torch.utils import checkpoint as torch_checkpoint
+    from transformers.models.qwen2 import modeling_qwen2 as mq
+
+    return (("transformers.Qwen2DecoderLayer.forward", mq.Qwen2DecoderLayer.__dict__.get("forward")),
+            ("transformers.Qwen2Attention.forward", mq.Qwen2Attention.__dict__.get("forward")),
+            ("transformers.Qwen2MLP.forward", mq.Qwen2MLP.__dict__.get("forward")),
+            ("transformers.Qwen2RMSNorm.forward", getattr(mq.Qwen2RMSNorm.forward, "_solution_stock",
+                                                          mq.Qwen2RMSNorm.forward)),
+            ("transformers.apply_rotary_pos_emb", getattr(mq, "apply_rotary_pos_emb", None)),
+            ("transformers.rotate_half", getattr(mq, "rotate_half", None)),
+            ("peft.tuners.lora.bnb.Linear4bit.forward", lora_bnb.Linear4bit.__dict__.get("forward")),
+            ("bitsandbytes.nn.Linear4bit.forward", Linear4bit.__dict__.get("forward")),
+            ("bitsandbytes.matmul_4bit", getattr(bitsandbytes, "matmul_4bit", None)),
+            ("torch.utils.checkpoint.checkpoint", getattr(torch_checkpoint, "checkpoint", None)))
 
 
 def check() -> str | None:
     try:
-        from transformers.models.qwen2 import modeling_qwen2
-    except Exception as exc:  # noqa: BLE001 - transformers missing or broken
-        return f"transformers' Qwen2 is not importable ({type(exc).__name__}: {exc})"
-    attn = getattr(modeling_qwen2, "Qwen2Attention", None)
-    if attn is None or "forward" not in attn.__dict__:
-        return "transformers has no Qwen2Attention.forward (another transformers version?)"
-    reason = unexpected_source("transformers.Qwen2Attention.forward", attn.forward)
+        mirrored = _mirrored()
+        from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - transformers / peft / bitsandbytes missing or another layout
+        return f"transformers' Qwen2, peft's LoRA over bitsandbytes 4-bit not importable ({type(exc).__name__}: {exc})"
+    reason = first_unexpected(*mirrored)
     if reason is not None:
         return reason
-    # The node's own gradient checkpointing stands in for torch's checkpoint (step.layer.own_checkpoint):
-    # refused, too, unless that is a reviewed source (sha256, solution/patches/_sources.py)
-    from torch.utils import checkpoint as torch_checkpoint
-
-    reason = unexpected_source("torch.utils.checkpoint.checkpoint", getattr(torch_checkpoint, "checkpoint", None))
-    if reason is not None:
-        return reason
+    _CHECKED[:] = [inspect.unwrap(fn) for _, fn in mirrored]
     try:
         import solution.kernels.qkv_grad  # noqa: F401
         import solution.step.layer  # noqa: F401
@@ -55,42 +77,12 @@ def check() -> str | None:
     return None
 
 
-def missing() -> str | None:
-    """None when every patch whose kernels the node runs is installed; else the first one missing."""
-    from transformers.models.qwen2 import modeling_qwen2 as mq
-
-    marks = (("qwen2_rmsnorm", getattr(mq.Qwen2RMSNorm.forward, "_solution_stock", None)),
-             ("qwen2_decoder_layer", getattr(mq.Qwen2DecoderLayer.forward, "_solution_stock", None)),
-             ("qwen2_rope", getattr(mq.apply_rotary_pos_emb, "_solution_stock", None)),
-             ("qwen2_mlp", getattr(mq.Qwen2MLP.forward, "_solution_stock", None)))
-    for name, mark in marks:
-        if mark is None:
-            return f"the {name} patch is not installed"
-    try:
-        from bitsandbytes.nn import Linear4bit
-        from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
-    except Exception:  # noqa: BLE001 - bnb / peft absent
-        return "bitsandbytes / peft not importable"
-    if getattr(Linear4bit.forward, "__wrapped__", None) is None:
-        return "the bnb_linear4bit patch is not installed"
-    if not getattr(LoraLinear4bit.forward, "_solution_lora_dropout", False):
-        return "the peft_lora_bnb patch is not installed"
-    return None
-
-
 def step_ok(x) -> bool:
-    """fp16 autocast for x's device, as peft's LoRA forward and SDPA read it."""
-    from solution.patches.peft_lora_bnb import _autocast_fp16
-
-    return _autocast_fp16(x.device.type)
-
-
-def small_m(n: int, device_index, plan) -> bool:
-    """bitsandbytes would run its own fused small-M GEMM for n rows of this weight (the modules
-    leave such calls to bnb: so does the node, by running the layer as modules)."""
-    from solution.patches._bnb import bnb_would_use_fused_gemm_m
-
-    return bnb_would_use_fused_gemm_m(n, device_index, plan)
+    """fp16 autocast for x's device, as peft's LoRA forward and SDPA read it (peft asks
+    torch.is_autocast_enabled(), the CUDA autocast; F.linear casts with the tensors' device's)."""
+    dev = x.device.type
+    return (torch.is_autocast_enabled() and torch.is_autocast_enabled(dev)
+            and torch.get_autocast_dtype(dev) == torch.float16)
 
 
 def _weight_same(module, plan) -> bool:
@@ -126,24 +118,73 @@ def _validator(layer, sides, linears):
     return valid
 
 
+def _lora_side(layer, x):
+    """(None, LoraPlan) when the node computes what peft's ``lora.bnb.Linear4bit.forward`` computes
+    for ``layer`` on inputs like x: one active adapter, not merged, plain LoRA (no DoRA / variant,
+    no LoRA bias), nn.Dropout (p < 1, not in place) or none, a plain bnb Linear4bit base our NF4
+    path takes; else (reason, None)."""
+    from bitsandbytes.nn import Linear4bit
+
+    from solution.patches import _bnb
+    from solution.step.layer import LoraPlan
+
+    if layer.disable_adapters or layer.merged:
+        return "adapters disabled or merged", None
+    mods = layer._modules
+    try:
+        lora_As, lora_Bs, dropouts = mods["lora_A"]._modules, mods["lora_B"]._modules, mods["lora_dropout"]._modules
+        base = mods["base_layer"]
+    except (KeyError, AttributeError):
+        return "not the LoRA layer layout the node knows", None
+    active = [a for a in layer.active_adapters if a in lora_As]
+    if len(active) != 1:
+        return f"{len(active)} active adapters", None
+    name = active[0]
+    if name in getattr(layer, "lora_variant", ()) or getattr(layer, "use_dora", {}).get(name, False):
+        return "LoRA variant (DoRA / aLoRA / ...)", None
+    lora_a, lora_b, dropout = lora_As[name], lora_Bs.get(name), dropouts.get(name)
+    if type(lora_a) is not torch.nn.Linear or type(lora_b) is not torch.nn.Linear:
+        return "lora_A / lora_B are not plain nn.Linear", None
+    if lora_a.bias is not None or lora_b.bias is not None:
+        return "LoRA bias", None
+    scaling = layer.scaling.get(name)
+    if not isinstance(scaling, (int, float)):
+        return "non-scalar scaling", None
+    if type(dropout) not in (torch.nn.Dropout, torch.nn.Identity) or (
+            type(dropout) is torch.nn.Dropout and (dropout.inplace or dropout.p >= 1)):
+        return "custom dropout module (or p >= 1, in place)", None
+    if type(base) is not Linear4bit or any(has_hooks(m) for m in (base, lora_a, lora_b, dropout)):
+        return "base layer is not a plain bnb Linear4bit, or hooks on the LoRA modules", None
+    wa, wb = lora_a.weight, lora_b.weight
+    if not (wa.device == x.device and wb.device == x.device):
+        return "LoRA weights on another device", None
+    plan = _bnb.linear_plan(base)
+    reason = _bnb.call_reason(plan, base, x)
+    if reason is not None:
+        return f"base: {reason}", None
+    if wa.shape[1] != plan.k or wb.shape[0] != plan.n_out:
+        return "LoRA shapes", None
+    return None, LoraPlan(plan, _bnb.linear4bit_bias(base), wa, wb, dropout, scaling)
+
+
 def build(layer, x):
     """A step.layer.LayerPlan for ``layer`` on input x ([1, N, H] fp32, the packed rows), or why
     not (a string)."""
     from bitsandbytes.nn import Linear4bit
     from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+    from transformers.activations import SiLUActivation
     from transformers.models.qwen2 import modeling_qwen2 as mq
 
     from solution import settings
     from solution.kernels.rmsnorm import rmsnorm_supported
-    from solution.patches import _bnb, peft_lora_bnb
-    from solution.patches.qwen2_mlp import _silu_types
-    from solution.step.layer import LayerPlan, LoraPlan
+    from solution.patches import _bnb
+    from solution.step import attention
+    from solution.step.layer import LayerPlan
 
     if type(layer) is not mq.Qwen2DecoderLayer:
         return "not a Qwen2DecoderLayer"
-    reason = unexpected_source("transformers.Qwen2Attention.forward", mq.Qwen2Attention.forward)
-    if reason is not None:
-        return reason
+    if [inspect.unwrap(fn) for _, fn in _mirrored()] != _CHECKED:
+        return "a stock function the node mirrors was replaced after apply()"
     attn, mlp = layer.self_attn, layer.mlp
     if type(attn) is not mq.Qwen2Attention or type(mlp) is not mq.Qwen2MLP:
         return "attention or MLP of another class"
@@ -155,18 +196,15 @@ def build(layer, x):
         return "norms the kernels do not reproduce"
     if getattr(attn, "sliding_window", None) is not None or (attn.training and attn.attention_dropout):
         return "sliding window or attention dropout"
-    if not isinstance(mlp.act_fn, _silu_types()):
+    if not isinstance(mlp.act_fn, (SiLUActivation, torch.nn.SiLU)):
         return "MLP activation is not SiLU"
     if x.dtype != torch.float32 or x.dim() != 3 or x.shape[0] != 1:
         return "hidden states are not fp32 packed rows"
-    cur = settings.current()
-    from solution.step import attention
-
     if not attention.varlen_enabled():
-        return "attention on the padded layout"
-    # Inputs shaped like the step's but with more rows than bnb's small-M rule covers: the plan
-    # must not depend on this step's token count (``small_m`` asks bnb's rule every step).
-    # Expanded views of one element: nothing is allocated.
+        return "variable-length attention refused on this machine"
+
+    # Inputs shaped like the step's but with many rows: the plan must not depend on this step's
+    # token count. Expanded views of one element: nothing is allocated.
     def probe(k: int, dtype):
         return torch.empty(1, dtype=dtype, device=x.device).expand(1, PROBE_ROWS, k)
 
@@ -174,12 +212,11 @@ def build(layer, x):
     for mod in (attn.q_proj, attn.v_proj):
         if type(mod) is not LoraLinear4bit:
             return "q_proj / v_proj are not peft LoRA over bnb 4-bit"
-        why, spec = peft_lora_bnb.resolve(mod, probe(x.shape[-1], x.dtype), (), {})
+        why, side = _lora_side(mod, probe(x.shape[-1], x.dtype))
         if why is not None:
             return why
-        _, base, plan, wa, wb, dropout, scaling = spec
-        sides.append(LoraPlan(plan, _bnb.linear4bit_bias(base), wa, wb, dropout, scaling))
-        linears.append((base, plan))
+        sides.append(side)
+        linears.append((mod.base_layer, side.plan))
     q, v = sides
     if (q.dropout.training, getattr(q.dropout, "p", 0.0)) != (v.dropout.training, getattr(v.dropout, "p", 0.0)):
         return "q and v with different dropouts"
@@ -209,7 +246,7 @@ def build(layer, x):
         return "projection shapes"
     valid = _validator(layer, [(attn.q_proj, q.dropout), (attn.v_proj, v.dropout)], linears)
     return LayerPlan(q=q, v=v, k=plans["k_proj"], k_bias16=_bnb.linear4bit_bias(attn.k_proj), o=plans["o_proj"],
-                     mlp=(gate, up, down), policy=cur.memory_policy,
+                     mlp=(gate, up, down), policy=settings.current().memory_policy,
                      norm1_w=norms[0].weight, norm2_w=norms[1].weight, eps1=float(norms[0].variance_epsilon),
                      eps2=float(norms[1].variance_epsilon), n_heads=n_heads, n_kv=n_kv, head_dim=head_dim,
                      scale=attn.scaling, valid=valid)
@@ -221,5 +258,5 @@ def install(swaps) -> str:
     from solution.step import layer
 
     swaps.set(layer, "PLANNER", sys.modules[__name__])
-    return ("each packed decoder layer as one autograd node (the same kernels in the same order; "
-            "q/k/v input gradients summed in one Triton kernel); layers it does not mirror run as modules")
+    return ("each packed decoder layer as one autograd node (the same operations as stock's modules in the same "
+            "order); a step it does not take runs stock's forward")

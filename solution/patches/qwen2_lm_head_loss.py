@@ -41,7 +41,7 @@ import torch
 
 from solution.kernels._device import runs_here
 from solution.say import say_once
-from solution.patches._sources import cache_given, cache_kwarg, drop_cache_args, unexpected_source
+from solution.patches._sources import cache_given, cache_kwarg, drop_cache_args
 
 NAME = "qwen2_lm_head_loss"
 

@@ -205,22 +205,17 @@ def _release_capture_state(device: torch.device) -> None:
         say(f"could not reset the CUDA generator after the failed capture ({type(exc).__name__}: {exc})")
 
 
-def run_layers(layers, h, info, cos, sin, pos):
-    """The decoder loop of step/decoder.py on packed rows (no KV cache, no extra arguments): each
-    layer through the decoder-layer node where it takes the layer (step/layer.py), else as a module.
-    A checkpointed layer must go through the node's own checkpointing (``refusal`` checked its
-    checkpoint function): a module call would run torch's checkpoint, which reads the generator's
-    state (not allowed inside a capture)."""
+def run_layers(layers, h, info, cos, sin):
+    """The decoder loop of step/decoder.py on packed rows (no KV cache, no extra arguments): every
+    layer through the decoder-layer node (step/layer.py). Raises where the node does not take every
+    layer (the capture then fails, and the step runs eagerly: decoder.unpadded_forward)."""
+    node = layer_node.step_context(cos, sin, info, h, packing.dropout_mask_source())
+    plans = layer_node.plans(layers, h, node)
+    if plans is None:
+        raise RuntimeError("the decoder-layer node does not take every layer of this step")
     x = h
-    with packing.running_unpadded(info):
-        node = layer_node.step_context(cos, sin, info, h, packing.dropout_mask_source())
-        for layer in layers:
-            out = None if node is None else layer_node.run_layer(layer, x, node)
-            if out is None and layer_node.checkpointed(layer):
-                raise RuntimeError("a checkpointed decoder layer the layer node does not take this step "
-                                   "(its checkpointing cannot be captured)")
-            x = out if out is not None else layer(x, attention_mask=info, position_embeddings=(cos, sin),
-                                                  position_ids=pos, use_cache=False)
+    for layer, plan in zip(layers, plans):
+        x = layer_node.run_layer(layer, plan, x, node)
     return x
 
 
@@ -351,7 +346,7 @@ class DecoderGraphs:
             masks.begin(g.n)
             with torch.autocast("cuda", enabled=autocast[0], dtype=autocast[1], cache_enabled=False), \
                     packing.dropout_masks_from(masks):
-                out = run_layers(layers, x_in, info, g.cos, g.sin, g.pos)
+                out = run_layers(layers, x_in, info, g.cos, g.sin)
             return ([x_in] if g.needs_input_grad else []) + params, out
 
         current = torch.cuda.current_stream(self.device)
@@ -512,7 +507,7 @@ def refusal(model, input_ids, kwargs, hooked: bool = False) -> str | None:
     if torch.cuda.is_current_stream_capturing():
         return "already inside a CUDA graph capture"
     if not attention.varlen_enabled():
-        return "attention on the padded layout (host-dependent indices)"
+        return "variable-length attention refused on this machine (the step runs stock's forward)"
     if hooked:
         return "hooks or instance-level forwards on the decoder layers (they would run only at capture)"
     ckpt = [layer for layer in model.layers if layer_node.checkpointed(layer)]

@@ -5,31 +5,29 @@ For a right-padded training batch (the only kind trl's collator makes here: ``at
 rows of ones then zeros; a batch without padding is one with zero pads) ``unpadded_forward``
 gathers the N real tokens into one packed row [1, N] (packing.py), embeds them, computes RoPE's
 cos/sin at each token's own position (0..len-1 of its row, as stock's arange does for right
-padding), runs every decoder layer on [1, N, H] with an ``Unpadded`` description in place of the
-attention mask (replayed from CUDA graphs where cuda_graphs.py decides they pay, else eagerly),
-applies the final norm and scatters the result back to [batch, seqlen, H] (zeros at pad
+padding), runs every decoder layer on [1, N, H] through the decoder-layer node (layer.py; replayed
+from CUDA graphs where cuda_graphs.py decides they pay, else eagerly), applies the final norm and scatters the result back to [batch, seqlen, H] (zeros at pad
 positions). The CausalLM head patch (patches/qwen2_lm_head_loss.py) can take the packed rows
 directly (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
 generation, a cache, position_ids given, left padding, hidden states or attentions requested,
-checkpointed layers with hooks, sliding-window layers, attention dropout, another attention
-implementation, NEFTune, a dropout our LoRA kernel does not own, a model spread over several
-devices or offloaded by accelerate) gets None from ``plan``: the stock forward runs unchanged.
+sliding-window layers, attention dropout, another attention implementation, NEFTune, a dropout
+our LoRA kernel does not own, a model spread over several devices or offloaded by accelerate)
+gets None from ``plan``, and a step where the node does not take every layer (hooks, an
+instance-level forward, another module class...) None from ``unpadded_forward``: the stock
+forward runs unchanged.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
 import itertools
 import weakref
 
 import torch
 
 from solution import state
-from solution.hooks import has_hooks
-from solution.say import say_once
 from solution.kernels._device import cuda_or_runs_here
-from solution.patches._sources import cache_given, checkpointing_body
+from solution.patches._sources import cache_given
 from solution.step import cuda_graphs, graph_decision, packing
 from solution.step import layer as layer_node
 
@@ -56,19 +54,15 @@ def _has_neftune_hook(module: torch.nn.Module) -> bool:
 
 
 def _dropouts_ok(model) -> bool:
-    """Every dropout with p > 0 in the decoder is a LoRA dropout of a peft bnb 4-bit layer whose
-    forward is ours (solution/patches/peft_lora_bnb.py -> lora_nf4.lora_dropout draws the mask over
-    the padded shape). Any other dropout would draw over the packed rows: other random numbers than
-    stock's, so such a model keeps the padded path."""
+    """Every dropout with p > 0 in the decoder is a LoRA dropout of a peft bnb 4-bit layer: the
+    node draws its mask over the padded shape, as stock's call does (kernels/lora_nf4.lora_dropout).
+    Any other dropout would draw over the packed rows: other random numbers than stock's, so such
+    a model keeps the stock forward."""
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     except Exception:  # noqa: BLE001 - peft / bnb absent
-        LoraLinear4bit = ()
-    handled = set()
-    ours = getattr(getattr(LoraLinear4bit, "forward", None), "_solution_lora_dropout", False)
-    for mod in model.modules():
-        if ours and isinstance(mod, LoraLinear4bit):
-            handled.update(id(d) for d in mod.lora_dropout.modules())
+        return not any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    handled = {id(d) for mod in model.modules() if isinstance(mod, LoraLinear4bit) for d in mod.lora_dropout.modules()}
     return not any(isinstance(mod, torch.nn.Dropout) and mod.p > 0 and id(mod) not in handled
                    for mod in model.modules())
 
@@ -79,7 +73,7 @@ def _on_one_device(model) -> bool:
     "GPU T4 x2") spreads the layers over them, and CPU / disk offload loads weights at each
     forward: accelerate then wraps each layer's forward to move its inputs or weights, while the
     packed step's row description, attention and CUDA graphs live on the input's device. Such a
-    model keeps the stock forward (the per-layer patches still decide call by call). A one-device
+    model keeps the stock forward. A one-device
     map adds no hooks (accelerate's dispatch_model)."""
     devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
     return len(devices) <= 1 and not any(hasattr(m, "_hf_hook") for m in model.modules())
@@ -97,64 +91,19 @@ def _model_ok(model) -> bool:
     return ok
 
 
-def _checkpointing_ok(model) -> bool:
-    """Gradient checkpointing, where it is on, can run on the packed rows: each checkpointed layer
-    has the checkpoint function transformers set (``_gradient_checkpointing_func``), no module
-    hooks and no forward set on the instance (``_run_checkpointed`` and the node call the class's
-    forward themselves inside the checkpoint, so a hook or an instance-level wrapper, such as a
-    profiler's or ``mock.patch.object(layer, "forward", wraps=...)``, would not run where stock
-    runs it: in the forward and again in the recompute). Otherwise the stock forward, said once."""
-    layers = model.layers[: model.config.num_hidden_layers]
-    for layer in layers:
-        if not layer_node.checkpointed(layer):
-            continue
-        if "forward" in layer.__dict__ or has_hooks(layer):
-            say_once("a checkpointed decoder layer has hooks or a forward of its own (a wrapper): the model runs "
-                     "stock's forward (no packed step), so that they run in the forward and in the recompute")
-            return False
-        if not callable(getattr(layer, "_gradient_checkpointing_func", None)):
-            return False
-    return True
-
-
-def _layer_forward(layer):
-    """The layer class's forward without transformers' checkpointing wrapper (``checkpointing_body``:
-    from 5.23 ``forward`` itself is wrapped, around the stock body or our decoder-layer patch's
-    mirror). Only that one wrapper is taken off: our own patch's mirror also carries a
-    ``__wrapped__`` (the stock body) and must stay."""
-    forward = type(layer).forward
-    return checkpointing_body(forward) or forward
-
-
-def _run_checkpointed(layer, info, hidden_states, kwargs):
-    """One decoder layer under transformers' gradient checkpointing, on packed rows: the
-    checkpoint function transformers set (its own use_reentrant, RNG preservation, ...) over the
-    layer's forward, inside ``running_unpadded(info)``. The recompute runs in backward, outside
-    the decoder loop's context: without it LoRA dropout would redraw its mask over the packed
-    shape instead of stock's padded one (other random numbers than the forward's)."""
-    forward = _layer_forward(layer)
-
-    def run(h, **kw):
-        with packing.running_unpadded(info):
-            return forward(layer, h, **kw)
-
-    return layer._gradient_checkpointing_func(functools.partial(run, **kwargs), hidden_states)
-
-
-def _run_node(layer, hidden_states, node, info):
+def _run_node(layer, plan, hidden_states, node):
     """The layer through the decoder-layer node (``layer_node.run_layer``: its own checkpointing
     where transformers' checkpoint function is torch's plain one); a checkpointed layer whose
-    checkpoint function the node does not reproduce runs the node under that function (as the module
-    would run); None when the node does not take this layer (the caller calls the module)."""
+    checkpoint function the node does not reproduce runs the node under that function (as stock's
+    layer would run under it)."""
 
     def under_checkpoint_function(layer_plan):
-        def run(h):  # the forward, and again in backward (the recompute), under the packed batch
-            with packing.running_unpadded(info):
-                return layer_node.apply_node(layer_plan, h, node)
+        def run(h):  # the forward, and again in backward (the recompute)
+            return layer_node.apply_node(layer_plan, h, node)
 
         return layer._gradient_checkpointing_func(run, hidden_states)
 
-    return layer_node.run_layer(layer, hidden_states, node, other_checkpoint=under_checkpoint_function)
+    return layer_node.run_layer(layer, plan, hidden_states, node, other_checkpoint=under_checkpoint_function)
 
 
 def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs):
@@ -173,7 +122,7 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
             or getattr(cfg, "output_hidden_states", False) or getattr(cfg, "output_attentions", False)
             or kwargs.get("is_causal", getattr(cfg, "is_causal", None)) is False):
         return None
-    if (not _checkpointing_ok(model) or model.has_sliding_layers or cfg._attn_implementation != "sdpa"
+    if (model.has_sliding_layers or cfg._attn_implementation != "sdpa"
             or getattr(cfg, "attention_dropout", 0.0) != 0.0 or _has_neftune_hook(model.embed_tokens)
             or not _model_ok(model)):
         return None
@@ -187,7 +136,9 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
 
 
 def unpadded_forward(model, input_ids, info, kwargs):
-    """Stock Qwen2Model.forward's body on the packed real tokens (no cache, no masks to build)."""
+    """Stock Qwen2Model.forward's body on the packed real tokens (no cache, no masks to build), or
+    None when the decoder-layer node does not take every layer this step (the caller then runs
+    stock's forward; nothing random was drawn and no layer ran)."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     # the layers replayed from CUDA graphs (solution/step/cuda_graphs.py), or eagerly
@@ -196,28 +147,19 @@ def unpadded_forward(model, input_ids, info, kwargs):
         ids = packing.unpad_rows(input_ids.reshape(-1), info).unsqueeze(0)  # [1, N]
         hidden_states = model.embed_tokens(ids)
         position_ids = info.positions.unsqueeze(0)
-        position_embeddings = model.rotary_emb(hidden_states, position_ids)
+        cos, sin = model.rotary_emb(hidden_states, position_ids)
         layers = model.layers[: model.config.num_hidden_layers]
+        node = None if cuda_graphs.arguments_refusal(kwargs) else layer_node.step_context(cos, sin, info, hidden_states)
+        plans = layer_node.plans(layers, hidden_states, node)
+        if plans is None:
+            return None
         # while $SOLUTION_CUDA_GRAPHS=auto measures whether graphs pay: the forward of the second
         # half of the layers is timed
         timer = graph_decision.eager_timer(model, input_ids.device)
-        # each layer as one autograd node (step/layer.py) where it mirrors the modules exactly
-        node = None if cuda_graphs.arguments_refusal(kwargs) else layer_node.step_context(
-            *position_embeddings, info, hidden_states)
-        with packing.running_unpadded(info):
-            for i, decoder_layer in enumerate(layers):
-                if timer is not None and i == len(layers) // 2:
-                    timer.start()
-                out = None if node is None else _run_node(decoder_layer, hidden_states, node, info)
-                if out is not None:
-                    hidden_states = out
-                    continue
-                layer_kwargs = dict(attention_mask=info, position_embeddings=position_embeddings,
-                                    position_ids=position_ids, use_cache=False, **kwargs)
-                if layer_node.checkpointed(decoder_layer):
-                    hidden_states = _run_checkpointed(decoder_layer, info, hidden_states, layer_kwargs)
-                else:
-                    hidden_states = decoder_layer(hidden_states, **layer_kwargs)
+        for i, (decoder_layer, layer_plan) in enumerate(zip(layers, plans)):
+            if timer is not None and i == len(layers) // 2:
+                timer.start()
+            hidden_states = _run_node(decoder_layer, layer_plan, hidden_states, node)
         if timer is not None:
             timer.stop()
     hidden_states = model.norm(hidden_states)

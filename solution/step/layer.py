@@ -1,39 +1,35 @@
-"""The decoder layer as ONE autograd node (the packed step's eager layer).
+"""The decoder layer as ONE autograd node (the packed step's layer).
 
-1. What it replaces. On the packed path each of Qwen2's 28 decoder layers ran as modules
+1. What it replaces. Stock runs each of Qwen2's 28 decoder layers as modules
    (Qwen2DecoderLayer -> RMSNorm, Qwen2Attention -> peft LoRA q / v over bnb NF4, bnb NF4 k / o,
-   RoPE, attention, residual + norm, the NF4 MLP), every one through our patched forwards: ~13
-   autograd nodes a layer (plus the views' nodes), each module call with its Python checks (peft's
-   adapter state, bnb's plan, hooks, settings), and autograd's engine walking all of them back.
+   RoPE, attention, residual + norm, the NF4 MLP): ~13 module calls and autograd nodes a layer
+   (plus the views' and casts' nodes), each module call with its Python checks (peft's adapter
+   state, bnb's quant state, hooks), and autograd's engine walking all of them back.
 2. Why that was slow. On a fast GPU the eager step is host-bound: the GPU work of a layer is
-   ~0.8 ms forward and backward on an H200 while its Python and launch work took ~6 ms, about what
-   stock's layer costs (docs/PERFORMANCE.md). The work was the same kernels; the time went into
-   the module and autograd machinery around them.
-3. What it does instead. ``LayerPlan`` answers once per layer what the module path asks at every
-   call (which kernels apply, the NF4 plans, the biases, the LoRA weights, scaling and dropout) and
-   a cheap check per step confirms it still holds (``LayerPlan.valid``). ``_LayerNode`` then runs
-   the layer's forward as one straight sequence of the very kernel calls the module path makes, in
-   the same order (the same dropout draws, the same GEMMs on the same operands), and its backward
-   as the reverse sequence, with autograd's own roundings and orders of summation: the loss and
-   every gradient are the module path's bits (tests/test_layer_node.py). Bit-preserving savings on
-   top: x is cast to fp16 once for q, k and v (the module path casts it three times), q's and v's
-   four LoRA weights are cast to fp16 in one launch and their gradients back in one, attention's
-   way in (the LoRA sums, RoPE, the KV heads' repeat, the fp16 casts) and out is one launch each
-   (kernels/qkv_rope.py), the MLP's output gradient is cast inside the down weight's
-   dequantization launch, and the three projections' input gradients are summed by one kernel
-   (kernels/qkv_grad.py) instead of five passes.
-4. Correctness risks. (a) A layer the node does not mirror exactly: any hook, instance-level
-   forward, adapter state, dropout, dtype, attention setting or patch the node does not reproduce
-   makes ``plan_for`` answer None, and a step kernels/qkv_rope.py does not take (``takes``) is
-   refused too: the layer runs as modules (the reason is said once).
-   (b) Numerics: the same kernels in the same order, or (the savings above) fewer launches doing
-   the same operations in the same order; pinned bit for bit against the module path (CPU
-   interpreter and GPU). (c) Memory: it saves the tensors the module path's nodes saved, no
-   more. (d) Gradient checkpointing: where the checkpoint function is torch's plain one
-   (``own_checkpoint``) the node checkpoints itself (``_CheckpointedLayerNode``: keeps its input
-   and the generator's state, recomputes the same kernels with the same draws in its backward);
-   under any other checkpoint function it runs inside it, everything it keeps going through
-   ``save_for_backward``, so that function's saved-tensor hooks see it.
+   ~0.8 ms forward and backward on an H200 while its Python and launch work took ~6 ms
+   (docs/PERFORMANCE.md); on a T4 the same elementwise passes over fp32 intermediates cost GPU
+   time as well.
+3. What it does instead. ``LayerPlan`` answers once per layer what the modules ask at every call
+   (the NF4 plans, the biases, the LoRA weights, scaling and dropout) and a cheap check per step
+   confirms it still holds (``LayerPlan.valid``). ``_LayerNode`` then runs the layer's forward as
+   one straight sequence of our kernel calls and cuBLAS GEMMs, stock's operations in stock's order
+   (the same dropout draws, the same GEMMs on the same fp16 operands), and its backward as the
+   reverse sequence: x cast to fp16 once for q, k and v, q's and v's four LoRA weights cast in one
+   launch, attention's way in (the LoRA sums, RoPE, the KV heads' repeat, the fp16 casts) and out
+   one launch each (kernels/qkv_rope.py), the MLP as kernels/nf4_mlp.py, the three projections'
+   input gradients summed by one kernel (kernels/qkv_grad.py).
+4. Correctness risks. (a) A layer the node does not take: any hook, instance-level forward,
+   adapter state, dropout, dtype or attention setting it does not reproduce makes ``plan_for``
+   answer None, and a step kernels/qkv_rope.py does not take (``takes``) is refused too: the whole
+   step then runs stock's forward (the reason is said once; ``plans``). (b) Numerics: stock's
+   operations with fp16 roundings where GEMM shapes differ (packed rows): anchored to stock and
+   fp64 (tests/test_default_stack.py, tests/test_layer_node.py: the same dropout draws exactly).
+   (c) Memory: it saves what stock's nodes save, or less (the MLP's fp16 gate / up). (d) Gradient
+   checkpointing: where the checkpoint function is torch's plain one (``own_checkpoint``) the node
+   checkpoints itself (``_CheckpointedLayerNode``: keeps its input and the generator's state,
+   recomputes the same kernels with the same draws in its backward: the same bits as without
+   checkpointing); under any other checkpoint function it runs inside it, everything it keeps
+   going through ``save_for_backward``, so that function's saved-tensor hooks see it.
 5. How it was measured: docs/layer_node.md (host time per layer, whole runs with graphs off).
 """
 from __future__ import annotations
@@ -96,11 +92,10 @@ class LayerPlan:
 
 
 # The planner (solution/patches/qwen2_layer_node.py installs it through its swaps, so revert()
-# removes it; None: the node is off). It answers what needs the libraries' modules:
-#   missing() -> str | None         a patch the node mirrors that is not installed
+# removes it; None: the node is off, and with it the packed step). It answers what needs the
+# libraries' modules:
 #   build(layer, x) -> LayerPlan | str
 #   step_ok(x) -> bool             fp16 autocast as peft and SDPA read it, for x's device
-#   small_m(n, device, plan) -> bool   bitsandbytes would run its own small-M GEMM for n rows
 PLANNER = None
 
 
@@ -125,7 +120,7 @@ def plan_for(layer, x) -> LayerPlan | None:
         built = PLANNER.build(layer, x)
         entry = _PLANS[layer] = built if isinstance(built, LayerPlan) else (built, _transient(x))
     if not isinstance(entry, LayerPlan):
-        say_once(f"decoder layers run as modules, not as one node: {entry[0]}")
+        say_once(f"the packed step runs stock's forward: a decoder layer the node does not take ({entry[0]})")
         return None
     return entry
 
@@ -146,7 +141,7 @@ class StepContext:
     kernels read both with cos's strides), the packed batch (``Unpadded``), the attention dtype,
     and where the dropout masks come from (a CUDA graph's slots, or None: draw)."""
 
-    __slots__ = ("cos", "sin", "info", "mask_source", "attn_dtype", "n", "bnb_fused", "native", "rope_takes")
+    __slots__ = ("cos", "sin", "info", "mask_source", "attn_dtype", "n", "native", "rope_takes")
 
     def __init__(self, cos, sin, info, mask_source=None):
         self.cos = cos if cos.is_contiguous() else cos.contiguous()
@@ -155,15 +150,13 @@ class StepContext:
         self.attn_dtype = torch.get_autocast_dtype(cos.device.type)
         self.n = info.n_tokens
         self.native = cos.device.type == "cuda"
-        self.bnb_fused: dict = {}
         self.rope_takes: dict = {}  # head_dim -> kernels/qkv_rope.py takes it with these tables
 
     def ok(self, x) -> bool:
         """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
         SDPA read), packed rows with row offsets, RoPE tables the kernel takes, no global hooks, and
         variable-length attention working on this device (``attention.varlen_works``: the node
-        calls that kernel with no fallback; where it refuses, the layers run as modules, whose
-        attention turns to the padded layout)."""
+        calls that kernel with no fallback; where it refuses, the step runs stock's forward)."""
         cos = self.cos
         return (PLANNER.step_ok(x) and self.attn_dtype == torch.float16
                 and self.info.cu_seqlens is not None and not global_hooks() and x.shape[1] == self.n
@@ -174,10 +167,9 @@ class StepContext:
 
 def takes(layer, h, ctx: StepContext) -> LayerPlan | None:
     """The layer's plan when the node runs it this step (``ctx.ok(h)`` was checked by the caller
-    for the step), else None: the caller calls the layer as a module. Attention's way in and out
-    of the node is kernels/qkv_rope.py only: where it does not take the step (hidden states, and so
-    q, k, v, not fp32; RoPE tables or a head_dim its kernels do not take: ``qkv_rope.supported``),
-    the layer runs as modules (said once), whose attention keeps the separate launches."""
+    for the step), else None (said once): the step then runs stock's forward. Attention's way in
+    and out of the node is kernels/qkv_rope.py: it must take the step (fp32 hidden states; RoPE
+    tables and a head_dim its kernels take: ``qkv_rope.supported``)."""
     plan = plan_for(layer, h)
     if plan is None:
         return None
@@ -185,20 +177,13 @@ def takes(layer, h, ctx: StepContext) -> LayerPlan | None:
     if rope_ok is None:
         rope_ok = ctx.rope_takes[plan.head_dim] = qkv_rope.supported(plan.head_dim, ctx.cos)
     if not rope_ok or h.dtype != torch.float32:
-        say_once(f"decoder layers run as modules, not as one node: kernels/qkv_rope.py does not take this step "
+        say_once(f"the packed step runs stock's forward: kernels/qkv_rope.py does not take this step "
                  f"(head_dim {plan.head_dim}, RoPE tables {tuple(ctx.cos.shape)} {ctx.cos.dtype}, "
                  f"hidden states {h.dtype})")
         return None
-    n = ctx.n
-    if n * plan.mlp[0].n_out >= MAX_CAST_ELEMENTS:  # the widest activation, int32-indexed by the casts
+    if ctx.n * plan.mlp[0].n_out >= MAX_CAST_ELEMENTS:  # the widest activation, int32-indexed by the casts
+        say_once(f"the packed step runs stock's forward: {ctx.n} tokens exceed the casts' int32 indexing")
         return None
-    for p in (plan.q.plan, plan.k, plan.v.plan, plan.o, *plan.mlp):
-        key = (n, p.n_out, p.k)
-        fused = ctx.bnb_fused.get(key)
-        if fused is None:
-            fused = ctx.bnb_fused[key] = PLANNER.small_m(n, h.device.index, p)
-        if fused:  # bnb keeps such calls (its own small-M kernel): the modules do that
-            return None
     return plan
 
 
@@ -212,29 +197,38 @@ def checkpointed(layer) -> bool:
     return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training
 
 
-def run_layer(layer, h, ctx: StepContext, other_checkpoint=None):
-    """``apply_node`` when the node ``takes`` the layer (``apply_checkpointed`` when the layer is
-    checkpointed with a checkpoint function the node reproduces: ``own_checkpoint``); a layer
-    checkpointed with another function: ``other_checkpoint(plan)`` (None when not given); None when
-    the node does not take the layer."""
-    plan = takes(layer, h, ctx)
-    if plan is None:
+def plans(layers, h, ctx: StepContext | None) -> list[LayerPlan] | None:
+    """Every layer's plan when the node takes them all this step (``takes``), else None: the
+    packed step runs only where the node runs every layer (``ctx`` None: the step's conditions
+    failed)."""
+    if ctx is None:
         return None
+    out = []
+    for layer in layers:
+        plan = takes(layer, h, ctx)
+        if plan is None:
+            return None
+        if checkpointed(layer) and not callable(getattr(layer, "_gradient_checkpointing_func", None)):
+            return None
+        out.append(plan)
+    return out
+
+
+def run_layer(layer, plan: LayerPlan, h, ctx: StepContext, other_checkpoint=None):
+    """The layer's output through the node: ``apply_node``, or ``apply_checkpointed`` when the
+    layer is checkpointed with a checkpoint function the node reproduces (``own_checkpoint``);
+    a layer checkpointed with another function: ``other_checkpoint(plan)``."""
     if not checkpointed(layer):
         return apply_node(plan, h, ctx)
     if own_checkpoint(getattr(layer, "_gradient_checkpointing_func", None)):
         return apply_checkpointed(plan, h, ctx)
-    return None if other_checkpoint is None else other_checkpoint(plan)
+    return other_checkpoint(plan)
 
 
 def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
-    """The step's context when the node may run this forward (its patch installed, every patch it
-    mirrors installed, the step's conditions met), else None."""
+    """The step's context when the node may run this forward (its patch installed, the step's
+    conditions met), else None."""
     if PLANNER is None:
-        return None
-    reason = PLANNER.missing()
-    if reason is not None:
-        say_once(f"decoder layers run as modules, not as one node: {reason}")
         return None
     ctx = StepContext(cos, sin, info, mask_source)
     return ctx if ctx.ok(h) else None
@@ -265,7 +259,7 @@ def _lora_grads(grads16, dtypes):
 
 
 def _projections16(plan: LayerPlan, x3, ctx: StepContext, source):
-    """q's, k's and v's fp16 GEMM outputs for kernels/qkv_rope.py, in the module path's order (q's
+    """q's, k's and v's fp16 GEMM outputs for kernels/qkv_rope.py, in stock's order (q's
     dropout drawn first, then v's; x cast to fp16 once, in q's dequantization launch; q's and v's
     LoRA weights cast to fp16 in one launch): (qb16, ql16, kb16, vb16, vl16, q_saved, v_saved,
     q_mask, v_mask, mode, drop_scale)."""
@@ -405,7 +399,7 @@ def _consume(ctx) -> None:
 
 
 class _LayerNode(torch.autograd.Function):
-    """out = Qwen2DecoderLayer(h) on packed rows [1, N, H] (fp32), the module path's values;
+    """out = Qwen2DecoderLayer(h) on packed rows [1, N, H] (fp32), stock's operations;
     gradients for h and the four LoRA weights (q's A, B, v's A, B)."""
 
     @staticmethod

@@ -18,8 +18,8 @@ What must not change, and how it is kept:
   masked entries are excluded either way); RoPE positions are each row's own 0..len-1.
 - The random numbers of LoRA's dropout: torch draws a dropout mask over the tensor it is given,
   so a packed [1, N, H] input would draw other bits (and move the RNG offset by another amount)
-  than stock's [batch, seqlen, H]. LoRA's dropout (solution/kernels/lora_nf4.py, given the active
-  batch by its patch) draws over the padded shape, exactly as stock does (its
+  than stock's [batch, seqlen, H]. LoRA's dropout (solution/kernels/lora_nf4.py, given the packed
+  batch by the decoder-layer node) draws over the padded shape, exactly as stock does (its
   ``padded_draw_shape``), and keeps the rows of the real tokens.
 - The loss, metrics and Soup's per-token outputs: pad positions are ignored by all of them (loss
   and accuracy: label -100; entropy: multiplied by attention_mask 0).
@@ -42,7 +42,7 @@ class Unpadded:
     src: int64 [batch * seqlen] on the device, the packed index of each padded position's token,
     -1 at pad positions (the inverse of idx).
     lengths: real tokens per row (host ints).
-    arange: int64 [N] on the device, 0..N-1 (the packed rows' own order; see ``packed_layout``).
+    arange: int64 [N] on the device, 0..N-1 (the packed rows' own order).
     cu_seqlens: int32 [batch + 1] on the device, where each row starts among the packed tokens and
     N at the end (the row offsets of variable-length attention).
     max_len_bound: when set, the longest row attention must allow for (``max_len``) instead of
@@ -63,40 +63,9 @@ class Unpadded:
         return int(sum(self.lengths))
 
     @property
-    def has_filler(self) -> bool:
-        """A filler row follows the real ones (``make_unpadded``'s ``extra``)."""
-        return len(self.lengths) > self.batch
-
-    @property
     def max_len(self) -> int:
         """The longest row, as attention's grid must cover it (see max_len_bound)."""
         return max(self.lengths) if self.max_len_bound is None else self.max_len_bound
-
-
-def packed_layout(info: Unpadded) -> Unpadded:
-    """The packed rows seen as ONE row of N tokens with no padding: batch 1, seqlen N, every
-    position real, in order. With it the attention layout kernels (solution/kernels/attn_layout.py)
-    repeat KV heads and cast, without padding (variable-length attention)."""
-    n = info.n_tokens
-    return Unpadded(idx=info.arange, positions=info.arange, src=info.arange, batch=1, seqlen=n, lengths=(n,),
-                    arange=info.arange)
-
-
-_ACTIVE: contextvars.ContextVar[Unpadded | None] = contextvars.ContextVar("solution_unpadded", default=None)
-
-
-def active() -> Unpadded | None:
-    """The Unpadded batch whose decoder layers are running now (None outside)."""
-    return _ACTIVE.get()
-
-
-@contextlib.contextmanager
-def running_unpadded(info: Unpadded):
-    token = _ACTIVE.set(info)
-    try:
-        yield info
-    finally:
-        _ACTIVE.reset(token)
 
 
 def right_padded_lengths(attention_mask: torch.Tensor) -> list[int] | None:
