@@ -4,6 +4,11 @@
 # bundled with it are kept: a pip constraints file, checked after the install). In a notebook cell:
 #   !git clone <this repo> soup-kernels && cd soup-kernels && bash scripts/t4_run.sh
 # Prints the same report as scripts/compare.sh and writes runs/<timestamp>/report.{md,json,png}.
+# T4_FULL=1 (the default here): the GPU test suite, then bench.compare's GPU default (every dataset
+# shape, the cold pass, profiled and host-split passes). T4_FULL=0 (the notebook's quick default):
+# no tests, `bench.compare --runs shipped --no-host-split`: the shipped data timed (baseline and
+# solution), profiled, and the rule check. SOLUTION_WHEELS=DIR (no network): the packages come from
+# the wheels in DIR (pip --no-index --find-links DIR), and only those not already installed.
 # With T4_VARIANTS=1 it then also profiles the solution's settings side by side, timed runs included
 # (step time): runs/variants-t4/variants.md, ~12 more runs. Each variant differs from its reference
 # in ONE thing: "balanced", "memory" (memory policies), "eager" (no CUDA graphs) and "bucket64"
@@ -34,7 +39,34 @@ if [ -z "${PIP_CONSTRAINT:-}" ]; then
   export PIP_CONSTRAINT
 fi
 echo "pip constraints ($PIP_CONSTRAINT): $(tr '\n' ' ' < "$PIP_CONSTRAINT")"
-python3 -m pip install -q --no-build-isolation -e ".[workload,test]"
+if [ -n "${SOLUTION_WHEELS:-}" ]; then
+  # Offline: the project runs from this checkout (python -m from its root); of its requirements only
+  # the ones not installed yet are installed, from the wheels in $SOLUTION_WHEELS.
+  missing=$(python3 - <<'PY'
+# missing requirements of .[workload,test]: distribution names, one a line
+import importlib.metadata as md, re, tomllib
+meta = tomllib.load(open("pyproject.toml", "rb"))["project"]
+reqs = meta["dependencies"] + [r for extra in ("workload", "test") for r in meta["optional-dependencies"][extra]]
+for req in reqs:
+    name = re.match(r"[A-Za-z0-9_.-]+", req).group(0)
+    try:
+        md.version(name)
+    except md.PackageNotFoundError:
+        print(name)
+PY
+)
+  if [ -z "$missing" ]; then
+    echo "SOLUTION_WHEELS: every requirement is installed already; nothing to install"
+  else
+    echo "SOLUTION_WHEELS: installing from $SOLUTION_WHEELS: $(echo $missing)"
+    for dist in $missing; do  # one by one: a package without a wheel there does not stop the others
+      python3 -m pip install -q --no-index --find-links "$SOLUTION_WHEELS" "$dist" \
+        || echo "warning: $dist not installed from $SOLUTION_WHEELS; continuing without it"
+    done
+  fi
+else
+  python3 -m pip install -q --no-build-isolation -e ".[workload,test]"
+fi
 after=$(pins)
 if [ "$before" != "$after" ]; then
   echo "error: the install changed this machine's torch / Triton: $(echo $before) -> $(echo $after)" >&2
@@ -45,13 +77,19 @@ if ! python3 -c "import torch; assert torch.cuda.is_available()"; then
   exit 2
 fi
 echo "kept after the install: $(echo $after); CUDA available"
-if [ -z "$pinned" ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
-  env -u CUDA_VISIBLE_DEVICES python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_several_gpus.py \
-    || echo "two-GPU test failed (see above); comparison continues"
+quick=()
+if [ "${T4_FULL:-1}" = "1" ]; then
+  if [ -z "$pinned" ] && [ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -ge 2 ]; then
+    env -u CUDA_VISIBLE_DEVICES python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_several_gpus.py \
+      || echo "two-GPU test failed (see above); comparison continues"
+  fi
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU tests failed (see above); comparison continues"
+else
+  echo "quick comparison (T4_FULL=0): no GPU tests; the shipped data only, timed and profiled, no host split"
+  quick=(--runs shipped --no-host-split)
 fi
-python3 -m pytest -q -m gpu -p no:cacheprovider tests || echo "GPU tests failed (see above); comparison continues"
 rc=0
-python3 -m bench.compare "$@" || rc=$?  # non-zero when a rule check fails: the report says which
+python3 -m bench.compare "${quick[@]}" "$@" || rc=$?  # non-zero when a rule check fails: the report says which
 # The solution's host-split pass logged which of our kernels Triton compiled (bench/compile_log.py):
 # keep them in solution/kernels/compile_manifest.json, so that the background precompile (on by
 # default) has this GPU's records too next time (commit the file to keep it; solution/precompile.py).

@@ -14,6 +14,12 @@ constraints file of the notebook's torch / Triton, the GPU pinning, the figures 
 baseline. The notebook's own functions are also called directly on fake input trees (model
 discovery, constraints file). scripts/t4_run.sh's install runs with a fake python3: the constraints
 file reaches pip, and a changed torch stops it with an ``error:`` line.
+The quick default: FULL = False in the first code cell reaches scripts/t4_run.sh as T4_FULL=0 (no GPU
+tests, `bench.compare --runs shipped --no-host-split`), FULL = True as T4_FULL=1 (the tests and
+bench.compare's own default); SOLUTION_WHEELS=DIR makes the install offline (--no-index
+--find-links DIR, only what is missing). The headless runner (scripts/run_notebook.py /
+run_notebook.sh): its cell splitting and --set on the real notebook (dry run), a plain run of the
+report-only branch end to end, and a failing cell that does not stop the next one.
 """
 from __future__ import annotations
 
@@ -68,7 +74,8 @@ def test_valid_and_russian():
                    "loss curve within tolerance", "измерьте на своём прогоне", "Accelerator", "Internet",
                    "Add Input", "1.5b-instruct", "MODEL_DIR", "DATA_PATH", "constraints.txt", "PIP_CONSTRAINT",
                    "torch.cuda.is_available()", "1–1,5 часа", "80 с, 14 ГБ, 900 токенов/с", "заглушк",
-                   "kept after the install"):
+                   "kept after the install", "FULL = False", "FULL = True", "около 15–20 минут",
+                   "Это модель, а не замер", "bench/t4_projection.py", "SOLUTION_WHEELS", "--runs shipped --no-host-split"):
         assert needle in text, needle
     assert "наше внимание на Triton" not in text  # removed from the code and from t4_run.sh's variants
 
@@ -99,6 +106,7 @@ def test_code_cells_call_only_project_scripts():
     assert ["bash", "scripts/t4_run.sh", "--out", "RUN_DIR", "*MODEL_ARGS"] in calls
     assert ["sys.executable", "-m", "bench.rules", "--report", "report_json"] in calls
     assert ["nvidia-smi"] in calls
+    assert run_cell.startswith("# ===== Параметры") and "\nFULL = False " in run_cell  # the switch, default quick
     for needle in ("Markdown(", "Image(", "report.md", "report.png", 'REPO_URL = ""', "CUDA_VISIBLE_DEVICES",
                    'MODEL_DIR = ""', 'DATA_PATH = ""', "PIP_CONSTRAINT", 'KAGGLE_INPUT = Path("/kaggle/input")'):
         assert needle in run_cell, needle
@@ -274,7 +282,7 @@ def _assert_beside_official(first: str):
 
 
 # --- the run branch, model discovery and the constraints file --------------------------------------------
-NAMES = {"REPO_URL", "REPO_DIR", "MODEL_DIR", "DATA_PATH", "T4_VARIANTS", "REPORT_DIR", "WORK", "KAGGLE_INPUT",
+NAMES = {"FULL", "REPO_URL", "REPO_DIR", "MODEL_DIR", "DATA_PATH", "T4_VARIANTS", "REPORT_DIR", "WORK", "KAGGLE_INPUT",
          "OFFICIAL", "QWEN25_15B", "KEEP"}
 
 
@@ -402,8 +410,10 @@ def test_run_cell_passes_model_data_and_constraints(tmp_path, with_model):
     logs.mkdir()
     data = tmp_path / "train.jsonl"
     data.write_text("{}\n", encoding="utf-8")
-    params = {"REPO_DIR": str(repo), "DATA_PATH": str(data),
-              "__replace__": {'KAGGLE_INPUT = Path("/kaggle/input")': f"KAGGLE_INPUT = Path({str(root)!r})"}}
+    replace = {'KAGGLE_INPUT = Path("/kaggle/input")': f"KAGGLE_INPUT = Path({str(root)!r})"}
+    if with_model:  # and the full set
+        replace["FULL = False "] = "FULL = True "
+    params = {"REPO_DIR": str(repo), "DATA_PATH": str(data), "__replace__": replace}
     pinned = {} if with_model else {"CUDA_VISIBLE_DEVICES": "1,0"}
     proc, work = _execute(tmp_path, params, path_prefix=_working_gpu(tmp_path), env_drop=("CUDA_VISIBLE_DEVICES",),
                           env_extra={"FAKE_LOG": str(logs), "FAKE_REPORT": str(report), **pinned})
@@ -417,6 +427,7 @@ def test_run_cell_passes_model_data_and_constraints(tmp_path, with_model):
     assert env["PIP_CONSTRAINT"] == str(run_dir / "constraints.txt")
     assert env["PATH"].startswith(str(Path(sys.executable).parent) + os.pathsep)
     assert env.get("CUDA_VISIBLE_DEVICES") == (None if with_model else "1")
+    assert env["T4_FULL"] == ("1" if with_model else "0")
     constraints = (logs / "constraints").read_text(encoding="utf-8")
     assert constraints.startswith("torch==") and "\ntriton==" in constraints
     if with_model:
@@ -425,7 +436,8 @@ def test_run_cell_passes_model_data_and_constraints(tmp_path, with_model):
         assert "Модель: ЗАГЛУШКА" in out and "Add Input → Models → Qwen2.5" in out
     if not with_model:  # with it, the search may stop at the model before it meets the others
         assert "Не подошла как модель: " in out and "hidden_size=896" in out
-    assert "Оценка времени всей ячейки: около 1–1,5 часа" in out
+    assert ("Оценка времени всей ячейки на T4 (модель, не замер): "
+            + ("около 1–1,5 часа (FULL = True)." if with_model else "около 15–20 минут")) in out
     first = out[out.index("Сначала посмотрите сюда"):]
     assert "kept after the install: torch==0 triton==0; CUDA available" in first
     _assert_beside_official(first)
@@ -437,14 +449,19 @@ def test_run_cell_passes_model_data_and_constraints(tmp_path, with_model):
 # --- scripts/t4_run.sh's install, with a fake python3 --------------------------------------------------
 FAKE_PYTHON = """#!/usr/bin/env bash
 # python3 for scripts/t4_run.sh: pip records its constraints file (and with FAKE_CHANGE "replaces"
-# torch), the version listing reads the fake installed versions, everything else succeeds.
+# torch), the version listing reads the fake installed versions, the missing-requirements script
+# (read from stdin) prints $FAKE_MISSING, pytest and bench.compare record their arguments,
+# everything else succeeds.
 case "$*" in
   *"-m pip install"*) echo "$PIP_CONSTRAINT" > "$FAKE_LOG/pip"; cat "$PIP_CONSTRAINT" >> "$FAKE_LOG/pip"
+                      echo "$*" >> "$FAKE_LOG/pip-args"
                       [ -n "${FAKE_CHANGE:-}" ] && touch "$FAKE_LOG/changed"; exit 0 ;;
   *importlib.metadata*) if [ -e "$FAKE_LOG/changed" ]; then echo "torch==2.99.0+cu132"; else echo "torch==2.10.0+cu128"; fi
                         echo "triton==3.6.0"; exit 0 ;;
   *"-m bench.compare"*) echo "$*" > "$FAKE_LOG/compare"; exit 0 ;;
+  *"-m pytest"*) echo "$*" >> "$FAKE_LOG/pytest"; exit 0 ;;
   *get_device_name*) echo "Tesla T4"; exit 0 ;;
+  -) if grep -q "missing requirements"; then printf '%s' "${FAKE_MISSING:-}"; fi; exit 0 ;;
   *) exit 0 ;;
 esac
 """
@@ -452,12 +469,13 @@ esac
 
 def _t4_run(tmp: Path, env_extra: dict):
     bin_dir, logs = tmp / "bin", tmp / "logs"
-    bin_dir.mkdir()
+    bin_dir.mkdir(parents=True)
     logs.mkdir()
     for name, text in (("python3", FAKE_PYTHON), ("nvidia-smi", "#!/bin/sh\necho 'GPU 0: Tesla T4'\n")):
         (bin_dir / name).write_text(text, encoding="utf-8")
         (bin_dir / name).chmod(0o755)
-    env = {**{k: v for k, v in os.environ.items() if k not in ("PIP_CONSTRAINT", "T4_VARIANTS")},
+    env = {**{k: v for k, v in os.environ.items()
+              if k not in ("PIP_CONSTRAINT", "T4_VARIANTS", "T4_FULL", "SOLUTION_WHEELS")},
            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "FAKE_LOG": str(logs), **env_extra}
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "t4_run.sh"), "--out", str(tmp / "out")], env=env,
                           capture_output=True, text=True, timeout=60)
@@ -487,6 +505,139 @@ def test_t4_run_stops_when_the_install_replaced_torch(tmp_path):
     assert proc.stderr.strip() == ("error: the install changed this machine's torch / Triton: torch==2.10.0+cu128 "
                                    "triton==3.6.0 -> torch==2.99.0+cu132 triton==3.6.0")
     assert not (logs / "compare").exists()  # nothing measured
+
+
+def test_t4_run_quick_and_full(tmp_path):
+    """T4_FULL=0 (the notebook's default): no GPU tests, the shipped run timed and profiled, no host
+    split; T4_FULL=1 (and unset: the script's own default): the tests, then bench.compare's default."""
+    for full in ("0", "1", None):
+        tmp = tmp_path / str(full)
+        proc, logs = _t4_run(tmp, {} if full is None else {"T4_FULL": full})
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        compare = (logs / "compare").read_text(encoding="utf-8").split()
+        assert compare[-2:] == ["--out", str(tmp / "out")]
+        if full == "0":
+            assert compare[:5] == ["-m", "bench.compare", "--runs", "shipped", "--no-host-split"], compare
+            assert not (logs / "pytest").exists() and "quick comparison (T4_FULL=0)" in proc.stdout
+        else:
+            assert compare == ["-m", "bench.compare", "--out", str(tmp / "out")], compare
+            assert "-m pytest -q -m gpu" in (logs / "pytest").read_text(encoding="utf-8")
+
+
+def test_t4_run_installs_offline_from_solution_wheels(tmp_path):
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    # everything installed already: pip is not called
+    proc, logs = _t4_run(tmp_path / "all", {"SOLUTION_WHEELS": str(wheels), "T4_FULL": "0"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "every requirement is installed already; nothing to install" in proc.stdout
+    assert not (logs / "pip").exists() and (logs / "compare").exists()
+    # two missing: each from the wheels, no index
+    proc, logs = _t4_run(tmp_path / "two", {"SOLUTION_WHEELS": str(wheels), "FAKE_MISSING": "nbformat\nmatplotlib\n"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    calls = (logs / "pip-args").read_text(encoding="utf-8").splitlines()
+    assert calls == [f"-m pip install -q --no-index --find-links {wheels} {d}" for d in ("nbformat", "matplotlib")]
+    assert "kept after the install" in proc.stdout
+
+
+def test_missing_requirements_script_runs_here():
+    """The missing-requirements part of t4_run.sh, run by this Python on pyproject.toml: distribution
+    names of the project's requirements, none of them installed here."""
+    import importlib.metadata as md
+    import tomllib
+
+    text = (ROOT / "scripts" / "t4_run.sh").read_text(encoding="utf-8")
+    script = text[text.index("# missing requirements"):text.index("\nPY\n)")]
+    proc = subprocess.run([sys.executable, "-"], input=script, cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    reqs = meta["dependencies"] + meta["optional-dependencies"]["workload"] + meta["optional-dependencies"]["test"]
+    names = {re.match(r"[A-Za-z0-9_.-]+", r).group(0) for r in reqs}
+    for name in proc.stdout.split():
+        assert name in names
+        with pytest.raises(md.PackageNotFoundError):
+            md.version(name)
+    assert "torch" not in proc.stdout.split()
+
+
+# --- the headless runner: scripts/run_notebook.py / run_notebook.sh ---------------------------------------
+RUN_NOTEBOOK = ROOT / "scripts" / "run_notebook.py"
+
+
+def _runner():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("run_notebook", RUN_NOTEBOOK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_runner_splits_the_notebook_and_sets_parameters():
+    rn = _runner()
+    nb = json.loads(NOTEBOOK.read_text(encoding="utf-8"))
+    cells = rn.code_cells(nb)
+    assert [src for _, src in cells] == _code(_nb())
+    assert [nb["cells"][i]["cell_type"] for i, _ in cells] == ["code", "code"]
+    full = rn.code_cells(rn.set_params(nb, ["FULL=True", "MODEL_DIR=/models/qwen", "T4_VARIANTS=1"]))[0][1]
+    assert "\nFULL = True         # False — быстрое сравнение" in "\n" + full
+    assert "\nMODEL_DIR = '/models/qwen'       # папка" in full and "\nT4_VARIANTS = 1  # True" in full
+    assert rn.code_cells(nb)[0][1] == cells[0][1]  # the notebook given is not changed
+    with pytest.raises(ValueError, match="no line `NOPE = ...`"):
+        rn.set_params(nb, ["NOPE=1"])
+    # the dry run: every code cell compiles, nothing runs
+    proc = subprocess.run([sys.executable, str(RUN_NOTEBOOK), str(NOTEBOOK), "--dry-run", "--set", "FULL=True"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].startswith("cell 1/2: ") and "first statement: FULL = True" in lines[0]
+    assert lines[1].startswith("cell 2/2: ") and "import zipfile" in lines[1]
+
+
+def test_runner_keeps_going_after_a_failing_cell(tmp_path):
+    nb = {"cells": [{"cell_type": "markdown", "source": ["# x"]},
+                    {"cell_type": "code", "source": ["X = 1\n", "print('one', X)"]},
+                    {"cell_type": "code", "source": "raise RuntimeError('broken')"},
+                    {"cell_type": "code", "source": "from IPython.display import Markdown, display\n"
+                                                    "display(Markdown('**md** ' + str(X + 1)))"}],
+          "metadata": {}, "nbformat": 4, "nbformat_minor": 5}
+    path = tmp_path / "t.ipynb"
+    path.write_text(json.dumps(nb), encoding="utf-8")
+    proc = subprocess.run([sys.executable, str(RUN_NOTEBOOK), str(path), str(tmp_path / "out"), "--engine", "plain"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "one 1" in proc.stdout and "RuntimeError: broken" in proc.stdout and "**md** 2" in proc.stdout
+    done = json.loads((tmp_path / "out" / "t.ipynb").read_text(encoding="utf-8"))
+    outs = [c.get("outputs") for c in done["cells"] if c["cell_type"] == "code"]
+    assert outs[0][0]["text"] == ["===== cell 1/3 =====\n", "one 1\n"]
+    assert outs[1][-1]["output_type"] == "error" and outs[1][-1]["evalue"] == "broken"
+    assert "**md** 2" in "".join(outs[2][0]["text"])
+    assert "one 1" in (tmp_path / "out" / "t.log").read_text(encoding="utf-8")
+
+
+def test_run_notebook_sh_runs_the_report_branch_end_to_end(tmp_path):
+    """bash scripts/run_notebook.sh OUT with REPORT_DIR (show a report, run no training): the plain
+    runner in this checkout, no clone; the executed notebook, its log and the zip land in OUT."""
+    if Path("/kaggle/working").exists():
+        pytest.skip("on Kaggle the zip cell writes to /kaggle/working")
+    d = _report_dir(tmp_path)
+    out = tmp_path / "out"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_notebook.sh"), str(out), "--engine", "plain",
+                           "--set", f"REPORT_DIR={d}"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    text = proc.stdout
+    assert proc.returncode == 0, text + proc.stderr
+    assert f"Проект: {ROOT}" in text and "git clone" not in text and "nvidia-smi" not in text
+    assert "# Baseline vs solution: synthetic" in text and f"[image: {d / 'report.png'}]" in text
+    assert "Rule check:" in text and "Правила: " in text and "Сначала посмотрите сюда" in text
+    assert sorted(p.name for p in out.iterdir()) == ["kaggle_t4.ipynb", "kaggle_t4.log", f"t4-report-{d.name}.zip"]
+    assert not list(ROOT.glob("t4-report-*.zip"))
+    done = nbformat.read(out / "kaggle_t4.ipynb", as_version=4)
+    nbformat.validate(done)
+    outputs = [c.outputs for c in done.cells if c.cell_type == "code"]
+    assert all(o and o[0].output_type == "stream" for o in outputs)
+    assert "Готово:" in outputs[1][0].text
 
 
 def test_the_reports_first_line_says_when_the_model_is_the_stand_in():
