@@ -25,12 +25,14 @@ from solution.step.layer import NODE_COUNT as NODE
 from tests.test_unpad import _right_padded_batch, qlora_tiny_model
 
 
-def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1, loss_scale=None,
+def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1, loss_scale=1024.0,
           **settings_kw):
     """``steps`` training forwards + backwards (no optimizer: the same weights) on the tiny QLoRA
     model after solution.apply() with or without the node: (losses, LoRA grads of the last step,
     generator offset or CPU RNG state, our launches by name). ``loss_scale``: the backward starts
-    from loss x loss_scale, as fp16 training's GradScaler makes it (None: from the loss itself)."""
+    from loss x loss_scale, as fp16 training's GradScaler makes it (its first steps: 1024; None: from
+    the loss itself). Unscaled, the tiny model's fp16 gradients on the GPU are subnormal (~1e-5), where
+    one rounding is no longer 2^-11 of the value and REL would not hold for stock against itself."""
     import solution
     from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
     from solution.settings import Settings
