@@ -295,6 +295,20 @@ def add_rmsnorm_both(r, x, w0, gh, gy):
 # --------------------------------------------------------------------------------------------------
 # SwiGLU (solution/kernels/swiglu.py)
 # --------------------------------------------------------------------------------------------------
+def _swiglu_and_stock(g16, u16, dh16):
+    """[(name, ours, stock's)] for h, dg and du: the swiglu launchers against stock's fp32
+    ``silu(g) * u`` and its autograd backward, each cast to fp16."""
+    from solution.kernels import swiglu as sw
+
+    h = sw.swiglu_fp16_of_fp32(g16, u16)
+    dg, du = torch.empty_like(g16), torch.empty_like(u16)
+    sw.swiglu_backward_fp16_of_fp32(dh16, g16, u16, dg, du)
+    g32, u32 = g16.float().requires_grad_(), u16.float().requires_grad_()
+    h32 = F.silu(g32) * u32
+    dg32, du32 = torch.autograd.grad(h32, (g32, u32), dh16.float())
+    return (("h", h, h32.half()), ("dg", dg, dg32.half()), ("du", du, du32.half()))
+
+
 def swiglu_inputs(rows, cols, dtype, device, case, seed=10):
     """g, u, dh with: g = +-inf / NaN (silu(-inf) = -inf / inf = NaN in stock), +-65504, -300
     (silu = -0), 300 with u = 300 (the product overflows fp16), u = inf with g = 0 (0 * inf);
@@ -320,16 +334,8 @@ def test_swiglu_fp16_of_fp32(device, case):
     """The fused NF4 MLP's SwiGLU: fp16 storage of stock's fp32 tensors; stock is silu(fp32 g) *
     fp32 u with fp32 autograd, cast to fp16 where the next fp16 GEMM casts. Tolerance:
     tests/test_swiglu.py's (the interpreter's numpy exp may move an fp16 result by one ulp)."""
-    from solution.kernels import swiglu as sw
-
     g16, u16, dh16 = swiglu_inputs(13, 37, F16, device, case)
-    h = sw.swiglu_fp16_of_fp32(g16, u16)
-    dg, du = torch.empty_like(g16), torch.empty_like(u16)
-    sw.swiglu_backward_fp16_of_fp32(dh16, g16, u16, dg, du)
-    g32, u32 = g16.float().requires_grad_(), u16.float().requires_grad_()
-    h32 = F.silu(g32) * u32
-    dg32, du32 = torch.autograd.grad(h32, (g32, u32), dh16.float())
-    for name, a, b in (("h", h, h32.half()), ("dg", dg, dg32.half()), ("du", du, du32.half())):
+    for name, a, b in _swiglu_and_stock(g16, u16, dh16):
         assert_like_stock(a, b, 2e-3, name, expect_nonfinite=name != "h" or case != "grads")
 
 
@@ -1397,21 +1403,13 @@ def test_swiglu_super_activation(device):
     product ~2096 (the super activation); a unit with up 2000 makes 72,000: inf in fp16 (the cast
     down_proj makes), as its gate's gradient. The fused NF4 MLP's SwiGLU (fp16 storage of stock's
     fp32 tensors) against silu(fp32 g) * fp32 u with fp32 autograd, cast to fp16."""
-    from solution.kernels import swiglu as sw
-
     gen = torch.Generator().manual_seed(45)
     g0, u0, dh = (torch.randn(9, 37, generator=gen) for _ in range(3))
     g0[1:4, 10], u0[1:4, 10] = 36.0, 58.2
     g0[5, 12], u0[5, 12] = 36.0, 2000.0
     dh[1:4, 10], dh[5, 12] = 50.0, 40.0  # dg = dh * u * silu'(36): 2910 (finite), 80,000 (inf in fp16)
     g16, u16, dh16 = (t.to(F16).to(device) for t in (g0, u0, dh))
-    h = sw.swiglu_fp16_of_fp32(g16, u16)
-    dg, du = torch.empty_like(g16), torch.empty_like(u16)
-    sw.swiglu_backward_fp16_of_fp32(dh16, g16, u16, dg, du)
-    g32, u32 = g16.float().requires_grad_(), u16.float().requires_grad_()
-    h32 = F.silu(g32) * u32
-    dg32, du32 = torch.autograd.grad(h32, (g32, u32), dh16.float())
-    for name, a, b in (("h", h, h32.half()), ("dg", dg, dg32.half()), ("du", du, du32.half())):
+    for name, a, b in _swiglu_and_stock(g16, u16, dh16):
         assert_like_stock(a, b, 2e-3, name, expect_nonfinite=name != "du")
 
 
