@@ -151,7 +151,10 @@ def test_step_runs_stock_where_qkv_rope_does_not_take_the_shapes(device, tmp_pat
                                                                  monkeypatch):
     """The node's only way in and out of attention is kernels/qkv_rope.py: a head_dim its kernels
     do not take (24: half 12, not a power of two) makes the node refuse, and the whole step runs
-    stock's forward (said once): stock's bits, since it is stock."""
+    stock's forward (said once): stock's bits on the CPU, since it is stock. On the GPU two stock
+    runs need not be the same bits (the memory-efficient attention backward that stock's SDPA
+    takes on the T4's paths accumulates in a run-dependent order: seen 9.5e-7 apart on a lora_B
+    gradient of ~1e-2 from loss x 1024): there the two are held to REL, the draws exactly."""
     from solution.step import layer as layer_node
     from workload import model_standin
 
@@ -164,7 +167,14 @@ def test_step_runs_stock_where_qkv_rope_does_not_take_the_shapes(device, tmp_pat
     stock = _step(model_dir, device, batch, False, autocast_ctx, steps=2)
     assert refused[3].get(NODE, 0) == 0 and refused[3].get("qkv_rope_pad", 0) == 0, refused[3]
     assert any("kernels/qkv_rope.py does not take" in m and "head_dim 24" in m for m in said), said
-    _assert_same_bits(refused, stock)
+    if device == "cpu":
+        _assert_same_bits(refused, stock)
+        return
+    (loss_r, grads_r, rng_r, _), (loss_s, grads_s, rng_s, _) = refused, stock
+    assert rng_r == rng_s and _rel(loss_r, loss_s) <= REL, (loss_r, loss_s)
+    assert set(grads_r) == set(grads_s) and any("lora_B" in n for n in grads_s)
+    for name, g in grads_s.items():
+        assert _rel(grads_r[name], g) <= REL, (name, _rel(grads_r[name], g))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
