@@ -231,6 +231,18 @@ def test_native_dropout_mode(device, autocast_ctx, monkeypatch):
         check_against_stock(o, stock(layer, x, g, autocast_ctx), device)
 
 
+def stock_dropout_draw(drop, x, seed):
+    """Stock's draw of ``drop`` (an nn.Dropout) on x from ``seed``, run twice from the same seed:
+    (its value, the generator's next number after it, its scaled keep mask from a run on ones: the
+    CPU's Bernoulli noise / (1 - p) itself, CUDA's mask * 1 / (1 - p), 0 where dropped)."""
+    torch.manual_seed(seed)
+    value = drop(x)
+    after = torch.rand(1, device=x.device)
+    torch.manual_seed(seed)
+    keep = drop(torch.ones_like(x))
+    return value, after, keep
+
+
 def test_dropout_draws_as_stock(device, monkeypatch):
     """lora_dropout on x itself (no packed batch): the value torch's dropout gives with the same
     seed, its mask (the CPU's scaled Bernoulli noise / CUDA's bool mask), the generator advanced as
@@ -240,11 +252,7 @@ def test_dropout_draws_as_stock(device, monkeypatch):
         for dtype in (torch.float32, F16):
             x = fresh_x((3, 7, 40), device, dtype, seed=11)
             drop = torch.nn.Dropout(p).train()
-            torch.manual_seed(3)
-            ref = drop(x)
-            after_ref = torch.rand(1, device=device)
-            torch.manual_seed(3)
-            ref_keep = drop(torch.ones_like(x))
+            ref, after_ref, ref_keep = stock_dropout_draw(drop, x, 3)
             torch.manual_seed(3)
             xd, mask, mode, scale = lora_nf4.lora_dropout(drop, x)
             assert torch.equal(torch.rand(1, device=device), after_ref)
@@ -301,11 +309,7 @@ def test_packed_dropout_draws_over_the_padded_shape(device, dtype):
     hidden, p = 24, 0.3
     info, x_pad, x_packed = _padded_case(device, hidden, dtype)
     drop = torch.nn.Dropout(p).train()
-    torch.manual_seed(6)
-    ref = drop(x_pad)
-    after_ref = torch.rand(1, device=device)
-    torch.manual_seed(6)
-    ref_keep = drop(torch.ones_like(x_pad))
+    ref, after_ref, ref_keep = stock_dropout_draw(drop, x_pad, 6)
     real = lambda t: packing.unpad_rows(t.reshape(-1, hidden), info).view(x_packed.shape)  # noqa: E731
     torch.manual_seed(6)
     xd, mask, mode, scale = lora_nf4.lora_dropout(drop, x_packed, packed=info)

@@ -71,6 +71,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import rel_err
+from tests.test_lora_nf4 import make_lora_layer
+from tests.test_nf4_linear import bnb_dequant_rows, make_linear4bit
 from tests.test_unpad import qlora_tiny_model
 
 pytestmark = [
@@ -586,20 +588,6 @@ def test_nf4_dequant_cast_launch(device):
 # NF4 layers: the linear plan (solution/kernels/nf4_linear.py), LoRA on NF4 (lora_nf4.py) and the
 # fused MLP (nf4_mlp.py), against bitsandbytes' Linear4bit, peft's lora.bnb.Linear4bit and Qwen2MLP
 # --------------------------------------------------------------------------------------------------
-def make_linear4bit(in_f, out_f, bias=True, device="cpu", seed=0):
-    """A bnb Linear4bit like the workload's: NF4, double quant, fp16 compute, fp32 bias (what
-    prepare_model_for_kbit_training leaves on q/k/v), quantized from random fp16 weights."""
-    import bitsandbytes as bnb
-
-    g = torch.Generator().manual_seed(seed)
-    lin = bnb.nn.Linear4bit(in_f, out_f, bias=bias, compute_dtype=F16, compress_statistics=True, quant_type="nf4")
-    w = (torch.randn(out_f, in_f, generator=g) * 0.05).to(F16)
-    lin.weight = bnb.nn.Params4bit(w, requires_grad=False, compress_statistics=True, quant_type="nf4")
-    if bias:
-        lin.bias = torch.nn.Parameter(torch.randn(out_f, generator=g) * 0.1, requires_grad=False)
-    return lin.to(device).train()
-
-
 def linear_plan(layer):
     """The node's kernel plan of a bnb Linear4bit (solution/patches/_bnb.py), checked to be taken."""
     from solution.patches._bnb import linear_plan as plan_of
@@ -607,17 +595,6 @@ def linear_plan(layer):
     plan = plan_of(layer)
     assert plan.reason is None, plan.reason
     return plan
-
-
-def bnb_dequant_rows(device) -> int:
-    """Fewest rows for which bitsandbytes' gemm_4bit surely runs dequant + F.linear (the CPU: any;
-    CUDA: above its fused small-M GEMM's limit, bnb's ``_gemm_4bit_custom_max_m``), so that stock
-    computes the GEMMs the node computes."""
-    if device != "cuda":
-        return 1
-    from bitsandbytes.backends.cuda import ops as cuda_ops
-
-    return cuda_ops._gemm_4bit_custom_max_m + 1
 
 
 def _overflowing_rows(w16: torch.Tensor, value: float) -> torch.Tensor:
@@ -697,21 +674,6 @@ def test_nf4_linear(device, case):
     assert_like_stock(ours[1], stock[1], 3e-3, "dx", exact=exact, expect_nonfinite=case == "grads")
 
 
-def lora_layer(in_f, out_f, dropout, device, seed=0, r=16, alpha=32):
-    """peft's lora.bnb.Linear4bit (the workload's r 16, alpha 32: scaling 2.0) over
-    ``make_linear4bit``, fp32 LoRA weights, random A and B (peft starts B at zero)."""
-    from peft import LoraConfig
-    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
-
-    base = make_linear4bit(in_f, out_f, bias=True, device=device, seed=seed)
-    cfg = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=["q_proj"], bias="none")
-    layer = LoraLinear4bit(base, "default", config=cfg, r=r, lora_alpha=alpha)
-    g = torch.Generator().manual_seed(seed + 7)
-    for lin in (layer.lora_A["default"], layer.lora_B["default"]):
-        lin.weight = torch.nn.Parameter((torch.randn(lin.weight.shape, generator=g) * 0.05).to(device, F32))
-    return layer.train()
-
-
 def lora_ours(layer, x, g, seed=123):
     """(out, dx, dA, dB) of q_proj / v_proj as the node computes them (fp32 x and upstream g): the
     dropout drawn by lora_dropout, lora_forward_gemms, lora_backward_gemms and cast_grads (our
@@ -762,7 +724,7 @@ def test_lora_nf4(device, autocast_ctx, dropout, case):
     from solution.kernels.nf4_dequant import dequantize_nf4
 
     k, n_out = 99, 40
-    layer = lora_layer(k, n_out, dropout, device, seed=5)
+    layer = make_lora_layer(k, n_out, dropout, F32, device, seed=5)
     base = layer.get_base_layer()
     w16 = dequantize_nf4(base.weight, base.weight.quant_state)
     rows = _rows_for(device, 11)
@@ -1381,7 +1343,7 @@ def test_lora_nf4_massive_normed_inputs(device, autocast_ctx):
     """q / v's input on massive tokens: the normed stream, where the massive channels dominate (-30.6 /
     +24.4 = sqrt(hidden) x their share, the rest near 0); on row 5 the NaN row an overflowed residual
     leaves after the norm. Base weights with the super weights above, LoRA with dropout 0.05."""
-    layer = lora_layer(99, 40, 0.05, device, seed=43)
+    layer = make_lora_layer(99, 40, 0.05, F32, device, seed=43)
     base, _ = super_weight_linear(device)
     layer.base_layer = base
     rows = _rows_for(device, 9)

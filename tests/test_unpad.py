@@ -54,16 +54,13 @@ def _packed_dropout_against_stock(lengths, seqlen, hidden, p, seed, device):
     CPU's Bernoulli noise / (1 - p) itself, CUDA's mask * 1 / (1 - p)); ours must give the real
     rows of both and leave the generator where stock's leaves it."""
     from solution.kernels.lora_nf4 import lora_dropout
+    from tests.test_lora_nf4 import stock_dropout_draw
 
     info = packing.make_unpadded(lengths, seqlen, torch.device(device))
     x_pad = torch.randn(len(lengths), seqlen, hidden, device=device)
     x_packed = packing.unpad_rows(x_pad.view(-1, hidden), info).view(1, -1, hidden)
     drop = torch.nn.Dropout(p).train()
-    torch.manual_seed(seed)
-    value_stock = drop(x_pad)
-    after_stock = torch.rand(1, device=device)
-    torch.manual_seed(seed)
-    keep_stock = drop(torch.ones_like(x_pad))
+    value_stock, after_stock, keep_stock = stock_dropout_draw(drop, x_pad, seed)
     torch.manual_seed(seed)
     xd, keep, _, scale = lora_dropout(drop, x_packed, packed=info)
     after_ours = torch.rand(1, device=device)

@@ -3,12 +3,11 @@ applied: a wrapper on a decoder layer's instance (a profiler's, an offload libra
 ``mock.patch.object(layer, "forward", wraps=...)``, as transformers' own gradient-checkpointing
 test sets) and hooks or wrappers on the patched modules inside a layer.
 
-Under gradient checkpointing the packed step calls the layer class's forward itself (the node, or
-``step/decoder.py``'s ``_run_checkpointed``), so a layer with an instance-level forward or hooks
-makes the model keep stock's forward (``_checkpointing_ok``); inside a layer, the decoder-layer
-node refuses a layer whose modules carry hooks or instance forwards, and the whole step then
-runs stock's forward (which calls them). Either way the wrapper runs in the forward and in the recompute
-as often as with stock, and the loss and LoRA gradients are as close to stock's as the solution
+The packed step runs every layer through the decoder-layer node, which never calls a layer's or
+its modules' forwards: the node refuses a layer that carries hooks or an instance-level forward,
+on itself or on a module inside it, and the whole step then runs stock's forward (which calls
+them), with or without gradient checkpointing. So the wrapper runs in the forward and in the
+recompute as often as with stock, and the loss and LoRA gradients are as close to stock's as the solution
 is without the wrapper (the backward starts from loss x 1024, as GradScaler's first steps do, so
 that the tiny model's fp16 gradients are not subnormal).
 """

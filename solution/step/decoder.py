@@ -6,8 +6,8 @@ rows of ones then zeros; a batch without padding is one with zero pads) ``unpadd
 gathers the N real tokens into one packed row [1, N] (packing.py), embeds them, computes RoPE's
 cos/sin at each token's own position (0..len-1 of its row, as stock's arange does for right
 padding), runs every decoder layer on [1, N, H] through the decoder-layer node (layer.py; replayed
-from CUDA graphs where cuda_graphs.py decides they pay, else eagerly), applies the final norm and scatters the result back to [batch, seqlen, H] (zeros at pad
-positions). The CausalLM head patch (patches/qwen2_lm_head_loss.py) can take the packed rows
+from CUDA graphs where cuda_graphs.py decides they pay, else eagerly), applies the final norm and
+scatters the result back to [batch, seqlen, H] (zeros at pad positions). The CausalLM head patch (patches/qwen2_lm_head_loss.py) can take the packed rows
 directly (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
 generation, a cache, position_ids given, left padding, hidden states or attentions requested,
 sliding-window layers, attention dropout, another attention implementation, NEFTune, a dropout
