@@ -22,10 +22,10 @@ import torch
 from solution.kernels import _launches
 from solution.step.layer import CHECKPOINT_COUNT as CKPT
 from solution.step.layer import NODE_COUNT as NODE
-from tests.test_unpad import _right_padded_batch, qlora_tiny_model
+from tests.test_unpad import LOSS_SCALE, STEP_REL, _right_padded_batch, qlora_tiny_model
 
 
-def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1, loss_scale=1024.0,
+def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1, loss_scale=LOSS_SCALE,
           **settings_kw):
     """``steps`` training forwards + backwards (no optimizer: the same weights) on the tiny QLoRA
     model after solution.apply() with or without the node: (losses, LoRA grads of the last step,
@@ -80,11 +80,8 @@ def _batch(device, lengths):
     return _right_padded_batch(lengths, max(lengths), vocab=100, device=device)
 
 
-# Norm-wise relative limit of the node against stock: both compute the same operations in fp16 with
-# fp32 accumulation, with other GEMM shapes (packed rows against the padded batch), so other
-# summation orders; over the tiny model's two layers, forward and backward, about twenty fp16
-# roundings of 2^-11 each separate the two at most.
-REL = 20 * 2.0 ** -11
+# Norm-wise relative limit of the node against stock (tests/test_unpad.py's STEP_REL, derived there).
+REL = STEP_REL
 
 
 def _rel(a, b) -> float:

@@ -127,12 +127,12 @@ def test_qlora_model_spread_over_two_gpus_matches_stock_gpu(tmp_path):
     """The workload's stack on the tiny stand-in, layer 1 and the final norm on cuda:1, the rest
     on cuda:0 (device_map as "auto" makes over two cards), every patch through apply(): no crash,
     the packed step not taken, our kernels on cuda:0's layer, loss and LoRA gradients as stock's
-    (the tolerances of test_qlora_model_packed_matches_stock_gpu: fp16 GEMMs and sums)."""
+    (tests/test_unpad.py's STEP_REL: fp16 GEMMs and sums in other shapes)."""
     if not HAS_CUDA or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
     from solution.kernels import _launches
     from solution.step import decoder
-    from tests.test_unpad import _qlora_step, _right_padded_batch
+    from tests.test_unpad import STEP_REL, _qlora_step, _right_padded_batch
     from workload.model_standin import write_standin
 
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
@@ -152,4 +152,4 @@ def test_qlora_model_spread_over_two_gpus_matches_stock_gpu(tmp_path):
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("layers.1" in n for n in grads_s)
     for name, g in grads_s.items():
-        assert rel_err(grads_o[name], g) < 3e-2, name
+        assert rel_err(grads_o[name], g) <= STEP_REL, (name, rel_err(grads_o[name], g))

@@ -15,6 +15,17 @@ from solution.step import packing
 from tests.conftest import rel_err
 from tests.test_lm_head_loss import tiny_qwen2
 
+# Norm-wise relative limit between two QLoRA steps of the tiny stand-in that compute the same
+# operations in fp16 with fp32 accumulation but in other shapes (packed rows against the padded
+# batch, a graph's filler rows, layers on another card): other summation orders, so other
+# roundings. Over the stand-in's two layers, forward and backward, about twenty fp16 roundings of
+# 2^-11 each separate the two at most. That holds where the gradients are normal fp16 numbers: the
+# backward starts from loss x LOSS_SCALE, as fp16 training's GradScaler makes it (1024 and more in
+# its first steps); unscaled, the tiny model's fp16 gradients on a GPU are subnormal (~1e-5), where
+# one rounding is no longer 2^-11 of the value and not even stock holds this limit against itself.
+STEP_REL = 20 * 2.0 ** -11
+LOSS_SCALE = 1024.0
+
 IGNORE = -100
 
 
@@ -230,7 +241,7 @@ def qlora_tiny_model(model_dir, device="cuda", device_map=None):
 
 
 def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None, device_map=None):
-    """One training forward + backward of qlora_tiny_model (``setup(model)`` first, if given; its
+    """One training forward + backward (from loss x LOSS_SCALE) of qlora_tiny_model (``setup(model)`` first, if given; its
     ``device_map``) on the same seed, stock or with every patch (solution.apply()): (loss, LoRA
     gradients, the CUDA generator's offset after the step)."""
     import solution
@@ -247,7 +258,7 @@ def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None, device_
         torch.cuda.manual_seed_all(0)  # every GPU's generator (a model spread over two draws on both)
         with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
             out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-        out.loss.backward()
+        (out.loss * LOSS_SCALE).backward()
         grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
         return out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()
     finally:
@@ -261,8 +272,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     right-padded batch: loss and LoRA gradients against stock on the same seed (the dropout masks
     are the same draws). Tolerances: the packed path runs the fp16 GEMMs over N rows instead of
     batch x seqlen (cuBLAS may pick other kernels) and attention with is_causal instead of a mask,
-    so results differ at fp16 rounding: loss rel 1e-3, gradients rel 3e-2 (fp16 sums over ~100
-    tokens)."""
+    so results differ at fp16 rounding: loss rel 1e-3, gradients ``STEP_REL`` (its derivation above)."""
     if device != "cuda":
         pytest.skip("bitsandbytes 4-bit needs CUDA")
     from solution.kernels import _launches
@@ -279,7 +289,7 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():
-        assert rel_err(grads_o[name], g) < 3e-2, name
+        assert rel_err(grads_o[name], g) <= STEP_REL, (name, rel_err(grads_o[name], g))
 
 
 @pytest.mark.gpu
@@ -308,4 +318,4 @@ def test_qlora_gradient_checkpointing_matches_stock_gpu(device, tmp_path, monkey
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():
-        assert rel_err(grads_o[name], g) < 3e-2, name
+        assert rel_err(grads_o[name], g) <= STEP_REL, (name, rel_err(grads_o[name], g))
