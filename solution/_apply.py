@@ -17,18 +17,13 @@ _installed: dict[str, str] = {}
 
 
 def apply(verbose: bool = True, settings: Settings | None = None) -> dict[str, str]:
-    """Install every patch this environment supports. Idempotent: once something is installed, a
-    second call returns it and changes nothing (``settings`` included) until revert().
+    """Install every patch this environment supports; returns {patch name: description}. Idempotent: once
+    something is installed, a second call returns it and changes nothing until revert().
 
-    settings: the settings to run with; None: Settings.from_env(), the environment read once,
-    here. They are validated (the patch names of skip_patches too) before anything is installed,
-    then, on a supported environment, active (solution.settings.current()) until revert():
-    setting a $SOLUTION_* variable after apply() changes nothing.
-
-    Returns {patch name: description} of what is installed; raises ValueError, before installing
-    anything, when a setting is invalid (check_settings). On an unsupported environment (no
-    CUDA and no interpreter, no Triton, GPU older than sm_75, another model architecture...) it
-    installs nothing for the affected part, prints why, and training runs the stock path.
+    ``settings`` (None: Settings.from_env(), read here) are validated before anything is installed
+    (ValueError) and active until revert(): a $SOLUTION_* variable set after apply() changes nothing. Where
+    the environment or a patch's check() refuses, that part is not installed, one line says why, and
+    training runs the stock path.
     """
     if _installed:
         return dict(_installed)
@@ -81,28 +76,19 @@ ALLOCATOR = "cuda_allocator"
 
 
 def check_settings() -> Settings:
-    """Every $SOLUTION_* setting, read from the environment now and checked (Settings.from_env,
-    the names of $SOLUTION_SKIP_PATCHES against patch_names()): ValueError (one line naming the
-    variable and what it accepts) for the first invalid one. apply() calls it before installing
-    anything; bench.compare calls it before its first run."""
+    """Every $SOLUTION_* setting read now and checked: ValueError naming the first invalid variable."""
     return Settings.from_env(known_patches=patch_names())
 
 
 def patch_names() -> list[str]:
-    """The names $SOLUTION_SKIP_PATCHES accepts: each patch module's NAME (PATCHES, install order),
-    then cuda_allocator."""
+    """The names $SOLUTION_SKIP_PATCHES accepts: each patch's NAME in install order, then cuda_allocator."""
     return [importlib.import_module(module_name).NAME for module_name in PATCHES] + [ALLOCATOR]
 
 
 def _set_expandable_segments(on: bool) -> bool:
-    """Turn PyTorch's expandable segments on/off for allocations made from now on. With packed
-    batches every step allocates tensors of new sizes; fixed-size segments then fragment (reserved
-    memory grows far above what is allocated). apply() calls it only when the user did not
-    configure the allocator ($PYTORCH_CUDA_ALLOC_CONF) nor list cuda_allocator in
-    $SOLUTION_SKIP_PATCHES. Private torch calls, gated by what this torch has:
-    ``torch._C._accelerator_setAllocatorSettings`` (torch >= 2.10), else
-    ``torch.cuda.memory._set_allocator_settings``; False (apply() says so, and the allocator stays
-    as it is) where neither takes the setting."""
+    """Turn PyTorch's expandable segments on/off for later allocations (packed batches allocate new sizes
+    every step, which fragments fixed-size segments). Private torch calls (docs/GATES.md); False where
+    neither takes the setting (the allocator stays as it is)."""
     import torch
 
     setting = f"expandable_segments:{on}"
@@ -124,9 +110,8 @@ def _partial_restore(keep: int) -> None:
 
 
 def revert() -> None:
-    """Restore every patched object to the stock one and forget every plan, cache and decision
-    (solution/state.py), so that a later apply() starts afresh. Safe to call when nothing is
-    installed."""
+    """Restore every patched object and forget every plan, cache and decision (solution/state.py), so that a
+    later apply() starts afresh. Safe when nothing is installed."""
     _swaps.restore()
     from solution.kernels.lm_head_loss import clear_weight_cache
     from solution.kernels.nf4_linear import release_scratch

@@ -1,12 +1,6 @@
-"""Plain PyTorch references of what the kernels in solution/kernels compute, for the self-check
-(solution/selfcheck.py).
-
-Each function is the formula from its kernel's module docstring written with ordinary torch ops,
-in float64 (inputs of any float dtype are widened first), so that a kernel's error against it is
-the kernel's own rounding and nothing else. They are differentiable: the self-check takes the
-reference gradients from autograd on these functions. Contract: same shapes as the kernels'
-outputs, float64 (``nf4_dequant``: float32, the exact product bitsandbytes rounds once to fp16).
-No Triton, no patches, nothing from outside solution/.
+"""Plain PyTorch references of what solution/kernels compute, for the self-check: each kernel's formula in
+float64 (inputs widened first), differentiable (the reference gradients come from autograd), the kernels'
+output shapes (``nf4_dequant``: float32, the exact product bitsandbytes rounds once to fp16). Torch only.
 """
 from __future__ import annotations
 
@@ -20,8 +14,7 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 
 
 def as_fp16(x: torch.Tensor) -> torch.Tensor:
-    """float64 holding the value of fp16(x), with the gradient passing straight through to x (what
-    autograd does for a cast to fp16: the cast's backward only casts the gradient back)."""
+    """float64 holding fp16(x), the gradient passing straight through (as autograd's cast backward does)."""
     x = _f64(x)
     return x + (_f64(x.detach().to(torch.float16)) - x.detach())
 
@@ -96,12 +89,9 @@ def qkv_rope_backward(dq, dk, dv, cos, sin, q_scaling, v_scaling, n_kv):
 
 
 def nf4_dequant(packed: torch.Tensor, quant_state) -> torch.Tensor:
-    """bitsandbytes' NF4 storage decoded with torch ops: element 2i is the high nibble of byte i,
-    2i+1 the low one, each code an index into the state's 16 NF4 levels; each block of
-    ``blocksize`` elements has one scale, which with double quantization is
-    fp32(code2[q] * absmax2[block // blocksize2]) + offset (two fp32 roundings, as bnb computes it);
-    value = fp32(NF4[code] * scale). Returns that fp32 tensor of quant_state.shape: the fp16
-    weight is its one rounding to fp16."""
+    """bitsandbytes' NF4 storage decoded: element 2i is byte i's high nibble, 2i+1 its low one, each an index
+    into the state's 16 levels; a block's scale with double quantization is fp32(code2[q] * absmax2[block //
+    blocksize2]) + offset (two fp32 roundings, as bnb); value = fp32(NF4[code] * scale), shaped as the state."""
     qs = quant_state
     n = math.prod(qs.shape)
     flat = packed.reshape(-1).view(torch.uint8).to(torch.int64)
@@ -117,8 +107,7 @@ def nf4_dequant(packed: torch.Tensor, quant_state) -> torch.Tensor:
 
 
 def nf4_linear(x: torch.Tensor, weight16: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bnb Linear4bit under fp16 compute: fp16(x) @ W^T + fp16(bias), W the dequantized fp16
-    weight (the rounding of x to fp16 is part of the layer; its gradient passes straight)."""
+    """bnb Linear4bit under fp16 compute: fp16(x) @ W^T + fp16(bias), W the dequantized fp16 weight."""
     out = as_fp16(x) @ _f64(weight16).t()
     return out if bias is None else out + _f64(bias.detach().to(torch.float16))
 
@@ -129,8 +118,7 @@ def nf4_mlp(x, gate16, up16, down16) -> torch.Tensor:
 
 
 def pad_heads(rows: torch.Tensor, lengths: list[int], seqlen: int, rep: int) -> torch.Tensor:
-    """Packed rows [N, H, D] (the real tokens of a right-padded batch, row after row) -> the padded
-    [B, H * rep, S, D], output head h taken from input head h // rep (repeat_kv), zeros at pads."""
+    """Packed rows [N, H, D] -> padded [B, H * rep, S, D], head h from input head h // rep, zeros at pads."""
     n, heads, d = rows.shape
     out = rows.new_zeros((len(lengths), heads * rep, seqlen, d), dtype=torch.float64)
     start = 0
@@ -146,8 +134,7 @@ def unpad_heads(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 
 
 def causal_attention_rows(q, k, v, lengths: list[int], scale: float) -> torch.Tensor:
-    """Causal softmax attention of each packed row on its own. q, k, v [1, N, H, D] (same heads)
-    -> [1, N, H, D]: for a query at position i of its row, softmax over that row's keys 0..i."""
+    """Causal attention of each packed row on its own: q, k, v [1, N, H, D] -> [1, N, H, D]."""
     outs = []
     for qi, ki, vi in zip(_f64(q).split(lengths, 1), _f64(k).split(lengths, 1), _f64(v).split(lengths, 1)):
         qi, ki, vi = (t[0].transpose(0, 1) for t in (qi, ki, vi))  # [H, L, D]
@@ -160,9 +147,8 @@ def causal_attention_rows(q, k, v, lengths: list[int], scale: float) -> torch.Te
 
 def lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels: torch.Tensor,
                  ignore_index: int = -100):
-    """(loss, token_entropy, logits): logits = hidden @ W^T; loss = mean cross-entropy over the
-    tokens whose shift label is not ignore_index; entropy -sum p log p of softmax(logits) at every
-    token. hidden [..., H], weight [V, H], shift_labels [...]."""
+    """(loss, token_entropy, logits) for hidden [..., H], weight [V, H], shift_labels [...]: mean cross-entropy
+    over labels not ignore_index; -sum p log p of softmax(hidden @ W^T) at every token."""
     logits = _f64(hidden).reshape(-1, hidden.shape[-1]) @ _f64(weight).t()
     labels = shift_labels.reshape(-1)
     logp = logits.log_softmax(-1)

@@ -1,29 +1,15 @@
-"""Apply the patches in a Soup process that someone else starts (a harness that runs ``soup train``
-as a separate process, so that ``solution.apply()`` in the harness's own process would change
-nothing in Soup's).
+"""Apply the patches in a Soup process that someone else starts (docs/PORTING.md, b2):
 
     python -m solution.autoapply install [--site DIR]   # once: writes the hook into site-packages
     SOLUTION_AUTO_APPLY=1 soup train --config ... --yes # any process started this way applies
     python -m solution.autoapply status                 # where the hook is, what it loads
     python -m solution.autoapply uninstall [--site DIR] # removes it
 
-How it works. ``install`` writes one ``.pth`` file (PTH_NAME) into the interpreter's site-packages
-(or --site DIR). Python runs its ``import`` line at every start-up; the line does nothing unless
-$SOLUTION_AUTO_APPLY is set (one environment lookup), and otherwise loads this file by its path and
-calls ``boot()``. ``boot()`` only adds an import hook: when the process imports ``soup_cli`` (Soup's
-package: the ``soup`` command, ``python -m soup_cli``, or a harness's script that imports it), right
-after Soup's package is loaded and before its CLI module runs, the hook calls ``solution.apply()``
-once, exactly as our own bench does in Soup's process (bench/run_one.py), and prints the
-``[solution]`` lines that say what was installed. At the process's exit one more line counts the
-launches of our kernels in it (kernels/_launches.py), the evidence that they ran. Processes that
-never import Soup (pip, the precompile workers, the harness's own measurement code) get nothing.
-The hook calls apply() and nothing else: it measures nothing and changes no setting of Soup's.
-
-The ``solution`` package is taken from the folder this file was installed from (ROOT), loaded
-under its own name without adding anything to ``sys.path`` (a process that imported ``solution``
-already keeps that one). A bad $SOLUTION_AUTO_APPLY or $SOLUTION_* value stops the process before
-Soup runs, with one ``error:`` line on stderr and exit status 2; any other failure of apply() is
-one ``[solution]`` line, and Soup runs the stock path.
+The ``.pth`` file's line runs at every Python start-up and does nothing unless $SOLUTION_AUTO_APPLY is set;
+then ``boot()`` adds an import hook that calls ``solution.apply()`` once, right after ``soup_cli`` is loaded
+and before its CLI runs, and at exit one line counts our kernels' launches. ``solution`` is loaded from ROOT
+without touching ``sys.path``. A bad setting: one ``error:`` line, exit status 2, before Soup runs; any other
+failure of apply(): one ``[solution]`` line, and Soup runs the stock path.
 """
 from __future__ import annotations
 
@@ -55,8 +41,7 @@ def pth_text(root: Path = ROOT) -> str:
 
 
 class _SoupHook:
-    """A sys.meta_path finder that lets TRIGGER be found and loaded by the usual finders and calls
-    ``apply_here`` once right after its module ran."""
+    """A sys.meta_path finder: TRIGGER is found and loaded by the usual finders, then ``apply_here`` runs once."""
 
     def __init__(self) -> None:
         self.fired = False
@@ -108,8 +93,7 @@ def boot() -> None:
 
 
 def _load_solution():
-    """The ``solution`` package: the one already imported, else ROOT/solution loaded under that
-    name (sys.path untouched)."""
+    """The ``solution`` already imported, else ROOT/solution loaded under that name (sys.path untouched)."""
     if "solution" in sys.modules:
         return sys.modules["solution"]
     init = ROOT / "solution" / "__init__.py"
@@ -128,9 +112,8 @@ _APPLIED: list[str] = []
 
 
 def apply_here(how: str, check_env: bool = False) -> dict[str, str]:
-    """solution.apply() in this process (once; ``how``: what triggered it, for the line), then a
-    line at exit counting our kernels' launches. ``check_env`` (the hook): nothing when
-    $SOLUTION_AUTO_APPLY is off. A bad setting: ``error:`` on stderr, exit status 2."""
+    """solution.apply() here, once (``how``: the trigger, for the line), and a launch count at exit.
+    ``check_env``: nothing when $SOLUTION_AUTO_APPLY is off. A bad setting: ``error:``, exit status 2."""
     if _APPLIED:
         return {}
     solution = _load_solution()
@@ -174,9 +157,7 @@ def report_launches() -> None:
     say(launch_summary())
 
 
-# --------------------------------------------------------------------------------------------------
-# the installer
-# --------------------------------------------------------------------------------------------------
+# -- the installer ----------------------------------------------------------------------------------
 def default_site() -> Path:
     """This interpreter's site-packages (where pip installs pure-Python packages)."""
     return Path(sysconfig.get_paths()["purelib"])

@@ -1,8 +1,5 @@
-"""The compile manifest (solution/kernels/compile_manifest.json): the Triton specializations of
-our kernels recorded in earlier runs, which solution/precompile.py compiles in the background.
-``add_to_manifest`` records a run's compiles (``python -m solution.precompile add``);
-``entries_for`` picks the ones this Triton version can preload.
-"""
+"""The compile manifest (kernels/compile_manifest.json): our kernels' Triton specializations recorded in
+earlier runs (``add_to_manifest``), which solution/precompile.py compiles in the background (``entries_for``)."""
 from __future__ import annotations
 
 import json
@@ -44,11 +41,8 @@ def _jit_key(data: str) -> str:
 
 
 def entries_for(entries: list[dict], triton_version: str) -> list[dict]:
-    """The entries recorded with this Triton version, on any architecture, one per kernel and JIT
-    key (the same specialization recorded on two GPUs is compiled once). When none was recorded
-    with this version, those of the newest recorded version whose records have the same format
-    (``same_record_format``): a Kaggle notebook keeps its own PyTorch and Triton, which need not be
-    the version the manifest was recorded with."""
+    """The entries recorded with this Triton version, any architecture, one per kernel and JIT key; with none,
+    those of the newest recorded version of the same record format (a notebook keeps its own Triton)."""
     versions = {e["triton"] for e in entries}
     if triton_version not in versions:
         usable = sorted((v for v in versions if same_record_format(v, triton_version)), key=_version_tuple)
@@ -63,19 +57,13 @@ def entries_for(entries: list[dict], triton_version: str) -> list[dict]:
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
-    """(3, 9, 0) from "3.9.0": the leading dot-separated numbers (a suffix such as "+git" or "rc1"
-    ignored); () when the version does not start with a number."""
+    """(3, 9, 0) from "3.9.0" or "3.9.0+git"; () when the version does not start with a number."""
     m = re.match(r"\d+(?:\.\d+)*", version)
     return tuple(int(x) for x in m.group().split(".")[:3]) if m else ()
 
 
-# Triton versions whose JITFunction.preload reads one record format: name (the kernel's qualified
-# name), signature, constant_keys / constant_vals, attrs_keys / attrs_vals, options, key; from 3.7
-# also target (set by ``retarget``). Read in each version's runtime/jit.py: 3.3 checks
-# the unqualified name, 3.2 and older use another format. Whether a record of one version compiles
-# to the binary another version's launch looks for (the same source hash, attributes and options)
-# is not checked on a GPU: where it does not, the kernel compiles at its first launch, as without a
-# record.
+# Triton versions whose preload reads one record format (each runtime/jit.py read; 3.3 and older differ). Not
+# checked on a GPU: that one version's record compiles what another's launch needs (else: first-launch compile).
 SAME_FORMAT = ((3, 4), (3, 9))
 
 
@@ -85,8 +73,7 @@ def same_record_format(recorded: str, running: str) -> bool:
 
 
 def add_to_manifest(compile_log_json: Path, arch: str, triton_version: str, path: Path | None = None) -> int:
-    """Add our kernels' compiles from a compile log (bench/compile_log.py's .json) to the manifest,
-    tagged with ``arch`` and ``triton_version``; duplicates are dropped. Returns how many were added."""
+    """Add our kernels' compiles from a compile log (.json) to the manifest, tagged; returns how many were new."""
     log = json.loads(Path(compile_log_json).read_text(encoding="utf-8"))
     path = manifest_path() if path is None else path
     entries = load_manifest(path)

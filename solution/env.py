@@ -1,9 +1,5 @@
-"""Environment checks that decide whether our kernels may run (the $SOLUTION_* settings are
-solution/settings.py's; ``interpreter_enabled`` is re-exported from there for the kernels).
-
-apply() never crashes on an unsupported environment: it falls back to the stock path and says
-why. The rules here are deliberately explicit so a user can read them in one minute.
-"""
+"""Environment checks that decide whether our kernels may run. apply() never crashes on an unsupported
+environment: it keeps the stock path and says why."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,13 +16,8 @@ class Support:
 
 
 def check_support() -> Support:
-    """Can our Triton kernels run here, and on what?
-
-    - CUDA GPU with compute capability >= 7.5 (the T4 is 7.5) and Triton >= 3.2 importable: yes.
-    - No CUDA but TRITON_INTERPRET=1 (CI, CPU tests): yes, through the interpreter (slow,
-      for correctness only).
-    - Anything else: no, with the reason.
-    """
+    """Can our kernels run here, and on what: a CUDA GPU of sm_75 or newer with Triton >= 3.2 and its
+    launcher build; without CUDA, TRITON_INTERPRET=1 (the CPU interpreter, for correctness); else no, why."""
     try:
         import torch
     except ImportError:  # pragma: no cover - torch is a hard dependency
@@ -58,14 +49,9 @@ def check_support() -> Support:
 
 
 def torch_internals_reason() -> str | None:
-    """None when the private torch names that the whole package reads are there; else the reason
-    (apply() then installs nothing). They are: ``torch._C.DisableTorchFunctionSubclass`` (the NF4
-    plans read bitsandbytes' weights under it, solution/kernels/nf4_dequant.py; also the clip and
-    the walks' ``.grad`` reads), and nn.Module's own dicts that the patches and the decoder-layer
-    node read instead of walking through ``Module.__getattr__`` (``_modules``, ``_parameters``,
-    ``_buffers``) or to see hooks (solution/hooks.py: each module's hook dicts and
-    torch.nn.modules.module's global ones). Present in every torch the package supports
-    (2.10-2.13); a torch without one of them would make those reads wrong, not fail."""
+    """None when the private torch names the package reads are there (``torch._C.DisableTorchFunctionSubclass``;
+    nn.Module's ``_modules``, ``_parameters``, ``_buffers`` and hook dicts, solution/hooks.py), else the reason
+    (apply() installs nothing): without them those reads would be wrong, not fail (docs/GATES.md)."""
     import torch
     from torch.nn.modules import module as nn_module
 
@@ -83,13 +69,9 @@ def torch_internals_reason() -> str | None:
 
 
 def triton_build_reason() -> str | None:
-    """Why Triton could not build its kernels' launchers here (None: it can). On CUDA, Triton
-    compiles a small C module for its driver and one per kernel signature, at the first launch,
-    with the C compiler ($CC, else gcc or clang, as triton/runtime/build.py looks for them), against
-    Python's C headers, linking libcuda.so.1. Without one of them the first kernel launch would
-    fail inside the training step; asked here, the run keeps the stock path and says why. Checks
-    only what is there (no compile: it costs milliseconds); a custom build function
-    (``triton.knobs.build.impl``) is trusted."""
+    """Why Triton could not build its launchers here (None: it can). At the first launch Triton compiles C
+    modules with $CC (else gcc or clang) against Python's headers, linking libcuda.so.1: without one of them
+    that launch would fail inside the training step. Checks presence only; ``triton.knobs.build.impl`` is trusted."""
     import os
     import shutil
     import sysconfig
@@ -126,10 +108,8 @@ def triton_build_reason() -> str | None:
 
 
 def several_gpus_note() -> str | None:
-    """A line for apply() when more than one CUDA GPU is visible (None otherwise): Soup loads the
-    model with ``device_map="auto"``, which spreads it over every visible GPU; our kernels then run
-    only where the tensors are on the current GPU (kernels/_device.py) and the packed step keeps
-    the stock forward (step/decoder.py), so such a run is correct but mostly stock."""
+    """A line for apply() when several CUDA GPUs are visible (else None): Soup's ``device_map="auto"`` then
+    spreads the model, and such a run is correct but mostly stock (step/decoder.py)."""
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -140,9 +120,7 @@ def several_gpus_note() -> str | None:
             f"is one GPU: CUDA_VISIBLE_DEVICES=0")
 
 
-# The oldest Triton our kernels are tested with: the sm_75 compile check passes on 3.0-3.8, but
-# Triton 3.0 / 3.1's interpreter cannot run them, so their results were never compared with the
-# references there (docs/history/NOTES.md, "Triton versions"). Triton 3.2 is what torch 2.6 ships.
+# The oldest Triton our kernels are tested with (torch 2.6's; 3.0 / 3.1's interpreter cannot run them).
 OLDEST_TRITON = (3, 2)
 
 

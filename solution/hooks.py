@@ -1,6 +1,5 @@
-"""Module hooks, asked one way everywhere: a patch or a CUDA graph that does a module's work
-without calling the module would skip the hooks that calling it fires, so where any is present
-the stock call is kept (patches) or the graph is refused (step/cuda_graphs.py)."""
+"""Module hooks, asked one way everywhere: work done without calling the module would skip its hooks, so where
+any is present the stock call is kept (patches) or the graph is refused (step/cuda_graphs.py)."""
 from __future__ import annotations
 
 from torch.nn.modules import module as _nn_module
@@ -16,8 +15,7 @@ def global_hooks() -> bool:
 
 
 def own_hooks(module) -> bool:
-    """A forward / backward hook registered on ``module`` itself. Reads the instance dict: it runs
-    for every module of every layer each step (the decoder-layer node's per-step check)."""
+    """A hook registered on ``module`` itself (instance dict reads: the node's per-step check asks every module)."""
     d = module.__dict__
     return bool(d.get("_forward_hooks") or d.get("_forward_pre_hooks") or d.get("_backward_hooks")
                 or d.get("_backward_pre_hooks"))

@@ -1,48 +1,18 @@
-"""Compile our Triton kernels before their first launch, in a background thread that apply()
-starts, from specializations recorded earlier with the same Triton version on any GPU.
+"""Compile our Triton kernels before their first launch, in a background thread apply() starts (on CUDA, unless
+$SOLUTION_PRECOMPILE=0), from specializations recorded earlier with the same Triton on any GPU (guarantees and
+measurements: docs/PERFORMANCE.md, "Cold start").
 
-What it replaces: without it Triton compiles each of our kernels the first time training launches
-it, one after the other inside the first step (docs/PERFORMANCE.md gives the measured cold first
-step). Soup spends several seconds importing its libraries and loading and quantizing the model
-after apply() and before that first step: the compiles can run meanwhile.
+``python -m solution.precompile add compiles.json`` keeps our kernels' compiles of a run recorded by
+``bench.run_one --compile-log`` (Triton's serialized specializations) in kernels/compile_manifest.json. The
+thread starts compile processes (``worker_count``) that compile them for this GPU's target into Triton's disk
+cache, with their C launchers (no GPU, not this process's GIL), then calls ``JITFunction.preload`` here for
+each, ``retarget``-ed, so that the first launch finds it in the JIT's cache. A record from another GPU fits:
+our launchers choose block sizes and warps from shapes and dtypes only (token counts are
+``do_not_specialize``), and the JIT key holds no architecture. No tensors, launches or random numbers.
 
-What it does instead: ``bench.run_one --compile-log`` records, through Triton's compile hooks,
-Triton's own serialized specialization of every compile of a run (argument types, alignment
-attributes, constexprs, options and the JIT cache key). ``python -m solution.precompile add
-compiles.json`` keeps those of our kernels in ``solution/kernels/compile_manifest.json``, tagged
-with the GPU architecture and Triton version they were recorded with. On CUDA (unless
-$SOLUTION_PRECOMPILE=0), apply() starts a daemon thread. It first runs compile processes (one per
-spare core, at most 4: ``python -m solution.precompile compile``) that compile the entries for
-this GPU's target into Triton's disk cache, with no GPU and none of this process's GIL, and also
-build each kernel's C launcher and Triton's CUDA utility module there. Then it calls Triton's
-``JITFunction.preload(data)`` here for every entry of this Triton version (a disk hit for what
-the processes compiled), **retargeted to this GPU**
-(``retarget``): the recorded options that belong to the machine it was recorded on (its
-architecture, its fp8 types, the path of its libdevice) are dropped, so Triton's backend fills in
-this GPU's. The kernel is compiled into the JIT's cache under the recorded key, so the first launch
-finds it. No tensors, no launches, no random numbers, no GPU memory: only compilation. Measured
-figures: docs/PERFORMANCE.md.
-
-Why a record from another GPU fits: our launchers choose block sizes and warps from the tensors'
-shapes and dtypes only (none asks the device; the sizes that vary per batch, the token counts, are
-``do_not_specialize``), so a run on a T4 launches the same specializations as a run on the H200
-with the same model and Triton. The JIT cache key holds no architecture either.
-
-Risks: an entry recorded with another launch configuration compiles something the run never
-launches: wasted background CPU, nothing else. A preload that fails is counted and reported,
-never raised. The thread competes with Soup's model loading for the CPU (Python parts of the
-compile hold the GIL). If training reaches a kernel before the thread did, Triton compiles it as
-without this module. A CUDA-graph capture waits for the thread first (``wait``): a module load
-during a capture is not allowed.
-
-Bounded: nothing here can hang training. The whole precompile has LIMIT_S seconds from its start;
-past them its compile processes are ended (SIGTERM, SIGKILL after KILL_GRACE_S), the thread starts
-no further preload, STATE["stopped"] says why, one ``[solution]`` line says so, and the kernels not
-compiled yet compile at their first launch, as without this module (``give_up``). ``wait()``
-without a timeout returns at that limit at the latest. A preload still inside a compile call then
-(a thread cannot be ended) finishes that compile only: Triton's ``preload`` compiles and caches,
-and loads a binary onto the GPU only at its first launch, so it cannot load a module during a
-capture.
+Never fatal: a failed preload is counted, never raised; a kernel not reached compiles at its first launch. A
+CUDA-graph capture waits for the thread (``wait``: no module load during a capture). The whole precompile has
+LIMIT_S from its start, then ``give_up``; a preload inside a compile finishes that one (it loads nothing on the GPU).
 """
 from __future__ import annotations
 
@@ -62,18 +32,12 @@ ENV = "SOLUTION_PRECOMPILE"
 from solution.compile_manifest import (MANIFEST, OWN_PREFIX, add_to_manifest, entries_for,  # noqa: F401
                                        load_manifest, manifest_path, same_record_format)
 
-# The limits that keep a hung compile (a driver or ptxas stall on an unfamiliar machine) from
-# hanging training. LIMIT_S: the most the whole precompile may take from its start, compile
-# processes and in-process preload together, and the most ``wait()`` waits by default. Measured
-# on the H200 host: 6.1 s in 4 compile processes plus 1.2 s of preloads (docs/PERFORMANCE.md,
-# "Cold start"); a 2-core notebook runs one process on a slower core, a few times that. 300 s is
-# ~40x the measured time. KILL_GRACE_S: how long a compile process has to exit after SIGTERM
-# before SIGKILL (bench.compare gives its runs the same).
+# A hung compile must not hang training. LIMIT_S: the most the precompile and ``wait()`` take from its start
+# (~40x the 7.3 s measured on the H200 host); KILL_GRACE_S: from SIGTERM to SIGKILL of a compile process.
 LIMIT_S = 300.0
 KILL_GRACE_S = 5.0
 
-# finished_t: time.perf_counter() when the thread ended (None while it runs or never started);
-# stopped: why the precompile was given up (None: it was not), stopped_t: when
+# *_t: time.perf_counter() values (None: not yet); stopped: why it was given up (None: it was not)
 STATE: dict = {"started": False, "entries": 0, "done": 0, "failed": 0, "seconds": None, "errors": [],
                "started_t": None, "finished_t": None, "workers": 0, "worker_compiled": None, "worker_seconds": None,
                "preload_started_t": None, "stopped": None, "stopped_t": None}
@@ -89,18 +53,16 @@ def requested() -> bool:
     return settings.current().precompile
 
 
-# The options a launch sets (kernel[grid](..., num_warps=...)) or that do not depend on the machine:
-# kept from the record. Everything else (arch, fp8 types, libdevice's path, dot precisions, ...)
-# is the recording machine's and is left to this GPU's backend (CUDABackend.parse_options).
+# The options a launch sets or that do not depend on the machine: kept from the record. The rest (arch, fp8
+# types, libdevice's path, ...) is the recording machine's, left to this GPU's backend (parse_options).
 LAUNCH_OPTIONS = ("num_warps", "num_ctas", "num_stages", "maxnreg", "enable_fp_fusion", "enable_reflect_ftz",
                   "launch_cooperative_grid", "launch_pdl", "debug", "sanitize_overflow", "instrumentation_mode")
 
 
 def retarget(data: str, target: dict | None = None) -> str:
-    """A serialized specialization with only its launch options kept (see LAUNCH_OPTIONS), so that
-    ``preload`` compiles it for the GPU it runs on; with ``target`` (the running GPU's
-    GPUTarget.__dict__) also its target, which Triton >= 3.7's preload requires to be the running
-    one. Data that is not such JSON is returned as is."""
+    """A serialized specialization with only its LAUNCH_OPTIONS kept, so that ``preload`` compiles it for the
+    running GPU; with ``target`` (its GPUTarget.__dict__) also that target (Triton >= 3.7's preload requires
+    the running one). Data that is not such JSON is returned as is."""
     try:
         obj = json.loads(data)
         options = obj["options"]
@@ -123,8 +85,7 @@ def _running_target() -> dict | None:
 
 
 def resolve_kernel(path: str):
-    """The @triton.jit function named "solution.kernels.<module>.<name>", or None (another
-    package, a missing name, or not a JIT function with ``preload``)."""
+    """The @triton.jit function named "solution.kernels.<module>.<name>" (with ``preload``), or None."""
     if not path.startswith(OWN_PREFIX) or path.count(".") != 3:
         return None
     module_name, _, name = path.rpartition(".")
@@ -136,10 +97,8 @@ def resolve_kernel(path: str):
 
 
 def compile_record(fn, data: str, target) -> None:
-    """Compile one recorded specialization of ``fn`` for ``target`` (a triton GPUTarget) into
-    Triton's disk cache, without a GPU: the steps of ``JITFunction.preload`` up to its compile,
-    with the backend made from ``target`` instead of the current device. The JIT's own compile of
-    that specialization at launch then finds the binary on disk. ``data`` is retargeted first."""
+    """Compile one recorded (retargeted) specialization of ``fn`` for ``target`` (a GPUTarget) into Triton's
+    disk cache without a GPU: ``JITFunction.preload``'s steps up to its compile, the backend made from ``target``."""
     import triton.language as tl
     from triton.compiler import ASTSource, compile as triton_compile, make_backend
     try:  # Triton >= 3.6 turns JSON lists back into tuples; older ones read the signature as is
@@ -164,10 +123,8 @@ def compile_record(fn, data: str, target) -> None:
 
 
 def _build_launcher(src, metadata) -> None:
-    """Also build the kernel's C launcher (Triton compiles one per signature with the C compiler
-    at the kernel's first launch and keeps it in the same disk cache): the steps of
-    CudaLauncher.__init__ up to its build. Needs the CUDA driver library on the machine, not a GPU
-    context; where it fails, the first launch builds it as without this module."""
+    """Also build the kernel's C launcher into the disk cache (CudaLauncher.__init__'s steps; needs the CUDA
+    driver library, not a GPU); where it fails, the first launch builds it."""
     try:
         from triton.backends.nvidia import driver as nv
 
@@ -183,8 +140,7 @@ def _build_launcher(src, metadata) -> None:
 
 
 def _build_driver_utils() -> None:
-    """Triton's CUDA utility module (compiled with the C compiler once per cache directory when
-    the driver first starts): built here too, so that the training process finds it."""
+    """Build Triton's CUDA utility module (once per cache directory) here, for the training process."""
     try:
         from triton.backends.nvidia import driver as nv
 
@@ -194,9 +150,7 @@ def _build_driver_utils() -> None:
 
 
 def worker_count(n_entries: int) -> int:
-    """Compile processes: one per spare core this process may run on (its CPU affinity, not the
-    machine's count, and no more than a container's CPU quota allows; one core stays with Soup's
-    loading), at most 4."""
+    """Compile processes: one per spare core of this process's affinity and CPU quota, at most MAX_WORKERS."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
@@ -208,17 +162,14 @@ def worker_count(n_entries: int) -> int:
 
 
 MAX_WORKERS = 4
-# the cgroup files that hold a container's CPU quota: v2 "cpu.max" ("<quota> <period>" or
-# "max <period>"), v1 cpu.cfs_quota_us / cpu.cfs_period_us (quota -1: none)
+# a container's CPU quota: cgroup v2 cpu.max ("<quota> <period>", quota "max": none), v1 cfs_quota_us (-1: none)
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 CGROUP_V1_CPU = "/sys/fs/cgroup/cpu"
 
 
 def cpu_quota() -> int | None:
-    """The CPUs a container's cgroup quota allows this process (rounded up, at least 1), or None
-    when there is no quota or it cannot be read. Affinity does not show a quota: a container given
-    2 CPUs of a 64-core host sees 64 cores, and 4 compile processes would then share 2 CPUs with
-    Soup's loading."""
+    """The CPUs a container's cgroup quota allows (rounded up, at least 1), or None (no quota, unreadable).
+    Affinity does not show a quota: a container given 2 CPUs of a 64-core host sees 64 cores."""
     import math
 
     try:
@@ -242,11 +193,8 @@ def cpu_quota() -> int | None:
 
 
 def _start_workers(entries: list[dict], target: tuple, workers: int):
-    """Start ``workers`` child processes (``python -m solution.precompile compile``) that compile
-    ``entries`` for ``target`` (backend, arch, warp size), round robin; returns what
-    ``_wait_workers`` needs. The children use no GPU and hold no GIL of this process: Soup's
-    loading keeps its core. None (and the error noted) when they cannot start: the entries then
-    compile in this process, at preload."""
+    """Start ``workers`` compile processes for ``entries`` and ``target`` (backend, arch, warp size), round
+    robin; returns what ``_wait_workers`` needs, or None (error noted: the preload compiles everything)."""
     import tempfile
 
     try:
@@ -258,8 +206,7 @@ def _start_workers(entries: list[dict], target: tuple, workers: int):
             out = Path(tmp.name) / f"done-{w}.json"
             # they compile for the GPU target, never in Triton's interpreter
             env = settings.child_environ(drop=("TRITON_INTERPRET",))
-            # each leads a process group of its own (start_new_session), so that ending it also
-            # ends a compiler it runs (ptxas)
+            # each leads its own process group, so that ending it also ends its compiler (ptxas)
             proc = subprocess.Popen(_worker_command(part, target, out), stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, env=env, start_new_session=True,
                                     cwd=str(Path(__file__).resolve().parent.parent))
@@ -273,8 +220,7 @@ def _start_workers(entries: list[dict], target: tuple, workers: int):
 
 
 def _worker_command(part: Path, target: tuple, out: Path) -> list[str]:
-    """One compile process's command line: compile the entries in ``part`` for ``target``, write
-    how many compiled to ``out``."""
+    """A compile process's command: compile ``part``'s entries for ``target``, write the count to ``out``."""
     import sys
 
     return [sys.executable, "-m", "solution.precompile", "compile", str(part), "--target",
@@ -282,9 +228,7 @@ def _worker_command(part: Path, target: tuple, out: Path) -> list[str]:
 
 
 def _wait_workers(tmp, procs, deadline: float | None = None) -> int:
-    """Wait for the children of ``_start_workers`` until ``deadline`` (a time.perf_counter(); None:
-    for as long as they run); returns how many entries they compiled. Children still running at
-    the deadline are ended, and the precompile is given up (``give_up``)."""
+    """Wait for the compile processes until ``deadline`` (then ``give_up``; None: no limit); returns their count."""
     done = 0
     with tmp:
         for proc, out in procs:
@@ -302,9 +246,8 @@ def _wait_workers(tmp, procs, deadline: float | None = None) -> int:
 
 
 def _end(procs, grace: float) -> None:
-    """End compile processes, each with its process group, by their own ids: SIGTERM, then
-    SIGKILL to those still running ``grace`` seconds later; each is reaped if it exits within
-    ``grace`` more (a process stuck in the kernel may not, and is left)."""
+    """End compile processes with their process groups: SIGTERM, SIGKILL after ``grace`` s; reaped if they
+    exit within ``grace`` more (one stuck in the OS kernel is left)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         alive = [p for p in procs if p.poll() is None]
         for proc in alive:
@@ -324,10 +267,8 @@ def _end(procs, grace: float) -> None:
 
 
 def give_up(reason: str) -> bool:
-    """Stop the background precompile: its compile processes are ended (``_end``), the thread
-    starts no further preload, STATE["stopped"] holds ``reason``, and one line says so; kernels
-    not compiled yet compile at their first launch (Triton's ordinary compile). Only the first
-    call acts; returns whether this one did."""
+    """Stop the precompile: compile processes ended, no further preload, STATE["stopped"] = ``reason``, one
+    line said. Only the first call acts; returns whether this one did."""
     with _stop_lock:
         if _stop.is_set():
             return False
@@ -343,14 +284,9 @@ def give_up(reason: str) -> bool:
 
 
 def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> None:
-    """The background thread's body: with ``workers`` > 0, child processes compile the entries
-    for ``target`` into Triton's disk cache first (true parallelism, no GPU); then every entry is
-    preloaded here into the JIT's in-memory cache (a disk hit for what the children compiled, a
-    compile for the rest). Failures are counted, never raised. Bounded by LIMIT_S from its start:
-    past it, or once the precompile is given up, no further compile starts (``give_up``).
-    First, while the children start, Triton's own version key is computed here (it hashes
-    Triton's sources and its ~100 MB-scale native library, once per process, at the first
-    compile or cache lookup): otherwise the first kernel launch of the training step pays it."""
+    """The thread's body: compile processes (``workers`` > 0) first, then every entry preloaded here.
+    Failures counted, never raised; bounded by LIMIT_S. Meanwhile Triton's version key is computed here (a
+    hash of its sources and ~100 MB native library, once per process): else the first launch pays it."""
     t0 = time.perf_counter()
     STATE["started_t"] = t0
     deadline = t0 + LIMIT_S
@@ -392,9 +328,8 @@ def run(entries: list[dict], target: tuple | None = None, workers: int = 0) -> N
 
 
 def start(device: str, say=print) -> threading.Thread | None:
-    """Start the background preload on CUDA (unless $SOLUTION_PRECOMPILE=0) when the manifest has
-    entries for this Triton version; returns the thread (None when nothing starts; the reason is
-    said, except when it was turned off or there is no GPU: then nothing was asked for)."""
+    """Start the thread on CUDA (unless $SOLUTION_PRECOMPILE=0) when the manifest has entries for this
+    Triton; returns it, or None (the reason said, unless turned off or no GPU)."""
     global _thread, _say
     if not requested() or device != "cuda":
         return None
@@ -434,17 +369,13 @@ def start(device: str, say=print) -> threading.Thread | None:
 
 
 def running() -> bool:
-    """The background preload is still compiling (and was not given up: a thread that is, starts
-    no further compile)."""
+    """The thread is still compiling and was not given up."""
     return _thread is not None and _thread.is_alive() and not _stop.is_set()
 
 
 def contended(since: float) -> bool:
-    """Did this process's part of the background work (the in-process preload, which holds the
-    GIL for its Python steps) run at any time from ``since`` (a time.perf_counter()) until now?
-    The compile processes do not count: each has a core of its own (worker_count leaves one to
-    this process), so they do not slow this process's host work. Without them the whole compile
-    runs in the preload, and so counts."""
+    """Did the in-process preload (it holds the GIL) run at any time from ``since`` (perf_counter) until now?
+    The compile processes do not count: each has a core of its own (``worker_count``)."""
     if _thread is None or STATE.get("preload_started_t") is None:
         return False  # nothing started, or only the compile processes are running
     ended = STATE.get("finished_t") or STATE.get("stopped_t")  # given up: it starts no compile any more
@@ -452,11 +383,8 @@ def contended(since: float) -> bool:
 
 
 def wait(timeout: float | None = None) -> dict:
-    """Wait for the background preload (before a capture, before the first probe sample, in
-    tests); returns STATE. With ``timeout``: at most that many seconds, and the preload goes on
-    if it has not finished. Without: until LIMIT_S after the precompile started at the latest;
-    if it is still running then, it is given up (``give_up``: its compile processes ended, the
-    line said, STATE["stopped"] set) and this returns."""
+    """Wait for the thread; returns STATE. With ``timeout``: at most that long (the thread goes on). Without:
+    until LIMIT_S after its start at the latest, then ``give_up``."""
     thread = _thread
     if thread is None:
         return dict(STATE)

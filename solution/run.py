@@ -1,16 +1,12 @@
-"""Run a command in this Python process with the patches applied first: for a harness whose Soup
-command line can be changed but whose Soup runs in a process of its own.
+"""Run a command in this Python process with the patches applied first (docs/PORTING.md, b1):
 
     python -m solution.run soup train --config soup.yaml --yes   # a console script (Soup's "soup")
     python -m solution.run -m soup_cli train --config ...        # a module, as python -m runs it
     python -m solution.run train_script.py --arg ...             # a Python file
 
-The command is checked first (bad: one ``error:`` line, exit status 2, nothing applied or run);
-then ``solution.apply()`` runs in this process (its ``[solution]`` lines say what was installed),
-then the command runs here, with ``sys.argv`` and ``sys.path[0]`` as it would have had on its own,
-and its exit status becomes this one's. At exit one ``[solution]`` line counts the launches of our kernels in
-the process (solution/autoapply.py's ``launch_summary``). The wrapper only calls apply(): it
-measures nothing and passes every argument through untouched.
+A bad command: one ``error:`` line, exit status 2, nothing run. Then ``solution.apply()`` runs here, the
+command runs with the ``sys.argv`` and ``sys.path[0]`` it would have had on its own, its exit status becomes
+this one's, and at exit one line counts our kernels' launches. Arguments pass through untouched.
 """
 from __future__ import annotations
 

@@ -1,40 +1,14 @@
-"""Self-check: does this environment accept our kernels, do they run here and compute the right
-numbers, and do the patches install and come out again?
+"""Self-check: does this environment accept our kernels, do they run here and compute the right numbers, and
+do the patches install and come out again? Run ``python -m solution.selfcheck`` where the training will run.
 
-    python -m solution.selfcheck
-
-Run it where the training will run (the official repository's environment, on its GPU). It prints
-one line per check, in Russian and English:
-
-    OK   Triton 3.6.0: принят / accepted (>= 3.2)
-    OK   kernel rmsnorm (cuda): работает, совпадает с эталоном / runs, matches its reference: forward 4.9e-08, ...
-    FAIL trl 0.30.0: не принят, эти патчи не встанут (сток останется) / not accepted, these patches ...
-
-then a summary whose first lines are the failed checks. Exit status: 0 every check OK (SKIP lines
-are not failures), 1 a check failed, 2 a bad command line (one ``error:`` line, nothing run).
-
-On a machine without a CUDA GPU it sets TRITON_INTERPRET=1 for itself (before any kernel module is
-imported) and checks the kernels in Triton's CPU interpreter: a SKIP line for the GPU says why the
-GPU checks were skipped and which ones (the kernels compiled and run on the GPU, the CUDA-only
-attention kernel, the CUDA memory allocator setting), and the summary says it again; the exit
-status is 0 when everything that can run on the CPU passed. The CPU run takes seconds (small shapes).
-
-The checks, in order:
-1. versions: Python, torch, Triton, transformers, peft, bitsandbytes, trl; the libraries through
-   the same ``check()`` each patch runs in ``apply()`` (for transformers and trl: the sha256 of the
-   stock sources the patches mirror, solution/patches/_sources.py), so "accepted" means the patch
-   installs here; each patch is named as $SOLUTION_SKIP_PATCHES names it (``_apply.patch_names()``);
-2. the device: a CUDA GPU of sm_75 or newer (solution/env.py's ``check_support``), or Triton's CPU
-   interpreter when TRITON_INTERPRET=1 (set by the self-check itself where there is no CUDA GPU);
-3. every module of solution/kernels: launched on that device at small odd shapes (its launch
-   counter must move), forward and backward compared with a float64 PyTorch reference
-   (solution/_references.py) as a norm-wise relative error ||ours - ref|| / ||ref||, which must
-   not exceed that kernel's limit (selfcheck_kernels.KERNELS, with its reason; printed on the
-   line); the checks of exact operations must be bit-exact;
-4. the patches: ``solution.apply()`` installs every patch, ``solution.revert()`` puts every
-   replaced object back (checked by identity).
-Nothing here trains, writes files or changes a setting that outlives the process; the background
-precompile is not started (``precompile=False``).
+One line per check (OK, FAIL or SKIP; Russian and English), then a summary, failed checks first. Exit status:
+0 no FAIL, 1 a check failed, 2 a bad command line. Without a CUDA GPU the kernels run in Triton's CPU
+interpreter and the skipped GPU checks are named. The checks, in order: 1. versions: Python, torch, Triton,
+and each library through the ``check()`` of every patch that depends on it ("accepted": the patch installs);
+2. the device (env.check_support); 3. every kernel module at small odd shapes: it must launch, and forward and
+backward must match a float64 reference (solution/_references.py) within its limit on ||ours - ref|| / ||ref||
+(selfcheck_kernels.KERNELS), exact operations bit for bit; 4. ``solution.apply()`` installs every patch and
+``solution.revert()`` puts every replaced object back. Nothing trains, writes files or outlives the process.
 """
 from __future__ import annotations
 
@@ -52,9 +26,7 @@ PYTHON_RANGE = ((3, 11), (3, 14))  # Soup 0.77.0 needs < 3.14; the CPU suite pas
 OLDEST_TORCH = (2, 6)  # the torch that brings Triton 3.2 (solution/env.py's OLDEST_TRITON)
 
 
-# (distribution, module that gives __version__, modules of solution/patches whose check() decides
-# acceptance); every module of solution.patches.PATCHES is under at least one library (the
-# decoder-layer node mirrors transformers', peft's and bitsandbytes' code: under all three)
+# (distribution, module that gives __version__, patch modules whose check() decides); every patch is listed
 LIBRARIES = (
     ("transformers", "transformers", ("qwen2_rmsnorm", "qwen2_layer_node", "qwen2_unpad", "trainer_lengths",
                                       "trainer_flops", "trainer_clip")),
@@ -96,9 +68,7 @@ def _numbers(version: str) -> tuple[int, ...]:
     return tuple(out)
 
 
-# --------------------------------------------------------------------------------------------------
-# 1. versions
-# --------------------------------------------------------------------------------------------------
+# -- 1. versions -----------------------------------------------------------------------------------
 def _accepted(subject: str, limit: str, reason: str | None) -> Line:
     """OK when ``reason`` is None, else FAIL saying what is needed and why."""
     if reason is None:
@@ -131,9 +101,7 @@ def check_triton() -> Line:
 
 
 def check_library(dist: str, module: str, patches: tuple[str, ...]) -> Line:
-    """The installed ``dist`` through the check() of every patch that depends on it (``patches``:
-    modules of solution/patches); the patches are named by their NAME, the name
-    $SOLUTION_SKIP_PATCHES takes."""
+    """The installed ``dist`` through the check() of every patch module in ``patches`` (named by NAME)."""
     version = _version(dist, module)
     subject = f"{dist} {version}" if version else dist
     reasons, names = [], []
@@ -151,9 +119,7 @@ def check_library(dist: str, module: str, patches: tuple[str, ...]) -> Line:
     return Line("OK", subject, "принят патчами", f"accepted by the patches {', '.join(names)}")
 
 
-# --------------------------------------------------------------------------------------------------
-# 2. the device
-# --------------------------------------------------------------------------------------------------
+# -- 2. the device ---------------------------------------------------------------------------------
 # What a run without the GPU leaves unchecked (the GPU line and the summary say it).
 GPU_CHECKS_RU = ("ядра, собранные и запущенные на GPU, ядро внимания только для CUDA, "
                  "настройка памяти CUDA (cuda_allocator)")
@@ -162,11 +128,9 @@ GPU_CHECKS_EN = ("the kernels compiled and run on the GPU, the CUDA-only attenti
 
 
 def interpret_without_gpu() -> bool:
-    """On a machine without a CUDA GPU, let this process run our kernels in Triton's CPU
-    interpreter ($TRITON_INTERPRET=1 through settings.use_interpreter, as tests/conftest.py does
-    for the tests), before any kernel module is imported. True when it set it; False when there is
-    a CUDA GPU, when the interpreter is already on, when PyTorch is missing (check_torch says so),
-    or when a kernel module is already imported (too late: check_device then says why nothing runs)."""
+    """Without a CUDA GPU, turn Triton's CPU interpreter on (settings.use_interpreter) before any kernel
+    module is imported. True when it did; False with a GPU, the interpreter already on, no PyTorch, or a
+    kernel module already imported (too late: check_device says why nothing runs)."""
     from solution.settings import interpreter_enabled, use_interpreter
 
     try:
@@ -183,8 +147,7 @@ def interpret_without_gpu() -> bool:
 
 
 def no_gpu_reason() -> tuple[str, str]:
-    """(Russian, English) why the kernels do not run on a GPU here, for a machine where they run
-    in Triton's CPU interpreter."""
+    """(Russian, English) why the kernels run in Triton's CPU interpreter here, not on a GPU."""
     import torch
 
     if torch.cuda.is_available():
@@ -198,9 +161,8 @@ def no_gpu_reason() -> tuple[str, str]:
 
 
 def check_device() -> tuple[list[Line], str | None]:
-    """(lines, "cuda" / "cpu" where the kernel checks run, or None when they cannot run). On the
-    CPU interpreter: a SKIP line for the GPU (why, and which checks that leaves out), then the
-    CPU's OK line."""
+    """(lines, "cuda" / "cpu" where the kernel checks run, or None). On the CPU interpreter: a SKIP line for
+    the GPU (why, what it leaves out), then the CPU's OK line."""
     from solution.env import check_support
 
     support = check_support()
@@ -220,9 +182,7 @@ def check_device() -> tuple[list[Line], str | None]:
                  "accepted (sm_75 or newer)")], "cuda"
 
 
-# --------------------------------------------------------------------------------------------------
-# 3. the kernels (their checks: solution/selfcheck_kernels.py)
-# --------------------------------------------------------------------------------------------------
+# -- 3. the kernels (their checks: solution/selfcheck_kernels.py) ----------------------------------
 def check_kernel(name: str, fn: Callable, needs_cuda: bool, limit: float, device: str | None) -> Line:
     subject = f"kernel {name}"
     if device is None:
@@ -251,9 +211,7 @@ def check_kernel(name: str, fn: Callable, needs_cuda: bool, limit: float, device
     return Line("OK", subject, "работает, совпадает с эталоном", "runs, matches its reference", figures)
 
 
-# --------------------------------------------------------------------------------------------------
-# 4. the patches
-# --------------------------------------------------------------------------------------------------
+# -- 4. the patches --------------------------------------------------------------------------------
 def check_patches(device: str | None) -> Line:
     """apply() installs every patch; revert() puts every replaced object back (by identity)."""
     if device is None:
@@ -286,10 +244,8 @@ def check_patches(device: str | None) -> Line:
 
 # --------------------------------------------------------------------------------------------------
 def _run(subject: str, check: Callable, *args):
-    """The result of ``check(*args)`` (a Line, or a tuple whose first item is a Line or a list of
-    them) with what it printed on stdout and stderr (a library's log lines and warnings, e.g.
-    bitsandbytes' note about an optional CPU kernel) kept in its first line's ``detail``, shown only
-    under a failed line; an exception is a FAIL line for ``subject`` naming it."""
+    """``check(*args)``'s result (a Line, or a tuple starting with a Line or a list of them), with what it
+    printed kept in its first line's ``detail`` (shown under a failed line); an exception: a FAIL line."""
     buf = io.StringIO()
     try:
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
@@ -329,8 +285,7 @@ def run_all(emit: Callable[[str], None] = print) -> list[Line]:
 
 
 def summary(lines: list[Line]) -> list[str]:
-    """The summary: failed lines first, then (when the GPU checks were skipped) a line saying so
-    and where to run them, then the count."""
+    """Failed lines first, then (GPU checks skipped) where to run them, then the count."""
     failed = [l for l in lines if l.status == "FAIL"]
     ok = sum(l.status == "OK" for l in lines)
     skipped = sum(l.status == "SKIP" for l in lines)

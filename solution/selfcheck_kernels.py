@@ -1,8 +1,6 @@
-"""The kernel checks of ``python -m solution.selfcheck`` (solution/selfcheck.py): each of our kernel
-modules run on small fresh random inputs, odd sizes included, against an fp32 / fp64 PyTorch
-reference (solution/_references.py), forward and backward; ``KERNELS`` lists them. Kernel modules
-are imported inside each check, so that selfcheck can turn Triton's interpreter on first.
-"""
+"""The kernel checks of ``python -m solution.selfcheck`` (``KERNELS``): each kernel module on small random inputs
+of odd sizes against a float64 reference (solution/_references.py), forward and backward. Kernel modules are
+imported inside each check, so that selfcheck can turn Triton's interpreter on first."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,10 +20,9 @@ def rel_err(out, ref) -> float:
 
 def compare(ours: Callable, ref: Callable, args: list, wrt: tuple[int, ...] = (), n_grad_outputs: int | None = None,
             seed: int = 0) -> dict[str, float]:
-    """Relative errors of ``ours(*args)`` against ``ref(*args in float64)``: each output
-    ("forward") and, for the arguments at positions ``wrt``, each gradient ("backward") after
-    backpropagating the same random upstream gradients through the first ``n_grad_outputs``
-    outputs (default all) of both. Returns {"forward": worst, "backward": worst}."""
+    """Worst relative errors of ``ours(*args)`` against ``ref(*args in float64)``: {"forward": outputs,
+    "backward": gradients of the arguments at ``wrt`` for the same random upstream gradients through the
+    first ``n_grad_outputs`` outputs (default all)}."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -63,8 +60,7 @@ def _randn(*shape, device, dtype=None, scale=1.0, seed=0):
 
 
 def _nf4(out_f: int, in_f: int, device: str, seed: int):
-    """(packed, quant_state) of a random [out_f, in_f] weight quantized by bitsandbytes as the
-    workload's (NF4, blocksize 64, double quantization)."""
+    """(packed, quant_state) of a random [out_f, in_f] weight, bitsandbytes' NF4 as the workload's."""
     import bitsandbytes.functional as bnbF
     import torch
 
@@ -73,8 +69,7 @@ def _nf4(out_f: int, in_f: int, device: str, seed: int):
 
 
 def _plan(out_f: int, in_f: int, device: str, seed: int):
-    """(LinearPlan, fp16 reference weight, packed) for a random NF4 weight: our plan, and the
-    weight decoded by the reference (kept so the plan's weak reference stays alive)."""
+    """(LinearPlan, reference fp16 weight, packed) for a random NF4 weight (packed keeps the plan's weakref alive)."""
     import torch
 
     from solution import _references as R
@@ -105,10 +100,8 @@ def _k_nf4_dequant(dev):
 
 
 def _fb(fwd, bwd, ref, args, wrt, ups_like, seed: int = 0) -> dict[str, float]:
-    """``compare`` for kernels called without autograd (the decoder-layer node's launchers):
-    ``fwd(*args)`` -> outputs, ``bwd(outputs' upstream gradients)`` -> the gradients of the
-    arguments at ``wrt``, against ``ref`` in float64 with autograd. ``ups_like``: which outputs get
-    an upstream gradient (their indices)."""
+    """``compare`` for launchers without autograd: ``fwd(*args)`` -> outputs, ``bwd(*upstream gradients of the
+    outputs at ``ups_like``)`` -> gradients of the arguments at ``wrt``; ``ref`` in float64 with autograd."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -128,8 +121,7 @@ def _fb(fwd, bwd, ref, args, wrt, ups_like, seed: int = 0) -> dict[str, float]:
 
 
 def _k_nf4_linear(dev):
-    """A frozen NF4 linear as the node runs it (``LinearPlan``): the weight dequantized and x cast
-    to fp16 in one launch, then F.linear; backward ``input_grad16``."""
+    """A frozen NF4 linear as the node runs it: weight and fp16(x) in one launch, F.linear; ``input_grad16``."""
     import torch
     import torch.nn.functional as F
 
@@ -148,9 +140,8 @@ def _k_nf4_linear(dev):
 
 
 def _k_lora_nf4(dev):
-    """The node's LoRA launches that must equal torch's ops bit for bit: the four weights' fp16
-    casts in one launch (``cast_four``) and fp16(dropout(x)) made in the dequantization launch from
-    x and the bool mask (``dequant_and_cast_inputs`` with a deferred dropout)."""
+    """The node's LoRA launches that must equal torch's ops bit for bit: ``cast_four`` and fp16(dropout(x)) made
+    in the dequantization launch (``dequant_and_cast_inputs`` with a deferred dropout)."""
     import torch
 
     from solution.kernels.lora_nf4 import _Deferred, _native_dropout_scale, cast_four, dequant_and_cast_inputs
@@ -351,18 +342,15 @@ def _k_lm_head_loss(dev):
 
 
 def _k_lm_head_grad(dev):
-    """The LM head's backward kernel (kernels/lm_head_grad.py) through the fused loss's gradient
-    against fp16 torch's (``_k_lm_head_loss``'s comparison, its backward part)."""
+    """kernels/lm_head_grad.py: the backward part of ``_k_lm_head_loss``'s comparison."""
     errs, _ = _k_lm_head_loss(dev)
     return {"backward": errs["backward"]}, ("_lm_head_ce_bwd_kernel",)
 
 
-# Norm-wise relative error limits against float64 (forward and backward alike). fp16 keeps 11
-# significant bits: one rounding errs by at most U16 = 2^-11 = 4.9e-4 relative; fp32 by 2^-24.
+# Norm-wise relative error limits against float64: one fp16 rounding errs by at most U16 = 2^-11 relative.
 U16 = 2.0 ** -11
 FP32_EXACTISH = 1e-5  # fp32 results: a few fp32 roundings and another summation order over <= 64 terms
-# (module, check, needs CUDA, limit, why that limit); every module of solution/kernels with a Triton
-# kernel. A check returning "wrong values" must return 0 (bit-exact), whatever the limit.
+# (module, check, needs CUDA, limit, why) for every kernel module; "wrong values" must be 0 whatever the limit.
 KERNELS = (
     ("nf4_dequant", _k_nf4_dequant, False, 0.0, "bit-exact: the same decoding as bitsandbytes"),
     ("nf4_linear", _k_nf4_linear, False, 2 * U16, "fp16 x and output (one rounding each), fp32 accumulation"),

@@ -1,11 +1,8 @@
 """The $SOLUTION_* settings: read from the environment once, validated, frozen (README "Settings").
 
-``Settings.from_env()`` is the only reader of the environment in solution/ (with
-``interpreter_enabled``, ``allocator_configured`` and ``child_environ`` for the variables of Triton,
-PyTorch and child processes; ``use_interpreter`` is its only writer). apply() reads the settings
-once, validates every value before it installs anything, and makes them the active settings (``current()``) until revert(): patches and
-the step read them at install or call time through ``current()``; the kernels under
-solution/kernels/ never do: their callers pass plain arguments (``nf4_mlp(policy=...)``).
+This module is solution/'s only reader of the environment (``use_interpreter`` its only writer). apply()
+validates the settings before it installs anything and makes them ``current()`` until revert(); patches and the
+step read ``current()``; the kernels never do (their callers pass plain arguments).
 """
 from __future__ import annotations
 
@@ -34,9 +31,8 @@ ALL_ENV = (MEMORY_POLICY_ENV, *FLAGS, CUDA_GRAPHS_ENV, GRAPH_BUCKET_ENV, SKIP_EN
 
 
 def parse_bool(name: str, raw: str | None, default: bool) -> bool:
-    """The on/off value ``raw`` of the variable ``name``: 1/true/on/yes or 0/false/off/no, any case,
-    surrounding blanks ignored; None or empty: ``default``. ValueError naming the variable for
-    anything else (so that no spelling of "off" can read as on)."""
+    """``raw`` of the variable ``name`` as on/off: 1/true/on/yes or 0/false/off/no, any case, blanks ignored;
+    None or empty: ``default``; anything else: ValueError naming the variable."""
     value = (raw or "").strip().lower()
     if not value:
         return default
@@ -49,9 +45,7 @@ def parse_bool(name: str, raw: str | None, default: bool) -> bool:
 
 
 def check_skip_patches(skip: Iterable[str], known: Iterable[str], raw: str | None = None) -> None:
-    """ValueError when a name in ``skip`` is not in ``known`` (a typo would otherwise leave the
-    patch installed without a word); ``raw``: the variable's text for the message (default: the
-    names joined by commas)."""
+    """ValueError when a name in ``skip`` is not in ``known``; ``raw``: the variable's text for the message."""
     known = list(known)
     unknown = sorted(set(skip) - set(known))
     if unknown:
@@ -62,9 +56,8 @@ def check_skip_patches(skip: Iterable[str], known: Iterable[str], raw: str | Non
 
 @dataclass(frozen=True)
 class Settings:
-    """Every $SOLUTION_* setting, typed; the defaults are those of an empty environment. A value
-    outside its range raises ValueError at construction (names in skip_patches are checked against
-    the patches by from_env(known_patches=...) and apply())."""
+    """Every $SOLUTION_* setting, typed; defaults: an empty environment's. ValueError at construction for a
+    value out of range (skip_patches' names are checked by from_env(known_patches=...) and apply())."""
 
     memory_policy: str = "speed"  # $SOLUTION_MEMORY_POLICY: one of MEMORY_POLICIES (kernels/nf4_mlp.py)
     precompile: bool = True  # $SOLUTION_PRECOMPILE (solution/precompile.py)
@@ -86,10 +79,8 @@ class Settings:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
                  known_patches: Iterable[str] | None = None) -> Settings:
-        """The settings named by ``environ`` (default: os.environ, read now). ValueError, one line
-        naming the variable and what it accepts, for the first invalid value, in the order memory
-        policy, on/off settings (FLAGS order), $SOLUTION_CUDA_GRAPHS, $SOLUTION_GRAPH_BUCKET,
-        $SOLUTION_SKIP_PATCHES (its names checked only when ``known_patches`` is given)."""
+        """The settings named by ``environ`` (default: os.environ, read now). ValueError naming the variable
+        and what it accepts for the first invalid value (skip names checked only with ``known_patches``)."""
         env = os.environ if environ is None else environ
         raw = env.get(MEMORY_POLICY_ENV, "")
         memory_policy = raw.strip().lower() or "speed"
@@ -126,56 +117,44 @@ _active: Settings | None = None
 
 
 def activate(settings: Settings | None) -> None:
-    """Make ``settings`` the active settings (apply() does, before installing anything; revert()
-    passes None)."""
+    """Make ``settings`` the active settings (apply(); revert() passes None)."""
     global _active
     _active = settings
 
 
 def current() -> Settings:
-    """The active settings (those apply() read); with none active (no apply(), or after
-    revert()), Settings.from_env() read now, so that the step and patches used without apply()
-    (tests, benchmarks) follow the environment at each call."""
+    """The active settings; with none active (no apply(), or after revert()), Settings.from_env() read now."""
     return _active if _active is not None else Settings.from_env()
 
 
 def auto_apply_enabled() -> bool:
-    """$SOLUTION_AUTO_APPLY (on/off, parse_bool's spellings; default off), read now: whether the
-    auto-apply hook of solution/autoapply.py applies the patches in this process. ValueError for
-    a value that is neither."""
+    """$SOLUTION_AUTO_APPLY (on/off, default off), read now: whether solution/autoapply.py's hook applies."""
     return parse_bool(AUTO_APPLY_ENV, os.environ.get(AUTO_APPLY_ENV), False)
 
 
 def auto_apply_startup_test() -> str:
-    """The Python expression the start-up line of solution/autoapply.py's .pth file evaluates (with
-    ``os`` imported) before it loads anything: true when $SOLUTION_AUTO_APPLY is set at all (its
-    value is checked by auto_apply_enabled() when Soup is imported). Kept here, with the other
-    readers of the environment."""
+    """The expression autoapply.py's .pth line evaluates (``os`` imported) before loading anything: true when
+    $SOLUTION_AUTO_APPLY is set at all (auto_apply_enabled() checks its value when Soup is imported)."""
     return f"os.environ.get({AUTO_APPLY_ENV!r}, '').strip()"
 
 
 def interpreter_enabled() -> bool:
-    """True when Triton runs kernels on the CPU through its interpreter ($TRITON_INTERPRET=1, which
-    Triton itself reads at each launch: read now, not once)."""
+    """$TRITON_INTERPRET=1 (Triton's CPU interpreter), read now."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def use_interpreter() -> None:
-    """Set $TRITON_INTERPRET=1 in this process (and the children it starts): Triton's @triton.jit
-    then makes interpreted kernels that run on the CPU. Triton reads the variable as each kernel is
-    decorated, so it takes effect for the kernel modules imported after this call."""
+    """Set $TRITON_INTERPRET=1 here and for children: kernel modules imported from now on run on the CPU."""
     os.environ["TRITON_INTERPRET"] = "1"
 
 
 def c_compiler() -> str | None:
-    """$CC: the C compiler Triton builds its kernels' launchers with when it is set (Triton reads it
-    at each build: read now, not once); None when unset."""
+    """$CC (the C compiler Triton builds launchers with), read now; None when unset."""
     return os.environ.get("CC")
 
 
 def allocator_configured() -> bool:
-    """The user configured PyTorch's CUDA allocator ($PYTORCH_CUDA_ALLOC_CONF is set): apply()
-    leaves it as it is."""
+    """$PYTORCH_CUDA_ALLOC_CONF is set (apply() then leaves the allocator as it is)."""
     return bool(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"))
 
 

@@ -1,15 +1,11 @@
-"""Compile every launch configuration of every kernel in solution/kernels for the T4 (sm_75),
-without a T4, and check what the T4 imposes.
+"""Compile every launch configuration of every kernel for the T4 (sm_75), without a T4, and check its limits.
 
     python -m solution.sm75_check          # prints a table; exit 1 on any failure
 
-Each kernel module exposes ``sm75_specs()``, yielding dicts with keys
-    name, fn (the @triton.jit function), signature ({arg: "*fp16" | "i32" | "fp32" | "constexpr" ...}),
-    constexprs ({arg: value}), num_warps, and optionally options (other launch options, e.g.
-    {"enable_fp_fusion": False})
-Checks per spec: compiles for GPUTarget("cuda", 75, 32); static shared memory <= 65,536 bytes
-(the T4's per-block limit); PTX targets sm_75 and holds no bf16 instruction; no pointer
-argument is bf16. Must run WITHOUT TRITON_INTERPRET=1 (the interpreter replaces @triton.jit).
+Each kernel module's ``sm75_specs()`` yields dicts: name, fn (the @triton.jit function), signature ({arg:
+"*fp16" | "i32" | ...}), constexprs, num_warps, optional options. Per spec: compiles for GPUTarget("cuda", 75,
+32); static shared memory <= 65,536 bytes (the T4's per-block limit); PTX targets sm_75 without bf16; no bf16
+pointer. Must run without TRITON_INTERPRET=1 (the interpreter replaces @triton.jit).
 """
 from __future__ import annotations
 

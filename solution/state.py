@@ -1,11 +1,7 @@
-"""The process state the solution keeps between calls, in one registry that revert() clears.
-
-Plans, caches, decisions and "said once" records live in module-level containers (dicts, sets,
-lists, weak dictionaries keyed by a model or a module). Each is created through ``kept(...)``, and
-module-level values that are not containers are reset through ``on_clear(fn)``. ``clear()``
-(called by revert()) empties them all, so that ``revert()`` then ``apply(settings=...)`` on the
-same model builds every plan again under the new settings, and no solution object stays
-reachable through them.
+"""The process state the solution keeps between calls, in one registry that revert() clears: every
+module-level container of plans, caches, decisions and "said once" records is created through ``kept(...)``,
+other module-level values are reset through ``on_clear(fn)``. After ``clear()``, ``apply(settings=...)`` on
+the same model builds every plan again, and no solution object stays reachable through them.
 """
 from __future__ import annotations
 

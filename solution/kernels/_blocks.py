@@ -1,11 +1,8 @@
-"""Masked-only-at-the-end loads and stores for the element-wise kernels (Triton helpers).
-
-The kernels' sizes are not specialized (``do_not_specialize``: the precompile pins one
-specialization per signature), so Triton cannot prove that a block's mask ``offs < n`` is whole and
-compiles every masked access to one element per instruction. A block that lies inside the tensor
-needs no mask: its unmasked accesses of a contiguous, 16-byte-aligned block compile to 128-bit
-ones. The kernels call their body twice under ``if start + BLOCK <= n`` (MASKED False, every block
-but the last) / else (MASKED True); both are compiled, the values are the same.
+"""Masked-only-at-the-end loads and stores for the element-wise kernels. Their sizes are not
+specialized (``do_not_specialize``), so Triton cannot prove a mask ``offs < n`` whole and compiles
+each masked access to one element per instruction; unmasked accesses of a contiguous, 16-byte
+aligned block compile to 128-bit ones. The kernels call their body under ``if start + BLOCK <= n``
+(MASKED False, every block but the last) / else (MASKED True); both give the same values.
 """
 from __future__ import annotations
 

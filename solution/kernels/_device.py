@@ -1,22 +1,12 @@
-"""Can our Triton kernels run on this tensor's device? One rule for every caller:
-
-- a CUDA device of compute capability 7.5 or newer (sm_75, the T4: every kernel is compiled and
-  checked for it, solution/sm75_check.py) while Triton's interpreter is off;
-- the CPU while TRITON_INTERPRET=1 (Triton's interpreter: slow, for tests);
-- nothing else: CUDA tensors while the interpreter is on, the CPU without it, other device types,
-  GPUs older than sm_75, and a CUDA device other than the current one (a Triton launch runs on the
-  current device and its stream: given another GPU's tensors it would read them from the wrong
-  GPU, racing that GPU's stream). That last case happens only with several GPUs visible, when
-  accelerate spreads a model over them (``device_map="auto"`` on Kaggle's "GPU T4 x2"): the layers
-  on the other GPU then run the stock path.
-
-``kernel_device_reason(device)`` says why not (None: they run), ``runs_here(device)`` the same as
-a bool. The answer is kept per (device, interpreter on or off): the callers run per layer per step,
-so after the first call they pay one read of $TRITON_INTERPRET (read at each call, as Triton reads
-it) and a dict lookup, never a capability query. What a caller checks on top (dtypes, bf16 needing
-sm_80, ...) stays at the caller. The current-device part is asked at every call
-(``on_current_device``): with one GPU visible it costs one global read. Pure: torch and
-``interpreter_enabled`` only.
+"""Can our Triton kernels run on this tensor's device? One rule for every caller: yes on a CUDA
+device of compute capability 7.5 or newer (sm_75, the T4: every kernel is checked for it,
+solution/sm75_check.py) while Triton's interpreter is off, and on the CPU while TRITON_INTERPRET=1;
+no anywhere else, nor on a CUDA device other than the current one (a Triton launch runs on the
+current device and stream: with several GPUs visible, e.g. accelerate's ``device_map="auto"`` on
+Kaggle's "GPU T4 x2", the layers on the other GPU run the stock path).
+``kernel_device_reason(device)`` says why not (None: they run), ``runs_here(device)`` as a bool.
+The answer is kept per (device, interpreter on / off); the current-device part is asked at every
+call (one global read with one GPU). Dtype checks stay with the callers. Pure: torch and settings.
 """
 from __future__ import annotations
 
@@ -36,10 +26,8 @@ _SEVERAL_GPUS: bool | None = None
 
 
 def kernel_device_reason(device: torch.device, current: bool = True) -> str | None:
-    """None when our kernels run on ``device`` (a tensor's device); else a one-line reason.
-    ``current=False`` leaves out the current-device part (a reason kept across calls, such as a
-    layer's plan, must not depend on which device is current; its caller asks
-    ``on_current_device`` at each call instead)."""
+    """None when our kernels run on ``device``; else a one-line reason. ``current=False`` leaves out
+    the current-device part (for a reason kept across calls; ask ``on_current_device`` each call)."""
     interpreter = interpreter_enabled()
     cache = _REASONS[interpreter]
     try:
@@ -59,8 +47,7 @@ def runs_here(device: torch.device) -> bool:
 
 
 def on_current_device(device: torch.device) -> bool:
-    """False only for a CUDA device other than the current one while several GPUs are visible
-    (a Triton kernel launches on the current device). One GPU visible: True after one global read."""
+    """False only for a CUDA device other than the current one while several GPUs are visible."""
     global _SEVERAL_GPUS
     if device.type != "cuda":
         return True
@@ -83,8 +70,7 @@ def cuda_or_runs_here(device: torch.device) -> bool:
 
 
 def capability_reason(device: torch.device | None = None) -> str | None:
-    """Why the CUDA ``device`` (None: the current one) is too old for our kernels; None when it is
-    sm_75 or newer. Not cached (kernel_device_reason keeps its answer)."""
+    """Why the CUDA ``device`` (None: the current one) is older than sm_75; None if not. Not cached."""
     import torch
 
     major, minor = torch.cuda.get_device_capability(device)

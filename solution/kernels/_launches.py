@@ -1,18 +1,13 @@
-"""Every launch of our Triton kernels goes through ``launch()``: Triton's public
-``kernel[grid](*args, **kwargs)``, counted under a name in ``LAUNCHES``, so that the rule 'at least
-one solution/ kernel ran during training' can be checked even in the CPU interpreter, where no GPU
-profiler sees kernels (counting is one Counter increment).
-
-``record()`` counts a launch made another way (PyTorch's own kernels or reference code run by our
-wiring, with ``ours=False``: listed in ``NOT_OURS``, never reported as our kernels).
+"""Every launch of our Triton kernels goes through ``launch()`` (``kernel[grid](*args, **kwargs)``),
+counted under a name in ``LAUNCHES``, so that 'a solution/ kernel ran' can be checked even in the
+CPU interpreter; ``record()`` counts a launch made another way.
 """
 from __future__ import annotations
 
 from collections import Counter
 
 LAUNCHES: Counter = Counter()
-# Names counted in LAUNCHES that are not our Triton kernels (PyTorch's own kernels or reference
-# code run by our wiring): counted for the tests, never reported as our kernels.
+# Names counted that are not our Triton kernels (PyTorch's kernels, reference code): never reported.
 NOT_OURS: set = set()
 
 

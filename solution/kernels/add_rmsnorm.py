@@ -1,48 +1,9 @@
-"""Residual add fused with the RMSNorm that follows it: ``h = residual + x; y = rmsnorm(h)``.
-
-1. What it replaces. In ``Qwen2DecoderLayer.forward`` (transformers 5.17.0)
-       hidden_states = residual + hidden_states          # residual stream + attention output
-       residual = hidden_states
-       hidden_states = self.post_attention_layernorm(hidden_states)
-   i.e. one elementwise add and one Qwen2RMSNorm (``weight * (h.float() * rstd).to(h.dtype)``), and
-   in backward autograd's sum of the two gradients that reach h (from the norm, and from the later
-   ``residual + mlp_out``) plus AddBackward's cast of that sum to the attention output's dtype.
-   The decoder-layer node (solution/step/layer.py) calls ``_launch_forward`` / ``_launch_backward``.
-
-2. Why that was slow. Every step is a separate pass over the [tokens, hidden] tensor, and the
-   work is memory-bound. Forward: the add reads residual and x and writes h, then the norm reads h
-   back. Backward: the norm's dx kernel writes its gradient, autograd reads it back together with
-   the gradient from the later add and writes the sum, then reads the sum again to write its fp16
-   copy for x. Three launches and two extra round trips through memory.
-
-3. What it does instead. One forward kernel per row tile: loads residual and x, adds them in fp32,
-   rounds to h's dtype, stores h, and normalizes the same registers (the RMSNorm arithmetic is the
-   jit helper shared with solution/kernels/rmsnorm.py, so both kernels compute the same numbers),
-   storing y and one fp32 rstd per row. One backward kernel per row tile: loads h, grad_y, grad_h
-   (if h's gradient is defined), computes the norm's input gradient, adds grad_h and stores the
-   gradient of residual and of x, each in its own dtype (one buffer when the dtypes agree, exactly
-   as autograd hands the same tensor to both operands of an add). The weight gradient, only when
-   the weight trains (never in the workload: norms are frozen), is rmsnorm.py's dw kernel.
-   Bytes moved per element (residual fp32, x fp16, weight fp32; computed) against
-   ``residual + x`` followed by our own RMSNorm kernel: forward 18 -> 14, backward 30 -> 18;
-   launches 2 -> 1 forward and 3 -> 1 backward. docs/kernels/add_rmsnorm.md, section 2, has the
-   accounting.
-
-4. Correctness risks. Rounding chain, kept exactly as autograd runs the stock ops (all computed in
-   fp32 in registers, rounded where stock rounds):
-     * h = (fp32(residual) + fp32(x)) rounded to promote_types(residual, x): bit-equal to torch;
-     * y: rmsnorm.py's semantics (normalized value rounded to h.dtype before the weight multiply);
-     * the norm's gradient is rounded to h.dtype (it is the gradient of ``h.to(float32)``), then
-       added to grad_h and rounded to h.dtype (autograd accumulates h's gradients in h's dtype),
-       then cast to residual's and x's dtypes (AddBackward + the engine's cast).
-   The row sums (mean of squares, mean of dy * xhat) are reduced in another order than torch's
-   ops, so fp32 y and gradients differ from stock in the last bits (~1e-7 relative); not bit-exact.
-   The node's planner takes only norms ``rmsnorm.rmsnorm_supported`` accepts (fp16 / fp32, rows up
-   to rmsnorm.MAX_HIDDEN). Tests: tests/test_add_rmsnorm.py.
-
-5. How it was measured: docs/kernels/add_rmsnorm.md, section 5 (``python
-   bench/kernels/bench_rmsnorm.py``, "residual add + RMSNorm" case: against the stock ops and
-   against torch's add + our RMSNorm, time and peak memory).
+"""Residual add fused with the RMSNorm after it: h = residual + x (rounded to promote(residual, x)),
+y = rmsnorm(h) with rmsnorm.py's jit helpers (the same numbers), one kernel each way, no autograd.
+Entry points (the decoder-layer node, solution/step/layer.py): ``_launch_forward`` -> (h, y, rstd)
+and ``_launch_backward`` -> the gradient buffers of residual / x (one per distinct dtype,
+``_grad_dtypes``), with autograd's rounding chain. fp16 / fp32, rows as in rmsnorm_supported.
+What it replaces, why, risks, measurements: docs/kernels/add_rmsnorm.md.
 """
 from __future__ import annotations
 
@@ -55,15 +16,11 @@ from solution.kernels._launches import cdiv, launch
 from solution.kernels.rmsnorm import _TRITON_TYPE, _rms_grad_rows, _rms_scale_rows, _row_config, _row_tile, _rows_per_program
 
 
-# --------------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
 def _add_rmsnorm_fwd_kernel(res_ptr, x_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, n_rows, res_row_stride, x_row_stride,
                             n_cols, eps, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """h = (residual + x) rounded to h.dtype; y = w * (h * rstd).to(h.dtype); rstd per row (fp32).
-
-    h and y are contiguous [n_rows, n_cols]; residual and x any row stride, unit column stride."""
+    """h = (residual + x) rounded to h.dtype; y = w * (h * rstd).to(h.dtype); fp32 rstd per row.
+    h, y contiguous [n_rows, n_cols]; residual, x any row stride, unit column stride."""
     rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
     res = tl.load(res_ptr + rows64[:, None] * res_row_stride + cols[None, :], mask=mask, other=0.0)
     x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
@@ -81,12 +38,9 @@ def _add_rmsnorm_fwd_kernel(res_ptr, x_ptr, w_ptr, h_ptr, y_ptr, rstd_ptr, n_row
 def _add_rmsnorm_bwd_kernel(h_ptr, w_ptr, gy_ptr, gh_ptr, rstd_ptr, d1_ptr, d2_ptr, n_rows, gy_row_stride,
                             gh_row_stride, n_cols, HAS_GRAD_H: tl.constexpr, TWO_OUTPUTS: tl.constexpr,
                             BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """dh = (grad_h + norm_grad(grad_y).to(h.dtype)) rounded to h.dtype, stored as d1 (and d2) in
-    d1's (d2's) dtype: the gradients of residual and x.
-
-    h (saved output) and d1 / d2 are contiguous [n_rows, n_cols]; grad_y / grad_h any row stride.
-    HAS_GRAD_H False: h's own gradient is undefined (h unused later), dh = the norm's gradient.
-    TWO_OUTPUTS False: residual and x share one dtype (or only one needs a gradient): d2 unused."""
+    """dh = (grad_h + norm_grad(grad_y).to(h.dtype)) rounded to h.dtype, stored in d1's (and d2's)
+    dtype: the gradients of residual and x. h, d1, d2 contiguous [n_rows, n_cols]; grad_y, grad_h
+    any row stride. HAS_GRAD_H False: dh = the norm's gradient. TWO_OUTPUTS False: d2 unused."""
     rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
     h_offs = rows64[:, None] * n_cols + cols[None, :]
     h = tl.load(h_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
@@ -104,12 +58,9 @@ def _add_rmsnorm_bwd_kernel(h_ptr, w_ptr, gy_ptr, gh_ptr, rstd_ptr, d1_ptr, d2_p
         tl.store(d2_ptr + h_offs, dh.to(d2_ptr.dtype.element_ty), mask=mask)
 
 
-# --------------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------------
 def _grad_dtypes(res_dtype: torch.dtype, x_dtype: torch.dtype, need_res: bool, need_x: bool) -> list[torch.dtype]:
-    """Dtypes of the gradient buffers the backward kernel writes (d1, then d2): residual's and x's,
-    one buffer per distinct dtype among the inputs that need a gradient."""
+    """Dtypes of the backward's buffers (d1, then d2): one per distinct dtype among residual's and
+    x's, for those that need a gradient."""
     dtypes = [res_dtype] if need_res else []
     if need_x and x_dtype not in dtypes:
         dtypes.append(x_dtype)
@@ -146,9 +97,6 @@ def _launch_backward(h2, weight, gy2, gh2, rstd, dtypes):
     return outs
 
 
-# --------------------------------------------------------------------------------------------------
-# sm_75 compile check
-# --------------------------------------------------------------------------------------------------
 def _launch_dtypes():
     """Every (residual, x, weight) dtype triple the launchers accept."""
     f16, f32 = torch.float16, torch.float32
@@ -156,12 +104,9 @@ def _launch_dtypes():
 
 
 def sm75_specs():
-    """Every GPU launch configuration at hidden 1536 (BLOCK 2048, 1 row per program, 8 warps): the
-    forward for all 8 dtype triples; the backward for every triple x grad_h present / absent x
-    which of residual / x need a gradient (the gradient buffers, ``_grad_dtypes``). Plus the
-    workload's triple (residual fp32, x fp16, weight fp32) at the smallest and largest BLOCK.
-    (The interpreter's big tiles never run on a GPU; the weight gradient is rmsnorm.py's kernel,
-    listed there.)"""
+    """Every GPU launch configuration: at hidden 1536 every dtype triple, forward and backward (x
+    grad_h present / absent x which inputs need a gradient); the workload's triple (residual fp32,
+    x fp16, weight fp32) at the smallest and largest BLOCK."""
     f16, f32 = torch.float16, torch.float32
     workload = (f32, f16, f32)
     configs = [(t, 1536) for t in _launch_dtypes()] + [(workload, 100), (workload, _rms.MAX_HIDDEN)]

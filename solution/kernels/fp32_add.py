@@ -1,30 +1,7 @@
-"""fp32 sums of fp16 / fp32 tensors in one pass: the MLP backward's input-gradient sum and the
-residual add of the MLP's fp16 output.
-
-1. What it replaces. Two mixed-dtype additions around the fused NF4 MLP (nf4_mlp.py), each a
-   PyTorch elementwise kernel that cannot vectorize because its operands differ in dtype:
-   - backward: ``dx = fp32(dg @ Wg); dx += du @ Wu``: a cast kernel (fp16 -> fp32) and an add
-     kernel (fp32 += fp16), per layer;
-   - forward: ``residual + mlp_out`` at the end of the decoder layer, fp32 + fp16 -> fp32.
-   (Their share of the GPU time in the profile: docs/kernels/fp32_add.md, section 2.)
-
-2. Why that is slow. A mixed-dtype TensorIterator kernel loads and converts one element at a time
-   (``unrolled_elementwise_kernel``). The backward sum also writes an fp32 tensor, then reads it
-   back in the add.
-
-3. What it does instead. ``fp32_add_kernel``: out = fp32(a) + fp32(b), one pass, 16-byte vector
-   loads, any mix of fp16 / fp32 inputs, fp32 output (``add_as_fp32``, no autograd: the
-   decoder-layer node's backward makes the fp16 operand's gradient, the fp32 gradient rounded to
-   fp16, as autograd's engine does for stock's promoted add).
-
-4. Correctness risks. None in the values: one fp32 addition of the same two fp32 values that
-   torch adds (fp16 -> fp32 is exact; the sum is commutative), round to nearest, no FMA involved.
-   Inputs must have the same shape and be contiguous (the callers' tensors are). Tested bit for
-   bit against torch (tests/test_fp32_add.py), on the CPU interpreter and on the GPU.
-
-5. How it was measured: docs/kernels/fp32_add.md, section 5 (profiled end-to-end runs against
-   torch's adds, same bits). It is fixed behaviour: the callers (nf4_mlp.mlp_backward,
-   step/layer.py) always use it.
+"""fp32 sums of fp16 / fp32 tensors in one pass: ``add_as_fp32(a, b)`` = fp32(a) + fp32(b), a new
+fp32 tensor, no autograd (the fused MLP backward's input-gradient sum; the decoder layer's residual
+add). Inputs: same shape, contiguous, fp16 / fp32 each; other inputs take torch's ops.
+What it replaces, why, risks, measurements: docs/kernels/fp32_add.md.
 """
 from __future__ import annotations
 

@@ -1,49 +1,9 @@
-"""Fused LM head + cross-entropy (+ trl's entropy and token-accuracy inputs), chunked over tokens.
-
-What it replaces (stock transformers 5.17 + trl 0.29.1 + accelerate, fp16 autocast, [N, H] hidden
-states, vocab V = 151936, N = batch x seq tokens):
-
-    logits = lm_head(hidden)                       # [N, V] fp16 (autocast casts hidden and W to fp16)
-    loss   = ForCausalLMLoss(logits, labels, ...)  # .float() -> [N, V] fp32 copy, log_softmax -> another,
-                                                   # sum over non -100 labels / num_items_in_batch
-    outputs.logits.float()                         # accelerate converts the outputs to fp32: a third copy
-    entropy_from_logits(outputs.logits)            # trl: log_softmax + exp + mul + sum, chunk by chunk
-    outputs.logits[..., :-1, :].contiguous().argmax(-1)   # trl: mean token accuracy (a fourth copy)
-    backward: d(loss)/d(logits) in fp32 [N, V], cast to fp16, then grad_hidden = dlogits @ W
-
-i.e. ~15 full passes over [N, V] tensors and GBs of transient memory (the byte counts:
-docs/kernels/lm_head_loss.md, section 2). Here, per chunk of a few hundred token rows:
-
-    1. logits_chunk = hidden_chunk.to(fp16) @ W16.T      cuBLAS, the very fp16 values autocast gives
-    2. ONE Triton kernel, [BLOCK_ROWS, BLOCK_V] tiles (one row per program on the GPU): a first
-       sweep over each row computes in fp32 the online log-sum-exp, the entropy -sum p log p, the
-       argmax (first index of the max, as torch.argmax) and the label's logit -> per-token loss
-       = lse - logit[label] (kept: Soup's rewind recorder reads it); a second sweep overwrites the
-       row IN PLACE with the loss gradient (softmax - onehot) * GRAD_SCALE (zero for ignored rows)
-       and keeps, per row, the label's probability, the two largest other ones and the column of
-       the largest (16 bytes: backward's overflow check).
-    3. grad_hidden_chunk = dlogits_chunk @ W16          cuBLAS (the head is frozen: no weight grad)
-
-so the logits never exist for more than one chunk, the gradient needs no second lm_head matmul in
-backward, and backward is one elementwise kernel (_lm_head_ce_bwd_kernel): grad_hidden =
-G * grad_output / GRAD_SCALE, made inf / NaN exactly where stock's fp16 logit gradient or its fp16
-GEMM overflows (so that GradScaler skips the same steps at any loss scale: the conditions are in
-that kernel's docstring), ignored rows kept at zero.
-(Under Triton's CPU interpreter the kernel uses 64-row tiles, and chunks above
-INTERP_KERNEL_MAX_LOGITS go to rows_reference_torch: see those constants.)
-
-Why the gradient is stored unscaled (and not recomputed in backward): forward cannot know
-grad_output (it carries the GradScaler factor and 1 / num_items_in_batch, applied outside this
-function by autograd). The loss gradient is linear in grad_output, so we compute
-G = fp16((softmax - onehot) * GRAD_SCALE) @ W16 once in forward and multiply by
-grad_output / GRAD_SCALE in fp32 in backward: the GradScaler factor is applied exactly (one fp32
-multiply). That product alone stays finite where stock's fp16 (softmax - onehot) * grad_output
-overflows; the per-row probabilities kept in forward let backward tell where stock's does.
-GRAD_SCALE = 1024 is a power of two (exact in fp32) chosen so the fp16 dlogits keep at least the
-resolution stock has (stock rounds (softmax - onehot) * 65536 / num_items, ~65 for ~1000
-label tokens) while G stays far from the fp16 limit (|G| <= 2 * 1024 * max|W|). Recomputing instead
-would cost a third [N, H] x [H, V] matmul to save nothing but 6 MB (the trade-off:
-docs/kernels/lm_head_loss.md, section 3, "Gradient in forward, scaled in backward").
+"""Fused LM head + causal-LM cross-entropy (+ trl's entropy and argmax), chunked over tokens: per
+chunk, logits = h16 @ W16.T (cuBLAS), one Triton row kernel (loss = lse - x[label], entropy,
+argmax; in place, the gradient (softmax - onehot) * GRAD_SCALE), G = dlogits @ W16; backward is
+lm_head_grad.py's kernel, G * grad_output / GRAD_SCALE. Entry point: ``fused_lm_head_loss(hidden
+[..., H], weight [V, H] frozen, shift_labels) -> LMHeadLossOutput``; fp16 / fp32 compute.
+What it replaces, why, risks, measurements: docs/kernels/lm_head_loss.md.
 """
 from __future__ import annotations
 
@@ -62,30 +22,22 @@ from solution.settings import interpreter_enabled
 IGNORE_INDEX = -100
 # The fp16 gradient buffer holds (softmax - onehot) * GRAD_SCALE; backward divides it out in fp32.
 GRAD_SCALE = 1024.0
-# GPU launch configuration: one row per program, 2048 vocabulary columns per step, 8 warps
-# (8 fp16 = 16 bytes per thread per load: one vectorized transaction). 880 rows per chunk give 880
-# programs, ~22 per SM of a T4: enough to keep memory busy without multi-row tiles.
+# GPU: one row per program, 2048 columns a step, 8 warps (16-byte loads); 880 rows a chunk give
+# ~22 programs per SM of a T4.
 BLOCK_ROWS = 1
 BLOCK_V = 2048
 NUM_WARPS = 8
-# Triton's CPU interpreter (TRITON_INTERPRET=1) runs programs one after another and pays a fixed
-# Python cost per tl operation per program, so there we want few programs and big tiles:
-# [64 rows, 8192 columns] tiles (2 MiB of fp32 each, numpy-friendly). Never compiled for a GPU.
+# Triton's CPU interpreter pays a fixed cost per tl op per program: big tiles there (never on a GPU).
 INTERP_BLOCK_ROWS = 64
 INTERP_BLOCK_V = 8192
-# Even with big tiles the interpreter pays a fixed cost per element loaded and stored (its C++
-# load / store loop), so a full-size chunk would take many seconds whatever the tiling (the
-# measurement: docs/kernels/lm_head_loss.md, section 3). Chunks with more logits than this are
-# therefore computed, under the interpreter only, by rows_reference_torch (the same quantities,
-# vectorized PyTorch on the CPU); smaller ones (every unit test) run the kernel. None = always
-# the kernel.
+# Under the interpreter, chunks with more logits than this go to rows_reference_torch (it also pays
+# per element: a full chunk would take seconds); smaller ones (every unit test) run the kernel.
+# None = always the kernel.
 INTERP_KERNEL_MAX_LOGITS: int | None = 1 << 22
 # Value loaded for columns past the vocabulary: the most negative finite value of the logits dtype
 # (finite, so 0 * (fill - max) is 0, not NaN; exp(fill - max) is exactly 0).
 NEG_FILL = {torch.float16: -65504.0, torch.float32: -3.0e38}
-# Memory for one chunk of logits (the only [rows, V] buffer alive). 256 MiB -> 883 rows of
-# V = 151936 fp16, 880 once rounded down to ROW_ALIGN, so 4 x 512 tokens take 3 chunks and the
-# 467 MB fp16 head is streamed 3 times.
+# Memory for one chunk of logits (the only [rows, V] buffer alive): 880 rows of V = 151936 fp16.
 DEFAULT_CHUNK_BUDGET_BYTES = 256 * 1024 * 1024
 # Chunk rows are a multiple of this (tensor-core friendly GEMM shapes).
 ROW_ALIGN = 16
@@ -94,44 +46,23 @@ QWEN2_VOCAB = 151936  # Qwen2.5's vocabulary: the VOCAB the workload compiles th
 QWEN2_HIDDEN = 1536  # Qwen2.5-1.5B's hidden size: the HIDDEN the workload compiles the backward for
 
 
-# --------------------------------------------------------------------------------------------------
-# Kernel
-# --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
 def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argmax_ptr, stats_ptr,
                             n_rows, row_stride, grad_scale, VOCAB: tl.constexpr, IGNORE: tl.constexpr,
                             NEG_FILL: tl.constexpr, WRITE_GRAD: tl.constexpr,
                             BLOCK_ROWS: tl.constexpr, BLOCK_V: tl.constexpr):
-    """Per row r of a [n_rows, VOCAB] logits chunk, with y = labels[r]:
-
-        loss[r]    = logsumexp(x) - x[y]           (0 when y == IGNORE; NaN when y is out of range)
-        entropy[r] = -sum_v p_v log p_v, p = softmax(x)   (for every row, ignored or not: trl does)
-        argmax[r]  = first index of max(x)         (torch.argmax's tie rule; a NaN counts as the
-                                                    max, like torch's, and so does a +inf before it)
-        if WRITE_GRAD: x[:] = (p - onehot(y)) * grad_scale, stored in the logits dtype; 0 if ignored;
-                   and stats[r] = (p_y, p1, p2, j1), fp32: the label's probability (NaN for an
-                   out-of-range label), the row's two largest non-label probabilities and the
-                   column of p1 (an integer, exact in fp32 below 2^24): what backward needs to
-                   tell whether, and how, stock's fp16 logit gradient overflows
-                   (_lm_head_ce_bwd_kernel).
-
-    Each program handles BLOCK_ROWS rows as [BLOCK_ROWS, BLOCK_V] tiles (the GPU uses 1 row per
-    program; Triton's CPU interpreter uses many rows per program, since it pays per operation).
-    First sweep (read only), in fp32, block by block with a running max m per row:
-        s = sum exp(x - m),  t = sum exp(x - m) * (x - m)
-    rescaled when m grows (s *= a, t = a * (t + s_old * (m_old - m_new)), a = exp(m_old - m_new)).
-    Then lse = m + log s and entropy = log s - t / s (no cancellation for large logits).
-    With WRITE_GRAD the first sweep's block reduction runs over the non-label columns (the label's
-    logit, loaded before the sweep, enters the block max / argmax as a scalar: the same m, the same
-    argmax, bit for bit), which gives the block's largest non-label logit and its column; one more
-    max over the block gives the second largest, and a running top-2 (two logits and a column per
-    row, scalars) is kept across blocks: p1 = exp(x1 - lse), p2 = exp(x2 - lse) at the end, the
-    same fp32 values as the gradient sweep's p at those columns.
-    Second sweep (only if WRITE_GRAD): reread each block, write the gradient over it. Ignored rows
-    skip the reread (masked load) and write zeros.
-    Columns past VOCAB load NEG_FILL (the most negative finite value of the logits dtype): exp()
-    of it is exactly 0 and 0 * (NEG_FILL - m) stays 0, so no extra masking of the sums is needed.
-    Rows past n_rows (last tile only) recompute row n_rows - 1 and store nothing."""
+    """Per row r of a [n_rows, VOCAB] logits chunk, y = labels[r], in fp32:
+        loss[r] = logsumexp(x) - x[y] (0 if y == IGNORE, NaN if out of range); entropy[r] =
+        -sum p log p, p = softmax(x), every row; argmax[r] = first index of the max (torch's rule:
+        a NaN counts as the max, and so does a +inf before it). If WRITE_GRAD: x[:] = (p -
+        onehot(y)) * grad_scale in the logits dtype (0 on ignored rows) and stats[r] = (p_y (NaN if
+        y is out of range), p1, p2 = the two largest non-label p, the column of p1), for backward.
+    First sweep, read only, with a running max m per row: s = sum exp(x - m), t = sum exp(x - m)
+    (x - m), rescaled when m grows; lse = m + log s, entropy = log s - t / s. With WRITE_GRAD it
+    reduces over the non-label columns, the label's logit entering as a scalar (the same m and
+    argmax), and keeps a running top-2. Second sweep (WRITE_GRAD): the gradient over each block;
+    ignored rows are not reread. Columns past VOCAB load NEG_FILL; rows past n_rows (last tile
+    only) recompute row n_rows - 1 and store nothing."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # int64: row * stride > 2^31
     row_ok = rows < n_rows
     rows = tl.minimum(rows, n_rows - 1)
@@ -155,11 +86,8 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
         cols = start + offs
         x = tl.load(row_ptrs[:, None] + cols[None, :], mask=(cols < VOCAB)[None, :], other=NEG_FILL)
         x = x.to(tl.float32)
-        # one reduction gives each row's block max and the first index where it occurs. A NaN
-        # logit enters it as +inf, the largest (torch.argmax's rule: the first NaN's index), so
-        # the reduction never sees a NaN: how tl.max treats one differs (on the GPU it depends on
-        # the reduction order; Triton 3.6's interpreter propagates it, 3.9's skips it and fails on
-        # an all-NaN block). The row's s, loss and entropy still become NaN through exp(x - m).
+        # NaN enters the max / argmax as +inf (torch.argmax's rule), so tl.max never sees one (its
+        # NaN handling differs between GPU and interpreter versions); s still becomes NaN.
         key = tl.where(x == x, x, float("inf"))
         if WRITE_GRAD:
             # the same reduction over the non-label columns, the label's key put back as a scalar:
@@ -212,9 +140,6 @@ def _lm_head_ce_rows_kernel(logits_ptr, labels_ptr, loss_ptr, entropy_ptr, argma
         tl.store(stats_ptr + rows * 4 + 3, j1.to(tl.float32), mask=row_ok)
 
 
-# --------------------------------------------------------------------------------------------------
-# Launch planning
-# --------------------------------------------------------------------------------------------------
 def plan_chunk_rows(n_rows: int, vocab: int, elem_bytes: int,
                     budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES, row_align: int = ROW_ALIGN) -> int:
     """Rows per chunk: as many as fit the logits budget (a multiple of row_align, at least one
@@ -229,8 +154,7 @@ def plan_chunk_rows(n_rows: int, vocab: int, elem_bytes: int,
 
 
 def default_launch_config() -> tuple[int, int, int]:
-    """(block_rows, block_v, num_warps) for this process: the GPU configuration, or the
-    interpreter's big tiles when TRITON_INTERPRET=1."""
+    """(block_rows, block_v, num_warps): the GPU's, or the interpreter's big tiles."""
     if interpreter_enabled():
         return INTERP_BLOCK_ROWS, INTERP_BLOCK_V, 1
     return BLOCK_ROWS, BLOCK_V, NUM_WARPS
@@ -240,12 +164,10 @@ def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.T
                        entropy: torch.Tensor, argmax: torch.Tensor, write_grad: bool,
                        block_v: int | None = None, num_warps: int | None = None,
                        block_rows: int | None = None, stats: torch.Tensor | None = None) -> None:
-    """Run the row kernel on a [rows, vocab] logits chunk (fp16 / fp32, row stride free, column
-    stride 1); labels int64 [rows]; loss / entropy fp32 [rows] and argmax int64 [rows] are
-    written (loss = per-token cross-entropy, 0 where the label is -100); with write_grad also
-    stats fp32 [rows, 4] (contiguous; scratch when None): the label's probability (NaN for an
-    out-of-range label), the two largest non-label probabilities and the column of the largest.
-    None = the value from default_launch_config()."""
+    """The row kernel on a [rows, vocab] logits chunk (fp16 / fp32, column stride 1), labels int64
+    [rows]: writes loss, entropy fp32 [rows], argmax int64 [rows], and with write_grad the
+    gradient in place and stats fp32 [rows, 4] (contiguous; scratch when None). None: the value
+    of default_launch_config()."""
     rows, vocab = logits.shape
     assert logits.stride(1) == 1 and labels.dtype == torch.int64 and logits.dtype in NEG_FILL
     if rows == 0:
@@ -266,11 +188,8 @@ def launch_rows_kernel(logits: torch.Tensor, labels: torch.Tensor, loss: torch.T
 def rows_reference_torch(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor,
                          entropy: torch.Tensor, argmax: torch.Tensor, write_grad: bool,
                          rows_per_step: int = 64, stats: torch.Tensor | None = None) -> None:
-    """What launch_rows_kernel computes, in PyTorch with the kernel's formulas (fp32, m = row max,
-    s = sum exp(x - m), t = sum exp(x - m) (x - m); stats: the label's p = exp(x - lse) and the
-    top-2 of p over the non-label columns), rows_per_step rows at a time so the fp32 temporaries
-    stay small. Used for big chunks under the CPU interpreter (see INTERP_KERNEL_MAX_LOGITS) and
-    as an oracle in the tests; never on the GPU path."""
+    """What launch_rows_kernel computes, in PyTorch with the kernel's formulas, rows_per_step rows
+    at a time: big chunks under the interpreter (INTERP_KERNEL_MAX_LOGITS), an oracle in tests."""
     rows, vocab = logits.shape
     if stats is None:
         stats = torch.empty((rows, 4), dtype=torch.float32, device=logits.device)
@@ -322,26 +241,8 @@ def run_rows(logits: torch.Tensor, labels: torch.Tensor, loss: torch.Tensor, ent
                            block_rows=block_rows, stats=stats)
 
 
-# --------------------------------------------------------------------------------------------------
-# The head's weight in the compute dtype, kept from one step to the next
-# --------------------------------------------------------------------------------------------------
-# What it replaces: autocast casts the fp32 [V, H] head weight to
-# fp16 on every forward: 0.93 GB read + 0.47 GB written a step, for the same bits every time (the
-# head is frozen: LoRA trains q/v only). The computed gain: docs/kernels/lm_head_loss.md, section 3.
-# What it does instead: keeps the last cast (one entry) and reuses it while the weight is the same
-# tensor object (held by a weak reference) with the same storage, shape, strides and version
-# counter (every in-place write, e.g. an optimizer step or a load, bumps the version; assigning
-# .data changes the storage).
-# Risks: a write through ``weight.data`` bypasses the version counter and would not be seen
-# (nothing in this workload writes the frozen head; Trainer, peft and Soup do not; load_state_dict
-# copies into the parameter itself, which counts); a weight that requires grad (trained head) is
-# never cached; memory: the fp16 copy stays allocated between steps, but it is alive at the
-# step's memory peak anyway (the peak is the LM head's forward, docs/PERFORMANCE.md), so the peak
-# does not move. clear_weight_cache() drops it (solution.revert() calls it).
-# The training path always caches (patches/qwen2_lm_head_loss.py passes cache_weight=True); the
-# argument stays so that tests can compare the cached copy with a fresh cast.
-# How it was measured (GPU time, peak, losses with and without the cache):
-# docs/kernels/lm_head_loss.md, section 3.
+# The frozen head's last cast to the compute dtype (one entry), reused while the weight is unchanged
+# (the rule and its risk: docs/kernels/lm_head_loss.md, section 4).
 _WEIGHT_CACHE: dict = {}
 
 
@@ -370,16 +271,12 @@ def clear_weight_cache() -> None:
     _WEIGHT_CACHE.clear()
 
 
-# --------------------------------------------------------------------------------------------------
-# Forward driver (no autograd): loops over chunks
-# --------------------------------------------------------------------------------------------------
 def _forward_chunks(hidden2d: torch.Tensor, weight: torch.Tensor, labels1d: torch.Tensor,
                     compute_dtype: torch.dtype, want_grad: bool, chunk_rows: int | None,
                     block_v: int | None, block_rows: int | None, cache_weight: bool = True,
                     grad_rows: int | None = None):
-    """grad_rows: only rows [0, grad_rows) can have a label (the caller put them first): the
-    hidden-state gradient is computed for them only ([grad_rows, H]; the other rows' is zero).
-    None: every row."""
+    """The chunk loop (no autograd). grad_rows: only rows [0, grad_rows) can have a label (put first):
+    the hidden-state gradient is [grad_rows, H] (zero elsewhere). None: every row."""
     n_rows, _ = hidden2d.shape
     grad_rows = n_rows if grad_rows is None else grad_rows
     vocab = weight.shape[0]
@@ -446,9 +343,8 @@ class _FusedLMHeadCE(torch.autograd.Function):
         ctx.hidden_dtype = hidden2d.dtype
         ctx.has_grad = grad_hidden is not None
         if ctx.has_grad:
-            # G, and what backward needs to overflow where stock does (_lm_head_ce_bwd_kernel):
-            # the labels and stats (p_y, p1, p2, j1): 16 bytes a row; the head's weight is a
-            # parameter (read only on rows that overflow)
+            # G, and what backward needs to overflow where stock does (16 bytes a row; W is read
+            # only on rows that overflow)
             ctx.save_for_backward(grad_hidden, labels1d, stats, weight)
         ctx.mark_non_differentiable(entropy, argmax, token_loss)
         return loss_sum, entropy, argmax, token_loss
@@ -468,9 +364,6 @@ class _FusedLMHeadCE(torch.autograd.Function):
         return grad_hidden, None, None, None, None, None, None, None, None, None
 
 
-# --------------------------------------------------------------------------------------------------
-# Public API
-# --------------------------------------------------------------------------------------------------
 @dataclass
 class LMHeadLossOutput:
     """loss: fp32 scalar, normalized like transformers' ForCausalLMLoss (sum / num_items_in_batch,
@@ -502,7 +395,6 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
                        block_rows: int | None = None, cache_weight: bool = True,
                        labelled_rows: int | None = None) -> LMHeadLossOutput:
     """LM head + causal-LM cross-entropy without materializing the [tokens, vocab] logits.
-
     hidden: [..., H] (fp32 or fp16; requires_grad decides whether the gradient is prepared).
     weight: [V, H] lm_head weight (frozen: no gradient is computed for it).
     shift_labels: [...] int, already shifted (see shift_labels_like_stock), -100 = ignored.
@@ -513,11 +405,9 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
         default_launch_config()); the results do not depend on them beyond summation order.
     cache_weight: keep the weight's compute_dtype copy between calls (cast_frozen_weight); same
         values either way.
-    labelled_rows: the number of tokens whose shift label is not ignored, when the caller knows it
-        (a host int; it must be exact). Then the hidden-state gradient GEMM runs on those rows only
-        (their gradient is zero elsewhere: nothing to multiply), moved first. The results are
-        the same up to the GEMMs' rounding (a row at another place in a chunk, a gradient GEMM of
-        another row count). None: every row in its place.
+    labelled_rows: the exact number of tokens whose shift label is not ignored (a host int), when
+        known: the gradient GEMM then runs on those rows only, moved first (the same results up to
+        the GEMMs' rounding). None: every row in its place.
     Returns LMHeadLossOutput (see there); loss backpropagates into hidden.
     """
     if compute_dtype is None:
@@ -550,15 +440,9 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
                             token_correct=correct.view(lead_shape), num_valid=num_valid)
 
 
-# --------------------------------------------------------------------------------------------------
-# sm_75 compile check
-# --------------------------------------------------------------------------------------------------
 def sm75_specs():
-    """Every GPU launch configuration used: fp16 logits (autocast) and fp32 logits, with and without
-    the in-place gradient, at BLOCK_ROWS x BLOCK_V with NUM_WARPS; the backward kernel for fp16 G
-    (autocast: fp32 hidden states and head) and fp32 G, one row per program, Qwen2.5-1.5B's hidden
-    size 1536 -> BWD_BLOCK_H columns, BWD_NUM_WARPS. (The interpreter's big tiles,
-    INTERP_BLOCK_ROWS x INTERP_BLOCK_V, never run on a GPU.)"""
+    """Every GPU launch configuration: the row kernel for fp16 / fp32 logits, with and without the
+    gradient; the backward kernel for fp16 / fp32 G at Qwen2.5-1.5B's hidden size."""
     for dtype, torch_dtype in (("fp16", torch.float16), ("fp32", torch.float32)):
         for write_grad in (True, False):
             yield {

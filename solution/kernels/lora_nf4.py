@@ -1,27 +1,9 @@
-"""LoRA on a frozen NF4 linear (peft's ``lora.bnb.Linear4bit``: q_proj, v_proj) as the
-decoder-layer node (solution/step/layer.py) runs it: its dropout, its GEMMs and the casts around
-them, with the elementwise work fused into Triton launches.
-
-1. What it replaces. What peft 0.21 computes (``Linear4bit.forward``, one active adapter, under
-   torch.autocast(fp16) as in training): ``result = base_layer(x).clone(); result = result +
-   lora_B(lora_A(dropout(x))) * scaling``. Besides the three GEMMs: full-size elementwise passes
-   (x to fp16 for the base, the base output to fp32, the clone, dropout(x) to fp16 for lora_A, the
-   scaling, the add; in backward the casts of the gradient, dropout's backward and the sum) and
-   the casts of A and B, each a launch.
-2. Why that was slow. ~15 kernels forward and ~17 backward per projection, most of them small
-   launches whose host cost exceeds their GPU time on a fast GPU.
-3. What it does instead. ``lora_dropout``: torch's own dropout op, with the mask drawn over
-   stock's padded shape (``draw_padded_mask``: the same random numbers as stock on the packed
-   rows) and kept; ONE Triton launch dequantizes W and casts x and dropout(x) to fp16
-   (``dequant_and_cast_inputs``; dropout's value computed in that launch from x and the mask);
-   cuBLAS for the GEMMs, as stock (``lora_forward_gemms``); the sum of the base and LoRA outputs
-   is made by kernels/qkv_rope.py, the input gradients' sum by kernels/qkv_grad.py; the four LoRA
-   weights of q and v are cast to fp16 in one launch, their gradients back in one (``cast_four``).
-4. Correctness risks. The dropout mask must consume the generator exactly as stock's call does
-   (tests/test_unpad.py checks the mask against stock's nn.Dropout on the padded tensor); the
-   fused casts round to nearest even as torch's ``.to``. Gradients of A and B come back in the
-   parameters' own dtype, as the autocast cast's backward gives them.
-5. How it was measured: docs/kernels/lora_nf4.md.
+"""LoRA on a frozen NF4 linear (peft's ``lora.bnb.Linear4bit``: q_proj, v_proj) as the decoder-layer
+node runs it: ``lora_dropout`` (torch's dropout op, the mask drawn over stock's padded shape:
+``draw_padded_mask``), ``dequant_and_cast_inputs`` (W dequantized, x and dropout(x) cast to fp16,
+one launch), ``lora_forward_gemms`` / ``lora_backward_gemms`` (cuBLAS, fp16) and the LoRA weights'
+casts fp32 <-> fp16 in one launch (``cast_pair``, ``cast_four``, ``cast_grads``).
+What it replaces, why, risks, measurements: docs/kernels/lora_nf4.md.
 """
 from __future__ import annotations
 
@@ -42,11 +24,8 @@ NO_DROPOUT, DROPOUT_MASK, DROPOUT_NOISE = 0, 1, 2
 
 @triton.jit(do_not_specialize=["n0", "n1"])
 def pair_cast_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, BLOCK: tl.constexpr):
-    """Two casts in one launch: dst0 = dst0's dtype(src0) over n0 elements, dst1 likewise (the
-    first cdiv(n0, BLOCK) programs take the first pair, the rest the second). The LoRA A and B
-    weights to fp16 in the forward, their fp16 gradients to the weights' dtype in the backward:
-    autocast's and autograd's casts, one launch for the two instead of one each. Conversions
-    round to nearest even, as torch's ``.to``; fp16 -> fp32 is exact."""
+    """Two casts in one launch: dst0 = src0 in dst0's dtype over n0 elements (the first
+    cdiv(n0, BLOCK) programs), dst1 likewise (the rest); round to nearest even, as torch's ``.to``."""
     pid = tl.program_id(0)
     first = tl.cdiv(n0, BLOCK)
     if pid < first:
@@ -69,9 +48,7 @@ def _cast_range(src_ptr, dst_ptr, n, pid, BLOCK: tl.constexpr):
 @triton.jit(do_not_specialize=["n0", "n1", "n2", "n3"])
 def quad_cast_kernel(src0_ptr, dst0_ptr, n0, src1_ptr, dst1_ptr, n1, src2_ptr, dst2_ptr, n2,
                      src3_ptr, dst3_ptr, n3, BLOCK: tl.constexpr):
-    """Four casts in one launch (``pair_cast_kernel``'s, for two pairs): the decoder-layer node's
-    LoRA weights of q and v to fp16 in the forward, their four fp16 gradients to the weights' dtype
-    in the backward. Program ranges in order: cdiv(n0, BLOCK) for the first cast, then the others."""
+    """Four casts in one launch (``pair_cast_kernel``'s), program ranges of cdiv(n_i, BLOCK) in order."""
     pid = tl.program_id(0)
     e0 = tl.cdiv(n0, BLOCK)
     e1 = e0 + tl.cdiv(n1, BLOCK)
@@ -106,9 +83,8 @@ def _one_launch_casts(tensors, dtypes) -> bool:
 
 
 def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: torch.dtype):
-    """(a.to(a_dtype), b.to(b_dtype)), in one launch where our kernels run and both are fp32 ->
-    fp16 or both fp16 -> fp32 casts of contiguous tensors on one device; otherwise torch's ``.to``
-    for each (a tensor already in its dtype is returned as it is, as ``.to`` does)."""
+    """(a.to(a_dtype), b.to(b_dtype)): one launch when ``_one_launch_casts`` allows, else torch's
+    ``.to`` for each (a tensor already in its dtype is returned as it is)."""
     if not _one_launch_casts((a, b), (a_dtype, b_dtype)):
         return a.to(a_dtype), b.to(b_dtype)
     a_out = torch.empty(a.shape, dtype=a_dtype, device=a.device)
@@ -120,9 +96,8 @@ def cast_pair(a: torch.Tensor, b: torch.Tensor, a_dtype: torch.dtype, b_dtype: t
 
 
 def cast_four(tensors, dtypes):
-    """[t.to(dt) for t, dt in zip(tensors, dtypes)] for four tensors, in one launch where each is a
-    ``cast_pair`` cast (fp32 -> fp16 or fp16 -> fp32) of a contiguous tensor on one device where our
-    kernels run, all the same way; otherwise ``cast_pair`` twice (its own fallbacks)."""
+    """[t.to(dt) for t, dt in zip(tensors, dtypes)] for four tensors: one launch when
+    ``_one_launch_casts`` allows, else ``cast_pair`` twice."""
     a, b, c, d = tensors
     dst = dtypes[0]
     if not _one_launch_casts(tensors, dtypes):
@@ -144,19 +119,16 @@ def _dropout_is_native(x: torch.Tensor) -> bool:
 
 
 class _Deferred:
-    """Stands for dropout's value when it is not materialized: the forward's cast launch computes
-    fp16(dropout(x)) from x and the mask directly (``_cast_block`` CAST_B 3)."""
+    """Dropout's value not materialized: the cast launch computes fp16(dropout(x)) (CAST_B 3)."""
 
     def __init__(self, scale: float):
         self.scale = scale
 
 
 def padded_draw_shape(x: torch.Tensor, packed) -> tuple[int, int] | None:
-    """When x [.., N, H] holds the N packed real-token rows of ``packed`` (solution/step/packing.py's
-    Unpadded: batch, seqlen, n_tokens, idx): the 2-D shape [batch * seqlen, H] of stock's padded
-    tensor, over which a random draw (dropout mask, Bernoulli noise) must be made so that it
-    consumes the generator exactly as stock does; its real rows are then ``idx``. None otherwise
-    (draw over x itself)."""
+    """When x [.., N, H] holds the N packed real-token rows of ``packed`` (step/packing.py's
+    Unpadded): [batch * seqlen, H], the padded shape a random draw must have to consume the
+    generator as stock does (its real rows: ``idx``). None otherwise (draw over x itself)."""
     if packed is None or x.dim() < 2 or x.shape[:-1].numel() != packed.n_tokens:
         return None
     return (packed.batch * packed.seqlen, x.shape[-1])
@@ -164,15 +136,10 @@ def padded_draw_shape(x: torch.Tensor, packed) -> tuple[int, int] | None:
 
 def draw_padded_mask(p: float, padded_shape, dtype: torch.dtype, idx: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """LoRA dropout's bool mask on CUDA as stock draws it over the padded batch: ``native_dropout``
-    on a [batch * seqlen, hidden] tensor of ``dtype`` (the shape, dtype and layout stock's dropout
-    sees, so the same kernel consumes the same random numbers), then the rows ``idx`` (the packed
-    real tokens, in order) kept: into ``out`` when given, else a new [len(idx), hidden] tensor.
-    The mask depends only on the random numbers (an element is kept when its uniform draw is below
-    1 - p), never on the input's values, so the input is left uninitialized (no fill);
-    tests/test_unpad.py checks the mask against stock's nn.Dropout on the real padded tensor.
-    The one place the padded draw is written: lora_dropout, the decoder-layer node and the CUDA
-    graphs' mask slots (solution/step/cuda_graphs.py) all call it."""
+    """LoRA dropout's bool mask on CUDA as stock draws it: ``native_dropout`` over ``padded_shape``
+    in ``dtype``, then the rows ``idx`` (into ``out`` when given, else a new [len(idx), hidden]).
+    The input is left uninitialized: the mask depends only on the random numbers. The one place the
+    padded draw is written (lora_dropout, the node and step/cuda_graphs.py call it)."""
     _, mask = torch.native_dropout(torch.empty(padded_shape, dtype=dtype, device=idx.device), p, True)
     if out is None:
         return mask.index_select(0, idx)
@@ -186,24 +153,12 @@ def draws(dropout: torch.nn.Module) -> bool:
 
 
 def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False, packed=None, mask_source=None):
-    """``dropout(x)`` for a plain ``nn.Dropout`` / ``nn.Identity``, computed with the very ops (and
-    random numbers) torch's ``F.dropout`` uses, but keeping the mask for our fused backward.
-    Returns (xd, mask, mode, scale): xd None when dropout is the identity (eval mode, p == 0).
-    ``defer``: on the packed path (mask drawn over the padded shape) with a CUDA fp32 contiguous x,
-    xd is a ``_Deferred`` instead of an fp32 tensor: ``dequant_and_cast_inputs`` then makes
-    fp16(dropout(x)) in its cast launch (the same value; two fp32 elementwise kernels and an fp32 tensor fewer; measured
-    faster end to end: docs/kernels/lora_nf4.md, section 3). Training always defers
-    (step/layer.py); defer=False is the reference the tests compare it with.
-
-    ``F.dropout`` -> ``at::dropout``: on CUDA (0 < p < 1, non-empty) it is ``native_dropout``
-    (fused kernel, bool mask, backward ``mask * grad * (1 / (1 - p))``); on the CPU the composite
-    ``noise = empty_like(x).bernoulli_(1 - p); noise.div_(1 - p); x * noise`` (backward
-    ``grad * noise``). The caller checked 0 <= p < 1 and inplace=False.
-
-    ``packed``: the packed batch (solution/step/packing.py's Unpadded) whose real-token rows x
-    holds, or None: the draw is then made over stock's padded shape and its real rows kept, so the
-    random numbers are stock's (``padded_draw_shape``). ``mask_source``: on CUDA, where the masks
-    come from instead of a draw (a CUDA graph's replay: solution/step/cuda_graphs.py), or None."""
+    """``dropout(x)`` for a plain ``nn.Dropout`` / ``nn.Identity`` with the ops and random numbers of
+    torch's ``F.dropout`` (CUDA: ``native_dropout``, bool mask; CPU: the composite's Bernoulli
+    noise / (1 - p)), keeping the mask: (xd, mask, mode, scale), xd None for the identity. The
+    caller checked 0 <= p < 1 and inplace=False. ``defer`` (training; False: the tests' reference):
+    xd a ``_Deferred`` for a fusable x. ``packed`` (step/packing.py's Unpadded, or None): draw over
+    stock's padded shape. ``mask_source``: on CUDA, the masks of a CUDA graph's replay, or None."""
     if not draws(dropout):
         return None, None, NO_DROPOUT, 1.0
     p = dropout.p
@@ -213,8 +168,7 @@ def lora_dropout(dropout: torch.nn.Module, x: torch.Tensor, defer: bool = False,
     with torch.no_grad():  # the node's backward makes the whole input gradient, dropout's part included
         if _dropout_is_native(x):
             if mask_source is not None:
-                # Layers replayed from a CUDA graph (solution/step/cuda_graphs.py): the mask was drawn
-                # before the replay, over stock's padded shape, exactly as below; take it, draw nothing.
+                # a CUDA graph's replay: the mask was drawn before it, as below
                 mask = mask_source.take(p, x)
             elif padded_shape is None:
                 xd, mask = torch.native_dropout(x, p, True)
@@ -248,10 +202,9 @@ def _fusable(t: torch.Tensor) -> bool:
 
 
 def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None):
-    """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32 and
-    contiguous ones; others are cast by torch, with its layout rules). xd a ``_Deferred``: the
-    launch computes fp16((x * drop_mask) * scale) itself. ``x16`` given (fp16(x), made by an
-    earlier launch): x is not cast again."""
+    """(w16, x16, xd16): one launch dequantizes W and casts x and dropout(x) to fp16 (fp32
+    contiguous ones; torch casts the others). xd a ``_Deferred``: the launch computes
+    fp16((x * drop_mask) * scale). ``x16`` given: x is not cast again."""
     w16 = plan.weight16()
     if isinstance(xd, _Deferred):  # lora_dropout checked that x is fusable
         xd16 = torch.empty(x.shape, dtype=torch.float16, device=x.device)
@@ -284,10 +237,9 @@ def dequant_and_cast_inputs(plan, x: torch.Tensor, xd, drop_mask=None, x16=None)
 
 
 def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None, ab16=None):
-    """One LoRA-NF4 projection's forward GEMMs: (base16, lora16, x16, saved), the fp16 base output
-    (bias included) and the fp16 LoRA B output, which kernels/qkv_rope.py sums as peft does;
-    saved = (xd16, h16, a16, b16), what ``lora_backward_gemms`` needs. ``ab16``: (fp16 A, fp16 B) cast by the caller (the node casts q's and v's in
-    one launch)."""
+    """One projection's forward GEMMs: (base16, lora16, x16, saved): the fp16 base output (bias
+    included) and LoRA B output (summed by qkv_rope.py), saved = (xd16, h16, a16, b16) for
+    ``lora_backward_gemms``. ``ab16``: (fp16 A, fp16 B) cast by the caller, or None."""
     w16, x16, xd16 = dequant_and_cast_inputs(plan, x, xd, drop_mask, x16)
     base16 = F.linear(x16, w16, bias16)
     # autocast's two casts, one launch
@@ -299,11 +251,8 @@ def lora_forward_gemms(plan, x, xd, drop_mask, lora_a, lora_b, bias16, x16=None,
 
 
 def lora_backward_gemms(plan, g16, gs16, saved, need_x, need_a, need_b):
-    """One LoRA-NF4 projection's backward GEMMs from the two fp16 gradients the caller made
-    (g16 = fp16(grad_out), gs16 = fp16(g16 * scaling): kernels/qkv_rope.py): the LoRA GEMMs, then
-    the base weight's input gradient (``LinearPlan.input_grad16``, only when need_x). Returns
-    (grad_base16, grad_xd16, grad_a, grad_b), all fp16: the node casts q's and v's A and B
-    gradients to the weights' dtypes in one launch."""
+    """One projection's backward GEMMs from g16 = fp16(grad_out) and gs16 = fp16(g16 * scaling):
+    (grad_base16 (only when need_x), grad_xd16, grad_a, grad_b), all fp16."""
     grad_xd16, grad_a, grad_b = _lora_backward_gemms(gs16, saved, need_x, need_a, need_b)
     return (plan.input_grad16(g16) if need_x else None), grad_xd16, grad_a, grad_b
 
@@ -333,8 +282,7 @@ def _lora_backward_gemms(gs16, saved, need_x, need_a, need_b):
 
 
 def sm75_specs():
-    """Launch configurations used in training: the A / B casts fp32 -> fp16 forward, fp16 -> fp32
-    backward."""
+    """The A / B casts training launches: fp32 -> fp16 forward, fp16 -> fp32 backward."""
     for src, dst in (("fp32", "fp16"), ("fp16", "fp32")):
         sig = {}
         for i in range(4):

@@ -1,39 +1,10 @@
-"""NF4 dequantization: bitsandbytes' 4-bit NormalFloat weight (double quantization included) to
-fp16, in ONE Triton kernel, bit for bit equal to ``bitsandbytes.functional.dequantize_4bit``.
-
-Storage (bitsandbytes 0.50.2, ``Params4bit`` + ``QuantState``):
-  - packed weight: uint8, two 4-bit codes per byte. Flattened element 2i is the HIGH nibble of
-    byte i, element 2i+1 the LOW nibble.
-  - every ``blocksize`` (64) consecutive elements share one scale ("absmax").
-  - double quantization (``quant_state.nested``): those scales are themselves stored as uint8
-    codes ``q`` with a second level: scale[b] = code2[q[b]] * absmax2[b // 256] + offset, where
-    code2 is bnb's 256-entry signed dynamic map (fp32), absmax2 fp32 (one per 256 scales) and
-    offset a fp32 scalar (the mean of the original scales).
-  - value = NF4[code] * scale[b], computed in fp32 and rounded ONCE to the output dtype.
-
-Exactness (read in bnb 0.50.2): ``dequantize_4bit`` first runs ``dequantize_blockwise`` on the
-scales (fp32 product code2[q] * absmax2, one rounding), then ``absmax += offset`` as a separate
-torch op (a second rounding; no fused multiply-add), then the 4-bit kernel computes
-``(T)(NF4[code] * scale)`` in fp32 and converts to T with round-to-nearest-even. We do exactly
-that and launch with ``enable_fp_fusion=False`` so the compiler may not fuse the
-multiply and add into an FMA (which rounds once and would change some scales by 1 ulp).
-
-Why one kernel helps: bnb needs two launches (scales, then weights) plus a temporary fp32 scale
-tensor and a torch add in between. Here a program takes NB blocks: it loads their packed bytes
-with wide vector loads, rebuilds the NB scales in registers (the 1 KB second-level map stays in
-L1), looks up each element's NF4 level (a gather in a 64-byte table of the 16 levels), multiplies
-by the block's scale, rounds to fp16 and writes 8 KB of fp16 with 16-byte stores.
-
-``nf4_dequant_cast_kernel``: the same dequantization plus, in the programs after it, the fp16
-casts the NF4 linear / LoRA layers need next to the weight (activations in forward, the gradient
-and its scaled copy in backward): one launch instead of a dequant launch and torch cast kernels.
-``DequantPlan`` prepares a weight's launch once (the layers cache one per weight), so a call is a
-single kernel launch with no Python checks.
-
-``rounding_dtype``: bnb's MatMul4Bit.backward dequantizes to ``quant_state.dtype`` and then casts
-to the gradient's dtype. When the checkpoint was quantized from bf16 (quant_state.dtype bf16)
-that is fp16(bf16(x)), a double rounding; ROUND_BF16 reproduces it with integer ops (sm_75 has
-no bf16 instructions).
+"""NF4 dequantization: a bitsandbytes 4-bit NormalFloat weight (double quantization included) to
+fp16 in one Triton kernel, bit for bit ``bitsandbytes.functional.dequantize_4bit``: value =
+fp16(NF4[code] * scale[block]), scale = fp32(fp32(code2[q] * absmax2) + offset) (no FMA:
+``enable_fp_fusion=False``); element 2i is the high nibble of byte i. Entry points: ``DequantPlan``
+(one per weight; ``launch`` can add the layers' fp16 casts, ``nf4_dequant_cast_kernel``),
+``dequantize_nf4`` (one-off), ``unsupported_reason``.
+What it replaces, why, risks, measurements: docs/kernels/nf4_dequant.md.
 """
 from __future__ import annotations
 
@@ -56,8 +27,7 @@ NF4_LEVELS = (
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 )
 
-# Launch configuration used on the GPU: 64 blocks of 64 elements per program (2 KB of packed
-# bytes in, 8 KB of fp16 out), 4 warps -> 32 elements per thread.
+# GPU: 64 blocks of 64 elements per program (2 KB in, 8 KB of fp16 out), 4 warps.
 GPU_BLOCKS_PER_PROGRAM = 64
 GPU_NUM_WARPS = 4
 # In the CPU interpreter each program costs Python overhead, so fewer, larger programs.
@@ -68,10 +38,8 @@ INTERPRETER_BLOCKS_PER_PROGRAM = 1024
 def _to_fp16(p, ROUND_BF16: tl.constexpr):
     """Round the fp32 products to fp16 (round-to-nearest-even), optionally through bf16."""
     if ROUND_BF16:
-        # fp32 -> bf16 round-to-nearest-even with integer ops, then the exact bf16 -> fp16 cast
-        # below: reproduces dequantize_4bit(bf16 state).to(fp16). Finite values and infs round
-        # right; a NaN is kept as it is: the integer add would carry its payload into
-        # the exponent / sign (0x7FFFFFFF, the GPU's NaN of inf * 0, would become -0.0).
+        # fp32 -> bf16 round-to-nearest-even with integer ops (sm_75 has no bf16), then the exact
+        # bf16 -> fp16 cast. A NaN is kept as it is: the add would carry its payload into the sign bit.
         bits = p.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         p = tl.where(p != p, p, bits.to(tl.float32, bitcast=True))
@@ -85,13 +53,8 @@ def _dequant_blocks(
     BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr, NESTED_BS: tl.constexpr,
     NB: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    """out[e] = fp16(NF4[code(e)] * scale(e // BLOCKSIZE)) for the NB blocks of program ``pid``.
-
-    NF4[code] comes from a gather in the 16-entry table of fp32 levels.
-
-    scale(b) = absmax[b] (fp32), or with double quantization
-    scale(b) = fp32(fp32(code2[absmax[b]] * absmax2[b // NESTED_BS]) + offset[0]).
-    """
+    """out[e] = fp16(NF4[code(e)] * scale(e // BLOCKSIZE)) for the NB blocks of program ``pid``;
+    scale(b) = absmax[b], or (NESTED) fp32(fp32(code2[absmax[b]] * absmax2[b // NESTED_BS]) + offset)."""
     HALF: tl.constexpr = BLOCKSIZE // 2  # packed bytes per block
     blk = pid * NB + tl.arange(0, NB)  # [NB] block indices of this program
     blk_ok = blk < n_blocks
@@ -110,11 +73,8 @@ def _dequant_blocks(
     # 2. packed bytes of the NB blocks: [NB, HALF], contiguous -> wide vector loads
     byte_idx = blk[:, None] * HALF + tl.arange(0, HALF)[None, :]
     packed = tl.load(packed_ptr + byte_idx, mask=byte_idx < n_bytes, other=0).to(tl.int32)
-    # one load per element from the 64-byte table: all lanes of a warp hit one L1 line. Triton
-    # gives the gather a 1-element-per-thread layout and converts through shared memory around it
-    # (5 barriers per program); still faster on every weight shape of the H200 sweep than the
-    # select tree it replaced (docs/PERFORMANCE.md, "Code removed because it lost its
-    # measurement"). Not yet measured on a T4.
+    # one load per element from the 64-byte table (one L1 line): measured faster on the H200 than
+    # a select tree, whatever the layout conversions Triton adds around the gather
     lvl_hi = tl.load(lut_ptr + (packed >> 4))
     lvl_lo = tl.load(lut_ptr + (packed & 15))
     hi = _to_fp16(lvl_hi * scale, ROUND_BF16)  # element 2j: high nibble of byte j
@@ -146,13 +106,10 @@ def _cast_elems(offs, mask, a_ptr, a16_ptr, b_ptr, b16_ptr, scaling,
 @triton.jit
 def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
                 CAST_A: tl.constexpr, CAST_B: tl.constexpr, BLOCK: tl.constexpr):
-    """Elements [pid * BLOCK, (pid + 1) * BLOCK) of one or two same-sized contiguous tensors:
-    a16 = fp16(a) when CAST_A (round to nearest even, exactly torch's ``a.to(torch.float16)``);
-    CAST_B == 1: b16 = fp16(b); CAST_B == 2: b16 = fp16(fp32(fp16(a)) * scaling), the scaled
-    fp16 copy of a (with a already fp16 when CAST_A is off); CAST_B == 3: b is a bool dropout mask
-    and b16 = fp16((fp32(a) * mask) * scaling), dropout's value (native_dropout's
-    ``src * keep * scale`` in fp32) cast to fp16, without an fp32 copy of it. Every block but the
-    last is whole and runs unmasked (vector accesses); the last one masked."""
+    """Elements [pid * BLOCK, (pid + 1) * BLOCK) of one or two same-sized contiguous tensors, cast
+    as torch's ``.to(torch.float16)``: CAST_A: a16 = fp16(a); CAST_B 1: b16 = fp16(b); 2: b16 =
+    fp16(fp32(fp16(a)) * scaling); 3: b a bool dropout mask, b16 = fp16((fp32(a) * mask) * scaling)
+    (native_dropout's value). Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
     start = pid * BLOCK
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
@@ -191,10 +148,8 @@ def nf4_dequant_cast_kernel(
     NB: tl.constexpr, ROUND_BF16: tl.constexpr,
     CAST_A: tl.constexpr, CAST_B: tl.constexpr, CAST_BLOCK: tl.constexpr,
 ):
-    """One launch for the two memory-bound preparations of an fp16 GEMM: programs below
-    ``n_deq_programs`` dequantize the NF4 weight (as nf4_dequant_kernel), the others cast the
-    activations (or the incoming gradient) to fp16 (``_cast_block``). Saves a separate cast kernel
-    (and its launch) per NF4 linear call; the values are the same as torch's casts."""
+    """Programs below ``n_deq_programs`` dequantize the weight (as nf4_dequant_kernel), the others
+    make the fp16 casts of ``_cast_block``."""
     pid = tl.program_id(0)
     if pid < n_deq_programs:
         _dequant_blocks(pid, packed_ptr, absmax_ptr, code2_ptr, absmax2_ptr, offset_ptr, lut_ptr,
@@ -205,19 +160,13 @@ def nf4_dequant_cast_kernel(
                     CAST_A, CAST_B, CAST_BLOCK)
 
 
-# --------------------------------------------------------------------------------------------
-# launcher
-
-# fp16 casts fused into the dequantization launch: elements per program (4 warps -> 16 per
-# thread on the GPU; large blocks in the interpreter, where each program costs Python time)
+# fp16 casts fused into the dequantization launch: elements per program (GPU, interpreter)
 GPU_CAST_BLOCK = 2048
 INTERPRETER_CAST_BLOCK = 1 << 16
 MAX_CAST_ELEMENTS = 2**31 - 2**17  # _cast_block indexes with int32
 
-# A Params4bit weight is a tensor subclass with a Python __torch_function__: every tensor method
-# called on it (numel, dtype, data_ptr, view...) runs Python code (the cost:
-# docs/kernels/nf4_linear.md, section 3). Plans below read
-# the weight once, under this guard, and keep a plain torch.Tensor alias of its bytes.
+# Every tensor method on a Params4bit runs its Python __torch_function__: plans read the weight
+# once, under this guard, and keep a plain-tensor alias of its bytes.
 _no_torch_function = torch._C.DisableTorchFunctionSubclass
 
 _offset_cache: dict = {}
@@ -275,10 +224,8 @@ def unsupported_reason(weight: torch.Tensor, quant_state) -> str | None:
 
 
 class DequantPlan:
-    """One NF4 weight's dequantization launch, prepared once: a plain-tensor alias of the packed
-    bytes, the scale tensors in the kernel's dtypes, sizes, grid and constexprs. ``launch`` is then
-    a single kernel call with no checks. A cached plan stays valid while ``matches`` (the same
-    QuantState and scale tensors, the weight bytes at the same address) holds."""
+    """One NF4 weight's dequantization launch, prepared once (``launch``: one kernel call, no
+    checks); a cached plan stays valid while ``matches`` holds."""
 
     __slots__ = ("qs", "absmax_src", "state2", "absmax2_src", "code2_src", "offset_src", "ptr",
                  "shape", "numel", "device", "args", "sizes", "n_deq_programs",
@@ -325,8 +272,7 @@ class DequantPlan:
         self.options = {"num_warps": GPU_NUM_WARPS, "enable_fp_fusion": False}
 
     def matches(self, weight: torch.Tensor, quant_state) -> bool:
-        """Is this plan still the one for ``weight`` / ``quant_state``? (identity checks + the
-        address of the packed bytes; their cost: docs/kernels/nf4_linear.md, section 3)."""
+        """The same QuantState and scale tensors (identity) and packed bytes at the same address."""
         qs = quant_state
         if qs is not self.qs or qs.absmax is not self.absmax_src:
             return False
@@ -341,12 +287,10 @@ class DequantPlan:
                a: torch.Tensor | None = None, a16: torch.Tensor | None = None,
                b: torch.Tensor | None = None, b16: torch.Tensor | None = None,
                cast_b: int = 0, scaling: float = 1.0) -> None:
-        """Dequantize into ``out`` (fp16, contiguous, ``numel`` elements), and in the same launch,
-        when ``a`` is given, the fp16 casts of ``_cast_block``: a16 = fp16(a) (if a16 is given),
-        cast_b=1: b16 = fp16(b), cast_b=2: b16 = fp16(fp16(a) * scaling), cast_b=3: b16 =
-        fp16(a * b * scaling) with b a bool dropout mask (dropout's value). a, b, a16, b16: contiguous,
-        same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``: the casts only.
-        round_bf16: round the weight through bf16 first (bnb's backward for bf16 states)."""
+        """Dequantize into ``out`` (fp16, contiguous, ``numel`` elements) and, when ``a`` is given,
+        make ``_cast_block``'s casts in the same launch (a16 if given; cast_b 1-3 into b16). a, b,
+        a16, b16: contiguous, the same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``:
+        the casts only. round_bf16: round the weight through bf16 (bnb's backward, bf16 states)."""
         if a is None:
             launch(nf4_dequant_kernel, (self.n_deq_programs,), KERNEL_NAME,
                    *self.args, out, *self.sizes, *self.blocks, round_bf16, **self.options)
@@ -365,17 +309,10 @@ class DequantPlan:
 
 def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None = None, *,
                    rounding_dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Dequantize a bitsandbytes NF4 weight to fp16 ``quant_state.shape`` ([out, in]).
-
-    weight: the packed uint8 ``Params4bit`` data (any shape; other quant_storage dtypes are
-    reinterpreted as bytes, as bnb does). quant_state: its ``QuantState`` (double-quantized or
-    not). out: optional fp16 contiguous buffer with ``prod(shape)`` elements, reused (written in
-    place and returned viewed as ``shape``).
-    rounding_dtype: the dtype bnb would dequantize into before a cast to fp16. fp16 / fp32: the
-    result equals ``dequantize_4bit`` into fp16 (one rounding of the fp32 product). bf16: equals
-    ``dequantize_4bit(...)`` of a bf16 state followed by ``.to(torch.float16)``.
-    (One-off calls; the NF4 linear layers keep a ``DequantPlan`` per weight instead.)
-    """
+    """A bitsandbytes NF4 weight (packed ``Params4bit`` data, any quant_storage dtype, and its
+    ``QuantState``) as fp16 ``quant_state.shape``, into ``out`` (fp16 contiguous, prod(shape)
+    elements) when given. rounding_dtype bf16: ``dequantize_4bit`` of a bf16 state then
+    ``.to(torch.float16)``; fp16 / fp32: ``dequantize_4bit`` into fp16."""
     plan = DequantPlan(weight, quant_state)
     if out is None:
         out = torch.empty(plan.shape, dtype=torch.float16, device=plan.device)
@@ -388,11 +325,8 @@ def dequantize_nf4(weight: torch.Tensor, quant_state, out: torch.Tensor | None =
 
 
 def sm75_specs():
-    """The launch configurations used in training (blocksize 64, double quant on; the bf16
-    rounding variant runs in backward when the state was quantized from bf16; the non-nested
-    variant for states without double quantization), then the fused dequant + fp16 cast launches
-    of the NF4 linear (x or grad fp32 -> fp16) and of the LoRA layer (x and dropout(x) -> fp16 in
-    forward; grad -> fp16 and its scaled fp16 copy in backward, from fp32 or fp16 gradients)."""
+    """The launch configurations used in training (blocksize 64; nested or not; with and without
+    bf16 rounding), then the fused dequant + fp16 cast launches of the NF4 and LoRA layers."""
     common = {
         "packed_ptr": "*u8", "code2_ptr": "*fp32", "absmax2_ptr": "*fp32", "offset_ptr": "*fp32",
         "lut_ptr": "*fp32", "out_ptr": "*fp16", "n_elements": "i32", "n_bytes": "i32",

@@ -1,26 +1,9 @@
-"""A frozen NF4 linear layer's plan (``LinearPlan``): what the decoder-layer node
-(solution/step/layer.py) and the fused MLP (nf4_mlp.py) need to run bitsandbytes' NF4 linear as
-one dequantization launch into a reused buffer plus cuBLAS.
-
-What it stands for (bitsandbytes 0.50.2, read in the installed package): ``bnb.nn.Linear4bit.
-forward`` casts x to the compute dtype (fp16), casts the bias *parameter* to x.dtype in place,
-calls ``bnb.matmul_4bit`` (on CUDA for training-size inputs ``_dequant_linear_fallback``: two
-dequantization launches and a torch add into fresh tensors, then ``F.linear(x, W, bias)``), and
-casts the result back to x's dtype. Backward: ``grad @ dequantize_4bit(W).to(grad.dtype)``, where
-``dequantize_4bit`` produces ``quant_state.dtype`` (a second rounding when the state was quantized
-from bf16).
-
-What the plan gives: ONE Triton launch dequantizes the weight into a reused per-device scratch
-buffer and casts x to fp16 (``dequant_and_cast``: ``nf4_dequant_cast_kernel``, same bits as
-``x.to(torch.float16)``), for the very same ``F.linear(x16, W, bias16)`` call as bnb's; in
-backward the same with bnb's rounding chain (``round_bwd``), and ``input_grad16``. Everything
-about a layer that does not depend on x (checks of the weight and its state, kernel arguments,
-the scratch view) is computed once per layer, and the packed weight is handed to Triton as a
-plain tensor (``Params4bit`` runs Python code on every tensor method).
-
-This file takes tensors and plain arguments (the packed weight, its quant state, the layer's
-compute dtype, x); what reads a bnb ``Linear4bit`` module (the plan cache, bnb's quant-state
-repair, the in-place bias cast) is solution/patches/_bnb.py.
+"""A frozen NF4 linear layer's plan (``LinearPlan``), for the decoder-layer node and the fused MLP:
+bitsandbytes' NF4 linear as one dequantization launch into a reused per-device fp16 scratch buffer
+(casting x or a gradient to fp16 in the same launch, ``dequant_and_cast``) plus cuBLAS, and the
+input gradient with bnb's rounding chain (``input_grad16``); ``input_reason`` says which inputs it
+takes. Plain tensors in; what reads a bnb ``Linear4bit`` module is solution/patches/_bnb.py.
+What it replaces, why, risks, measurements: docs/kernels/nf4_linear.md.
 """
 from __future__ import annotations
 
@@ -31,10 +14,8 @@ import torch
 from solution.kernels._device import kernel_device_reason, on_current_device
 from solution.kernels.nf4_dequant import MAX_CAST_ELEMENTS, DequantPlan, unsupported_reason
 
-# ---------------------------------------------------------------------------------------------
-# scratch buffer: one fp16 buffer per device, reused by every dequantization (forward, recompute
-# and backward of all 196 NF4 linears). Stream order makes the reuse safe: a dequant into the
-# buffer is queued after the previous GEMM that read it.
+# One fp16 buffer per device, reused by every dequantization; stream order makes the reuse safe
+# (a dequant into it is queued after the previous GEMM that read it).
 
 _scratch: dict = {}
 
@@ -55,19 +36,13 @@ def release_scratch() -> None:
     _scratch.clear()
 
 
-# ---------------------------------------------------------------------------------------------
-# per-weight plan
-
 _X_DTYPES = (torch.float16, torch.float32, torch.bfloat16)
 
 
 class LinearPlan:
-    """What our path needs to know about one frozen NF4 weight (the packed ``weight`` tensor and
-    its quant state ``qs``, bitsandbytes' ``QuantState`` fields) in a layer that computes in
-    ``compute_dtype`` (None: not fixed yet), computed once: ``reason`` (None when supported: NF4
-    state, fp16 compute, 2-D, a device our kernels run on), its ``DequantPlan``, sizes, and a view
-    of the shared scratch buffer. Its caller caches it per layer and rebuilds it when ``matches``
-    fails (the weight, its quant state or the compute dtype changed): solution/patches/_bnb.py."""
+    """One frozen NF4 weight (packed ``weight``, its ``QuantState`` ``qs``) in a layer computing in
+    ``compute_dtype`` (None: not fixed yet), computed once: ``reason`` (None when supported), its
+    ``DequantPlan``, sizes, a view of the scratch buffer. Cached per layer while ``matches``."""
 
     __slots__ = ("weight_ref", "qs", "compute_dtype", "reason", "dq", "n_out", "k",
                  "device", "on_cuda", "round_bwd", "scratch_key", "scratch_base", "w16")
@@ -112,9 +87,8 @@ class LinearPlan:
         return self.w16
 
     def dequant_and_cast(self, t: torch.Tensor, round_bf16: bool = False):
-        """(w16, t16): dequantize the weight into the scratch buffer and cast ``t`` (activations or a
-        gradient) to fp16 in the same launch when it is fp32 and contiguous; otherwise torch casts it
-        (bf16, strided: torch's own layout rules) and the launch only dequantizes."""
+        """(w16, t16): the weight dequantized into the scratch buffer and ``t`` cast to fp16, in the
+        same launch when ``t`` is fp32 and contiguous (else by torch)."""
         w16 = self.weight16()
         if t.dtype == torch.float32 and t.is_contiguous() and t.numel() < MAX_CAST_ELEMENTS:
             t16 = torch.empty(t.shape, dtype=torch.float16, device=t.device)
@@ -125,18 +99,15 @@ class LinearPlan:
         return w16, t16
 
     def input_grad16(self, g16: torch.Tensor) -> torch.Tensor:
-        """g16 @ W for an fp16 output gradient g16 [..., out]: the weight dequantized with bnb's
-        backward rounding chain (``round_bwd``) into the scratch buffer, then ``torch.matmul``, as
-        bnb's MatMul4Bit backward computes the input gradient (fp16 [..., in]). The GEMM is queued
-        right after the dequantization, so no other weight can take the buffer in between."""
+        """fp16 g16 [..., out] @ W -> [..., in], W dequantized with bnb's backward rounding chain
+        (``round_bwd``), as MatMul4Bit's backward; the GEMM follows the dequantization at once."""
         w16 = self.weight16()
         self.dq.launch(w16, self.round_bwd)
         return torch.matmul(g16, w16)
 
 
 def input_reason(plan: LinearPlan, x: torch.Tensor) -> str | None:
-    """None when our path takes input ``x`` for the weight of ``plan``; else why not (the plan's
-    own reason first)."""
+    """None when our path takes input ``x`` for ``plan``'s weight; else why not."""
     if plan.reason is not None:
         return plan.reason
     if x.dtype not in _X_DTYPES:

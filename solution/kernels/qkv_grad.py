@@ -1,25 +1,9 @@
-"""The input gradient of q_proj, k_proj and v_proj (one normed x, three projections) in one pass.
-
-1. What it replaces. Qwen2's attention projects the same normed input x three times: q_proj and
-   v_proj (peft LoRA on NF4) and k_proj (NF4). In stock each hands autograd an fp32 gradient of x:
-   q's and v's the base part plus the LoRA part through dropout's backward, k's as an fp16 -> fp32
-   cast, and autograd sums them
-   in the order its nodes run: v_proj's first, then k_proj's, then q_proj's, so ((v + k) + q)
-   (checked on stock Qwen2 on the CPU with backward hooks on the three projections).
-2. Why that is slow. Per element of x's gradient those five passes move ~48 bytes (two grad sums
-   9 + 9, the cast 6, the two fp32 adds 12 + 12) where the inputs and the one output are 16, and
-   each pass is a launch (host time on a fast GPU).
-3. What it does instead. ``qkv_grad_sum_kernel`` reads the five fp16 partial gradients (q base,
-   q LoRA, k, v base, v LoRA) and the two dropout masks and writes x's fp32 gradient once, with
-   the same fp32 operations in the same order: each LoRA part ``(keep * g) * scale`` as
-   native_dropout's backward computes it, ``a + g`` per projection, then ``(v + k) + q``.
-   Launched with ``enable_fp_fusion=False``: no multiply-add is contracted into an FMA (which
-   rounds once), so every value is the unfused ops' value. Used by the decoder-layer node
-   (solution/step/layer.py).
-4. Correctness risks: the order of summation (fp32 addition is commutative but not associative):
-   pinned bit for bit against an fp32 formula in autograd's order (tests/test_qkv_grad.py); the masks' dtype (bool from native_dropout on CUDA; the CPU's composite dropout gives a
-   noise tensor: DROP 2).
-5. How it was measured: the decoder-layer node's measurement (docs/layer_node.md).
+"""The input gradient of q_proj, k_proj and v_proj (one normed x, three projections) in one pass:
+``qkv_grad_sum`` reads the five fp16 partial gradients (q base, q LoRA, k, v base, v LoRA) and the
+two dropout masks and writes x's fp32 gradient with autograd's fp32 operations in its order: per
+LoRA part ``(keep * g) * scale`` (native_dropout's backward), ``a + g``, then ``(v + k) + q``;
+``enable_fp_fusion=False``, so no FMA changes a rounding.
+What it replaces, why, risks, measurements: docs/kernels/qkv_grad.md.
 """
 from __future__ import annotations
 
@@ -60,10 +44,8 @@ def _qkv_sum(offs, mask, aq_ptr, bq_ptr, mq_ptr, ak_ptr, av_ptr, bv_ptr, mv_ptr,
 @triton.jit(do_not_specialize=["n"])
 def qkv_grad_sum_kernel(aq_ptr, bq_ptr, mq_ptr, ak_ptr, av_ptr, bv_ptr, mv_ptr, out_ptr, n, drop_scale,
                         DROP: tl.constexpr, BLOCK: tl.constexpr):
-    """x's fp32 gradient from the three projections' fp16 partial gradients: q (base a_q, LoRA b_q
-    through dropout's backward with mask m_q), k (a_k), v (a_v, b_v, m_v); DROP as in
-    stock's dropout backward (0 none, 1 bool mask, 2 noise). Whole blocks unmasked, the last
-    one masked (kernels/_blocks.py)."""
+    """x's fp32 gradient from q (a_q, b_q, mask m_q), k (a_k), v (a_v, b_v, m_v); DROP: 0 none,
+    1 bool mask, 2 noise. Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
     start = tl.program_id(0) * BLOCK
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n

@@ -1,35 +1,9 @@
-"""Attention's way in and out for the decoder-layer node: q / k / v to attention's fp16 inputs in
-one launch, and attention's input gradients back to the projections' fp16 gradients in one launch.
-
-1. What it replaces. Between the projections and attention stock runs (per layer): peft's sum for
-   q and v (fp32 q = fp32(base) + fp32(fp16(lora * scaling))), k's fp16 -> fp32 cast (bnb returns
-   x's dtype), RoPE on q and k (transformers' ``apply_rotary_pos_emb``, fp32), ``repeat_kv`` of
-   k's and v's 2 heads to 12 and the casts of q, k, v to fp16 (autocast's cast inside SDPA); and
-   in backward the same in reverse: the repeated heads' gradients summed, RoPE's backward, the
-   casts of q's, k's and v's fp32 gradients to fp16 (autograd's casts for the fp16 GEMMs, and
-   fp16(g16 * scaling) for the LoRA B output). Each is an elementwise launch of its own.
-2. Why that was slow. Each of those launches costs host time, plus an output allocation, and the
-   eager step is host-bound on a fast GPU. On the GPU they are full passes through fp32
-   intermediates: q [N, 1536] fp32 is written by the combine, read and written by RoPE, read by
-   the pad; a GPU-bound T4 pays for that traffic.
-3. What it does instead. ``qkv_rope_pad_kernel`` reads the fp16 GEMM outputs (q base, q LoRA, k,
-   v base, v LoRA) and cos / sin once per token and writes q, k, v in attention's fp16 layout:
-   the combine, RoPE and the cast in registers, k's and v's heads stored REP times.
-   ``qkv_rope_unpad_kernel`` reads attention's fp16 dq, dk, dv and writes the five fp16 gradients
-   the projections' GEMMs take: q's g16 and fp16(g16 * scaling), k's g16, v's g16 and
-   fp16(g16 * scaling); k's and v's 6 head copies summed in fp32 first, RoPE's backward in fp32.
-   The weights' dequantization launches then only dequantize. One launch each way.
-4. Correctness risks. (a) Every value is computed with the fp32 operations stock runs, in the
-   same order and with the same roundings (peft's fp16 round trip of the scaled LoRA output,
-   RoPE's products and sums, the head sums starting from 0.0 in head order, each cast to fp16
-   once): launched with ``enable_fp_fusion=False`` so no multiply-add becomes an FMA. Pinned bit
-   for bit against PyTorch formulas of stock's operations written in tests/test_qkv_rope.py, and
-   against fp64 with a bound derived from the roundings. (b) Shapes: head_dim even with a
-   power-of-two half (one half-row is one tl.arange), cos / sin [1, N, head_dim] with unit stride
-   on the last dim; the node checks ``supported`` and otherwise the step runs stock's forward.
-   (c) Layout: q, k, v [N, heads *
-   head_dim] contiguous; attention's tensors [N, heads, head_dim] with unit stride on head_dim.
-5. How it was measured: docs/kernels/qkv_rope.md.
+"""Attention's way in and out for the decoder-layer node, one launch each way: ``forward`` (the
+projections' fp16 GEMM outputs -> peft's q / v sums, RoPE on q and k, k's and v's heads repeated:
+attention's fp16 inputs) and ``backward`` (attention's fp16 dq, dk, dv -> the five fp16 gradients
+the projections' GEMMs take), with stock's fp32 operations in its order (``enable_fp_fusion=False``).
+``supported`` says which shapes they take.
+What it replaces, why, risks, measurements: docs/kernels/qkv_rope.md.
 """
 from __future__ import annotations
 
@@ -40,9 +14,8 @@ import triton.language as tl
 from solution.kernels._launches import cdiv, launch, pow2_at_least
 
 GPU_NUM_WARPS = 4
-# Tokens per program: one on the GPU (a token's 12 + 2 + 2 heads are ~2,000 elements, a normal
-# amount of work for a memory-bound program); in the interpreter every tl operation costs Python
-# time per program, so there a program takes as many tokens as fit INTERP_TILE_ELEMS elements.
+# Tokens per program: one on the GPU (~2,000 elements); in the interpreter, which pays per tl op
+# per program, as many as fit INTERP_TILE_ELEMS elements.
 INTERP_TILE_ELEMS = 1 << 16
 
 
@@ -87,13 +60,11 @@ def qkv_rope_pad_kernel(bq_ptr, lq_ptr, bk_ptr, bv_ptr, lv_ptr, cos_ptr, sin_ptr
                         qp_ptr, kp_ptr, vp_ptr, n_tokens, cs_row, q_scaling, v_scaling,
                         HQ: tl.constexpr, HK: tl.constexpr, REP: tl.constexpr, HALF: tl.constexpr,
                         HQP2: tl.constexpr, HKP2: tl.constexpr, BLOCK_T: tl.constexpr):
-    """For the BLOCK_T tokens t of this program:
-    q = fp32(bq) + fp32(fp16(fp32(lq) * q_scaling)), RoPE'd, cast to fp16 -> qp[t, h, :];
-    k = fp32(bk), RoPE'd, cast to fp16 -> kp[t, h * REP + g, :] for g < REP (repeat_kv);
-    v = fp32(bv) + fp32(fp16(fp32(lv) * v_scaling)), cast to fp16 -> vp[t, h * REP + g, :].
-    bq, lq: [N, HQ * 2 * HALF] fp16; bk, bv, lv: [N, HK * 2 * HALF] fp16; cos, sin: rows of
-    2 * HALF values cs_row apart; qp: [N, HQ, 2 * HALF], kp, vp: [N, HK * REP, 2 * HALF] fp16, all
-    contiguous."""
+    """For this program's BLOCK_T tokens t: qp[t, h] = fp16(RoPE(fp32(bq) + fp32(fp16(fp32(lq) *
+    q_scaling)))); kp[t, h * REP + g] = fp16(RoPE(fp32(bk))) and vp[t, h * REP + g] = fp16(fp32(bv)
+    + fp32(fp16(fp32(lv) * v_scaling))) for g < REP. bq, lq [N, HQ * 2 * HALF], bk, bv, lv
+    [N, HK * 2 * HALF], qp [N, HQ, 2 * HALF], kp, vp [N, HK * REP, 2 * HALF]: fp16, contiguous;
+    cos, sin: rows of 2 * HALF values cs_row apart."""
     D: tl.constexpr = 2 * HALF
     t64, d, cs_ok, c1, s1, c2, s2 = _token_tables(cos_ptr, sin_ptr, n_tokens, cs_row, HALF, BLOCK_T)
 
@@ -160,20 +131,16 @@ def qkv_rope_unpad_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr,
                           HQ: tl.constexpr, HK: tl.constexpr, REP: tl.constexpr, HALF: tl.constexpr,
                           HQP2: tl.constexpr, HKP2: tl.constexpr, BLOCK_T: tl.constexpr,
                           NEED_K: tl.constexpr):
-    """The backward of qkv_rope_pad_kernel up to the projections' fp16 GEMM inputs, for the
-    BLOCK_T tokens t of this program (attention's gradients dq, dk, dv: [N, HQ, 2 * HALF] fp16,
-    rows and heads at the given strides, unit stride on the last dim):
-    q: r = RoPE backward of fp32(dq[t]); gq = fp16(r), gsq = fp16(fp32(gq) * q_scaling);
-    k (NEED_K): r = RoPE backward of the fp32 sum of dk[t, h * REP + g] over g; gk = fp16(r);
-    v: r = the fp32 sum of dv[t, h * REP + g] over g; gv = fp16(r), gsv = fp16(fp32(gv) * v_scaling).
-    gq, gsq: [N, HQ * 2 * HALF]; gk, gv, gsv: [N, HK * 2 * HALF]; fp16, contiguous."""
+    """qkv_rope_pad_kernel's backward for this program's BLOCK_T tokens, from dq, dk, dv [N, HQ,
+    2 * HALF] fp16 (given row / head strides, unit last stride): gq = fp16(RoPE backward of dq),
+    gk (NEED_K) = fp16(RoPE backward of the head sums of dk), gv = fp16(head sums of dv), gsq / gsv
+    = fp16(fp32(g) * scaling). gq, gsq [N, HQ * 2 * HALF], gk, gv, gsv [N, HK * 2 * HALF], fp16."""
     D: tl.constexpr = 2 * HALF
     t64, d, cs_ok, c1, s1, c2, s2 = _token_tables(cos_ptr, sin_ptr, n_tokens, cs_row, HALF, BLOCK_T)
 
     hq = tl.arange(0, HQP2)[None, :, None]
     q_ok = cs_ok & (hq < HQ)
-    # q's heads "summed" over one copy from 0.0, as unpad_rows_kernel did for q (REP 1): 0.0 + (-0.0)
-    # is +0.0, so a zero's sign is the old path's too
+    # q's heads "summed" over one copy from 0.0, like k's and v's (a -0.0 comes out +0.0)
     g1, g2 = _head_sums(dq_ptr, t64, dq_row, dq_head, hq, d, q_ok, HALF, 1, BLOCK_T, HQP2)
     r1, r2 = _rope_bwd(g1, g2, c1, s1, c2, s2)
     q_offs = t64 * (HQ * D) + hq * D + d
@@ -190,12 +157,9 @@ def qkv_rope_unpad_kernel(dq_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr,
     _store_pair(gv_ptr, gsv_ptr, kv_offs, k_ok, b1, b2, v_scaling, HALF, True)
 
 
-# --------------------------------------------------------------------------------------------------
-# launchers
-
 def supported(head_dim: int, cos: torch.Tensor) -> bool:
-    """Shapes the kernels take: an even head_dim whose half is a power of two, cos / sin fp32 or
-    fp16 [1, N, head_dim] with unit stride on the last dim (the node makes them so)."""
+    """An even head_dim whose half is a power of two; cos / sin fp32 or fp16 [1, N, head_dim] with
+    unit stride on the last dim."""
     half = head_dim // 2
     return (head_dim % 2 == 0 and half >= 1 and half & (half - 1) == 0 and cos.dim() == 3 and cos.shape[0] == 1
             and cos.shape[-1] == head_dim and cos.stride(-1) == 1 and cos.dtype in (torch.float16, torch.float32))
@@ -209,14 +173,12 @@ def _block_t(n: int, heads_p2: int, half: int, device: torch.device) -> int:
 
 def forward(bq16, lq16, q_scaling: float, bk16, bv16, lv16, v_scaling: float, cos, sin,
             n_heads: int, n_kv: int, head_dim: int):
-    """(qp, kp, vp): attention's fp16 inputs [1, N, heads, head_dim] (k and v with their heads
-    repeated to n_heads) from the projections' fp16 GEMM outputs ([.., N, heads * head_dim],
-    contiguous): qkv_rope_pad_kernel. cos, sin: [1, N, head_dim] (``supported``)."""
+    """(qp, kp, vp): attention's fp16 inputs [1, N, n_heads, head_dim] from the projections' fp16
+    GEMM outputs ([.., N, heads * head_dim], contiguous); cos, sin [1, N, head_dim]."""
     n = cos.shape[1]
     dev = bq16.device
     rep = n_heads // n_kv
-    # one allocation for the three outputs (they live as long as each other: attention saves all
-    # three); each is a contiguous slice of it
+    # one allocation for the three outputs (attention saves all three), contiguous slices
     qp, kp, vp = torch.empty((3, n, n_heads, head_dim), dtype=torch.float16, device=dev).split(1)
     if n:
         half = head_dim // 2
@@ -232,15 +194,13 @@ def forward(bq16, lq16, q_scaling: float, bk16, bv16, lv16, v_scaling: float, co
 
 
 def backward(dq, dk, dv, cos, sin, q_scaling: float, v_scaling: float, n_kv: int, need_k: bool):
-    """(gq16, gsq16, gk16 or None, gv16, gsv16), each [1, N, heads * head_dim] fp16, from
-    attention's gradients dq, dk, dv [1, N, n_heads, head_dim] (any row / head strides, unit stride
-    on head_dim): qkv_rope_unpad_kernel."""
+    """(gq16, gsq16, gk16 or None, gv16, gsv16), each [1, N, heads * head_dim] fp16, from dq, dk, dv
+    [1, N, n_heads, head_dim] (any row / head strides, unit stride on head_dim)."""
     _, n, n_heads, head_dim = dq.shape
     dev = dq.device
     rep = n_heads // n_kv
     f16 = torch.float16
-    # one allocation for the outputs (the GEMMs take them one after another, in one node call);
-    # each is a contiguous [1, N, width] slice of it
+    # one allocation for the outputs, each a contiguous [1, N, width] slice
     widths = (n_heads * head_dim,) * 2 + (n_kv * head_dim,) * (3 if need_k else 2)
     parts = torch.empty(n * sum(widths), dtype=f16, device=dev).split([n * w for w in widths])
     gq, gsq, *rest = (t.view(1, n, w) for t, w in zip(parts, widths))
@@ -259,8 +219,8 @@ def backward(dq, dk, dv, cos, sin, q_scaling: float, v_scaling: float, n_kv: int
 
 
 def sm75_specs():
-    """The workload's launches: 12 query heads, 2 KV heads repeated 6 times, head_dim 128, one token
-    per program; cos / sin fp32 (the residual's dtype); k's gradient needed or not (layer 0)."""
+    """The workload's launches: 12 query heads, 2 KV heads x 6, head_dim 128, one token a program,
+    cos / sin fp32; k's gradient needed or not (layer 0)."""
     consts = {"HQ": 12, "HK": 2, "REP": 6, "HALF": 64, "HQP2": 16, "HKP2": 2, "BLOCK_T": 1}
     yield {
         "name": "qkv_rope_pad", "fn": qkv_rope_pad_kernel, "num_warps": GPU_NUM_WARPS,

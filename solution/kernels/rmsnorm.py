@@ -1,34 +1,10 @@
-"""Fused RMSNorm forward + backward (replaces ``Qwen2RMSNorm.forward``).
-
-Stock transformers computes, per row of the hidden states (hidden size N):
-
-    h   = x.to(fp32)
-    r   = rsqrt(mean(h * h) + eps)          # one fp32 scalar per row ("rstd")
-    out = weight * (h * r).to(x.dtype)      # output dtype = promote(weight.dtype, x.dtype)
-
-as ~6 separate GPU kernels, each reading and writing the whole [rows, N] tensor, and autograd keeps
-several of those intermediates alive for backward. Here one program handles a [BLOCK_ROWS, N] tile
-of rows: it reads them once, reduces each row in registers and writes the output once. Backward
-is one kernel too: it recomputes the normalized rows from x and the saved rstd (4 bytes per row)
-instead of storing them.
-
-Rows per program (BLOCK_ROWS): on the GPU 1 (a 1536-wide fp32 row already gives every thread of
-8 warps 6 values; one row per program is the usual choice for rows this wide). In Triton's CPU
-interpreter every tl operation costs a fixed Python overhead per program, so there the launchers
-take as many rows as fit a tile of INTERP_TILE_ELEMS elements (e.g. 1024 rows of 64 for the tiny CI
-model: 2 programs instead of 2048).
-
-Exact semantics kept (they matter when x is fp16):
-  * the normalized value is rounded to x.dtype BEFORE the weight multiply, as stock does;
-  * in backward, grad * weight is rounded to x.dtype (autograd's grad of that ``.to(x.dtype)``),
-    then the fp32 normalization gradient is applied; dx is stored in x.dtype.
-In the real workload x (the fp32 residual stream) and weight (cast to fp32 by peft's
-prepare_model_for_kbit_training) are both fp32, so all roundings above are no-ops.
-
-The row-tile and normalization arithmetic lives in small @triton.jit helpers (``_row_tile``,
-``_rms_scale_rows``, ``_rms_grad_rows``) that solution/kernels/add_rmsnorm.py calls too, so the
-fused residual-add + norm computes exactly these numbers. (Inlined by Triton: the PTX is the same
-instruction mix as with the arithmetic written in the kernels.)
+"""Fused RMSNorm (replaces ``Qwen2RMSNorm.forward``): per row of N, rstd = rsqrt(mean(x^2) + eps),
+out = weight * (fp32(x) * rstd).to(x.dtype) in promote(x.dtype, weight.dtype); one kernel forward
+(saves x and an fp32 rstd a row), one for dx, one for dw. Entry points: ``rmsnorm(x, weight, eps)``
+(autograd), ``_launch_forward`` / ``_launch_backward_dx`` (the decoder-layer node); fp16 / fp32,
+N <= MAX_HIDDEN. The @triton.jit helpers ``_row_tile``, ``_rms_scale_rows``, ``_rms_grad_rows``
+are shared with add_rmsnorm.py, so both compute the same numbers.
+What it replaces, why, risks, measurements: docs/kernels/rmsnorm.md.
 """
 from __future__ import annotations
 
@@ -45,14 +21,10 @@ MAX_HIDDEN = 8192
 _SUPPORTED_DTYPES = (torch.float16, torch.float32)
 
 
-# --------------------------------------------------------------------------------------------------
-# Row-tile helpers (shared with solution/kernels/add_rmsnorm.py)
-# --------------------------------------------------------------------------------------------------
 @triton.jit
 def _row_tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """This program's [BLOCK_ROWS, BLOCK] tile of rows: (rows, rows as int64, row mask, columns,
-    column mask, 2-D mask). BLOCK >= n_cols (a power of two); the column tail and the rows past
-    n_rows are masked off. int64 rows: row * stride can exceed 2^31 on big inputs."""
+    """(rows, rows as int64, row mask, columns, column mask, 2-D mask) of this program's
+    [BLOCK_ROWS, BLOCK] tile; BLOCK >= n_cols, a power of two. int64: row * stride may pass 2^31."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_mask = rows < n_rows
     cols = tl.arange(0, BLOCK)
@@ -62,9 +34,8 @@ def _row_tile(n_rows, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _rms_scale_rows(x, w, n_cols, eps, X_DTYPE: tl.constexpr):
-    """(w * (x * rstd).to(X_DTYPE), rstd) for an fp32 tile x [R, BLOCK] (masked lanes 0) and fp32
-    weight w [BLOCK]: rstd = 1 / sqrt(mean(x^2) + eps) per row. The normalized value is rounded to
-    the input dtype X_DTYPE before the weight multiply, exactly like stock (no-op for fp32)."""
+    """(w * (x * rstd).to(X_DTYPE), rstd), rstd = rsqrt(mean(x^2) + eps) per row, for an fp32 tile
+    x [R, BLOCK] (masked lanes 0) and fp32 w [BLOCK]; rounded to X_DTYPE before the multiply, as stock."""
     mean_sq = tl.sum(x * x, axis=1) / n_cols  # masked lanes are 0 and add nothing
     rstd = tl.rsqrt(mean_sq + eps)
     normed = (x * rstd[:, None]).to(X_DTYPE).to(tl.float32)
@@ -73,25 +44,18 @@ def _rms_scale_rows(x, w, n_cols, eps, X_DTYPE: tl.constexpr):
 
 @triton.jit
 def _rms_grad_rows(x, g, w, rstd, n_cols, X_DTYPE: tl.constexpr):
-    """fp32 gradient of the norm's input: rstd * (dy - xhat * mean(dy * xhat)), with
-    xhat = x * rstd and dy = (g * w) rounded to X_DTYPE (the gradient that reaches stock's
-    ``.to(input_dtype)``). x, g: fp32 tiles [R, BLOCK]; w fp32 [BLOCK]; rstd fp32 [R]."""
+    """fp32 dx = rstd * (dy - xhat * mean(dy * xhat)), xhat = x * rstd, dy = (g * w) rounded to
+    X_DTYPE (autograd's gradient of stock's cast). x, g fp32 [R, BLOCK]; w fp32 [BLOCK]; rstd [R]."""
     xhat = x * rstd[:, None]
     dy = (g * w[None, :]).to(X_DTYPE).to(tl.float32)
     mean_dy_xhat = tl.sum(dy * xhat, axis=1) / n_cols
     return (dy - xhat * mean_dy_xhat[:, None]) * rstd[:, None]
 
 
-# --------------------------------------------------------------------------------------------------
-# Kernels
-# --------------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, x_row_stride, out_row_stride, n_cols, eps,
                         BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """out[r] = w * (x[r] * rstd[r]).to(x.dtype), rstd[r] = 1 / sqrt(mean(x[r]^2) + eps), for the
-    BLOCK_ROWS rows r of this program's tile.
-
-    All arithmetic in fp32; rstd is saved (fp32) for the backward kernel."""
+    """out and the fp32 rstd (``_rms_scale_rows``) of this program's BLOCK_ROWS rows."""
     rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
     x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
@@ -104,11 +68,7 @@ def _rmsnorm_fwd_kernel(x_ptr, w_ptr, out_ptr, rstd_ptr, n_rows, x_row_stride, o
 @triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, n_rows, x_row_stride, g_row_stride,
                            dx_row_stride, n_cols, BLOCK_ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """dx[r] = rstd * (dy - xhat * mean(dy * xhat)), with xhat = x * rstd and
-    dy = (g * w) rounded to x.dtype (the gradient that reaches the normalized value in stock),
-    for the BLOCK_ROWS rows r of this program's tile.
-
-    fp32 arithmetic, dx stored in x.dtype."""
+    """dx (``_rms_grad_rows``, stored in x.dtype) of this program's BLOCK_ROWS rows."""
     rows, rows64, row_mask, cols, col_mask, mask = _row_tile(n_rows, n_cols, BLOCK_ROWS, BLOCK)
     x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows64[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -121,11 +81,8 @@ def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, n_rows, x_row_
 @triton.jit(do_not_specialize=["n_rows"])
 def _rmsnorm_bwd_dw_kernel(x_ptr, g_ptr, rstd_ptr, partial_ptr, x_row_stride, g_row_stride,
                            n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """partial[tile, col] = sum over the BLOCK_M rows of this tile of g * (x * rstd).to(x.dtype).
-
-    Grid (column blocks, row tiles): each program reduces one [BLOCK_M, BLOCK_N] tile in fp32.
-    The launcher sums the row-tile partials with torch (deterministic, no atomics). No loop
-    with a runtime trip count, so the same kernel also runs in Triton's CPU interpreter."""
+    """partial[row tile, col] = fp32 sum over the tile's BLOCK_M rows of g * (x * rstd).to(x.dtype);
+    grid (column blocks, row tiles). The launcher sums the partials with torch (no atomics)."""
     col_block = tl.program_id(0)
     row_tile = tl.program_id(1)
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -142,9 +99,6 @@ def _rmsnorm_bwd_dw_kernel(x_ptr, g_ptr, rstd_ptr, partial_ptr, x_row_stride, g_
     tl.store(partial_ptr + row_tile.to(tl.int64) * n_cols + cols, partial, mask=col_mask)
 
 
-# --------------------------------------------------------------------------------------------------
-# Launch configuration
-# --------------------------------------------------------------------------------------------------
 def _row_config(n_cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for rows of n_cols elements: ~8-16 fp32 values per thread for one row."""
     block = pow2_at_least(max(n_cols, 1))
@@ -157,10 +111,8 @@ def _row_config(n_cols: int) -> tuple[int, int]:
     return block, warps
 
 
-# How many elements one program's tile may hold. 0 means one row per program (the GPU choice).
-# In Triton's CPU interpreter each tl operation costs a fixed Python overhead per program, so
-# there programs take big tiles: 2**16 elements (1024 rows of 64 in the tiny CI model).
-# Tests set both to other values to exercise multi-row tiles with a partial last tile.
+# Elements one program's tile may hold; 0: one row per program (the GPU). The interpreter pays a
+# fixed cost per tl op per program: big tiles there. Tests change both (multi-row tiles).
 GPU_TILE_ELEMS = 0
 INTERP_TILE_ELEMS = 1 << 16
 
@@ -184,8 +136,7 @@ _DW_BLOCK_M, _DW_BLOCK_N, _DW_WARPS = 32, 64, 4
 
 
 def _dw_config(n_rows: int, n_cols: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the weight-gradient tiles: the GPU's, or bigger ones when the tile
-    budget allows (the interpreter: [2048, 64] in 2 programs)."""
+    """(BLOCK_M, BLOCK_N) of the weight-gradient tiles: the GPU's, or bigger within the tile budget."""
     tile = _tile_elems()
     if tile <= _DW_BLOCK_M * _DW_BLOCK_N:
         return _DW_BLOCK_M, _DW_BLOCK_N
@@ -210,9 +161,6 @@ def rmsnorm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.shape[-1] == weight.numel() and x.device == weight.device)
 
 
-# --------------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------------
 def _launch_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float):
     n_rows, n_cols = x2.shape
     out = torch.empty((n_rows, n_cols), dtype=torch.promote_types(x2.dtype, weight.dtype), device=x2.device)
@@ -281,23 +229,17 @@ class RMSNormFunction(torch.autograd.Function):
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm with Qwen2RMSNorm's exact semantics: ``weight * (x.float() * rstd).to(x.dtype)``.
-
-    x: [..., N] fp16/fp32 (any strides); weight: [N] fp16/fp32. Returns a contiguous tensor of
-    x's shape in dtype promote(x.dtype, weight.dtype). Differentiable w.r.t. x and weight."""
+    """``weight * (x.float() * rstd).to(x.dtype)``, x [..., N] fp16/fp32 (any strides), weight [N]
+    fp16/fp32: a contiguous tensor of x's shape in promote(x.dtype, weight.dtype); differentiable."""
     return RMSNormFunction.apply(x, weight, eps)
 
 
-# --------------------------------------------------------------------------------------------------
-# sm_75 compile check
-# --------------------------------------------------------------------------------------------------
 _TRITON_TYPE = {torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
 def sm75_specs():
-    """Every GPU launch configuration: the workload's (x fp32, weight fp32, hidden 1536 -> BLOCK
-    2048, 1 row per program) plus the other dtype pairs and the smallest / largest row blocks.
-    (The interpreter's big tiles never run on a GPU and are not listed.)"""
+    """Every GPU launch configuration: the workload's (fp32, hidden 1536), the other dtype pairs,
+    the smallest and largest row blocks (the interpreter's tiles never run on a GPU)."""
     f32, f16 = torch.float32, torch.float16
     configs = [(f32, f32, 1536), (f16, f32, 1536), (f16, f16, 1536), (f32, f16, 1536),
                (f32, f32, 100), (f32, f32, MAX_HIDDEN)]

@@ -1,23 +1,7 @@
-"""SwiGLU of the fused NF4 MLP (nf4_mlp.py): h = silu(g) * u, forward and backward in one Triton
-kernel each.
-
-1. What it replaces. Stock Qwen2MLP computes ``act_fn(gate_proj(x)) * up_proj(x)`` on fp32
-   tensors (bitsandbytes casts its fp16 GEMM outputs back to the fp32 input's dtype): ``silu``
-   (one kernel, saves g), ``mul`` (another, saves silu(g) and u), then in backward two ``mul`` and
-   ``silu_backward``, each reading and writing fp32 [tokens, 8960] tensors.
-2. Why that was slow. Five passes over fp32 activations of 8,960 columns a token, and fp32 copies
-   of values that are fp16 GEMM outputs.
-3. What it does instead. g, u and dh are kept in fp16 (they hold fp16 GEMM outputs: exact); one
-   forward kernel computes h = fp16(fp32 silu(g) * u), stock's fp32 math followed by the fp16 cast
-   the down projection's GEMM makes; one backward kernel recomputes silu(g) in registers and
-   writes dg = fp16(stock's fp32 dg) and du = fp16(stock's fp32 du), the casts the gate / up GEMMs'
-   backward makes, in place into g's and u's buffers (nf4_mlp.py owns them).
-4. Correctness risks. The fp32 math follows torch's operation order: libdevice ``expf`` (the CUDA
-   math library's, as torch's silu kernel calls), ``div_rn`` (IEEE division; Triton's plain ``/``
-   on fp32 is approximate), an explicit fma for ``1 + g * (1 - s)``. In Triton's CPU interpreter
-   libdevice is unavailable: ``tl.exp`` (numpy) replaces it. The in-place backward is safe because
-   every element is read before it is written, by the same program, and nobody else reads g / u.
-5. How it was measured: docs/kernels/swiglu.md.
+"""SwiGLU of the fused NF4 MLP, no autograd: ``swiglu_fp16_of_fp32(g, u)`` -> h = fp16(silu(fp32 g)
+* fp32 u); ``swiglu_backward_fp16_of_fp32`` -> dg, du = fp16(stock's fp32 gradients), may write in
+place over g / u. 2-D fp16 tensors, unit column stride; the fp32 math in torch's operation order.
+What it replaces, why, risks, measurements: docs/kernels/swiglu.md.
 """
 from __future__ import annotations
 
@@ -29,8 +13,7 @@ from triton.language.extra import libdevice
 from solution.env import interpreter_enabled
 from solution.kernels._launches import cdiv, launch
 
-# One launch configuration: tiles of 8 rows x 256 columns (2048 elements, 16 per thread with 4
-# warps, loaded as 16-byte vectors). 256 divides the MLP width 8960 exactly, so no lane is wasted.
+# Tiles of 8 x 256 (16 elements a thread, 16-byte vectors); 256 divides the MLP width 8960.
 BLOCK_R = 8
 BLOCK_C = 256
 NUM_WARPS = 4
@@ -53,8 +36,7 @@ def _silu_f32(g, LIBDEVICE_EXP: tl.constexpr):
 
 @triton.jit
 def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Row indices (int64, so offsets cannot overflow), column indices and the bounds mask of this
-    program's [BLOCK_R, BLOCK_C] tile."""
+    """(int64 rows, columns, bounds mask) of this program's [BLOCK_R, BLOCK_C] tile."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
@@ -64,8 +46,7 @@ def _tile(n_rows, n_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
 @triton.jit(do_not_specialize=["n_rows"])
 def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, n_rows, n_cols, stride_g, stride_u, stride_h,
                        LIBDEVICE_EXP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """h = fp16(fp32(silu(g)) * u): stock's fp32 math (silu's output kept in fp32), rounded once to
-    h's fp16 storage."""
+    """h = fp16(fp32 silu(g) * u): stock's fp32 math, rounded once."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
     g = tl.load(g_ptr + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + rows * stride_u + cols, mask=mask, other=0.0).to(tl.float32)
@@ -77,9 +58,8 @@ def _swiglu_fwd_kernel(g_ptr, u_ptr, h_ptr, n_rows, n_cols, stride_g, stride_u, 
 def _swiglu_bwd_kernel(dh_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n_rows, n_cols,
                        stride_dh, stride_g, stride_u, stride_dg, stride_du,
                        LIBDEVICE_EXP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """From dh, g, u: du = dh * silu(g) and dg = (dh * u) * s * (1 + g * (1 - s)), s = sigmoid(g),
-    stock's fp32 math in its order, each rounded once to its fp16 storage. dg_ptr / du_ptr may equal
-    g_ptr / u_ptr (in place): every element is read before it is written, by the same program."""
+    """du = dh * silu(g), dg = (dh * u) * s * (1 + g * (1 - s)), s = sigmoid(g), fp32, each rounded once;
+    dg_ptr / du_ptr may be g_ptr / u_ptr (each element is read before written, by one program)."""
     rows, cols, mask = _tile(n_rows, n_cols, BLOCK_R, BLOCK_C)
     dh = tl.load(dh_ptr + rows * stride_dh + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + rows * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
@@ -98,9 +78,7 @@ def _grid(n_rows: int, n_cols: int):
 
 
 def swiglu_fp16_of_fp32(g16: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
-    """fp16(silu(fp32(g)) * fp32(u)) for 2-D fp16 g, u (unit column stride): what stock computes
-    when the gate / up outputs are fp32 tensors holding fp16 values, followed by the down
-    projection's fp16 cast. No autograd."""
+    """fp16(silu(fp32(g)) * fp32(u)) for 2-D fp16 g, u (unit column stride); a new fp16 tensor."""
     h = torch.empty(g16.shape, dtype=torch.float16, device=g16.device)
     if h.numel():
         n_rows, n_cols = g16.shape
@@ -111,9 +89,8 @@ def swiglu_fp16_of_fp32(g16: torch.Tensor, u16: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_backward_fp16_of_fp32(dh16, g16, u16, dg_out, du_out) -> None:
-    """The matching backward (2-D fp16 tensors, unit column stride): dg = fp16(stock's fp32 dg),
-    du = fp16(stock's fp32 du), given dh (an fp16 GEMM output, exact in fp32). dg_out / du_out may
-    be g16 / u16."""
+    """dg_out, du_out = fp16(stock's fp32 dg, du) from fp16 dh, g, u (2-D, unit column stride);
+    dg_out / du_out may be g16 / u16."""
     if g16.numel():
         n_rows, n_cols = g16.shape
         grid, block_r, block_c = _grid(n_rows, n_cols)

@@ -1,10 +1,7 @@
-"""The small mechanism every patch uses: swap attributes, remember the originals, restore them.
-
-A patch is a module in solution/patches/ with:
+"""Swap attributes, remember the originals, restore them. A patch is a module in solution/patches/ with:
     NAME: str                      short name printed by apply()
     def check() -> str | None      None when the patch can be installed here, else the reason
     def install(swaps: Swaps) -> str   installs through ``swaps.set(...)``; returns a one-line description
-Uninstalling is generic: ``Swaps.restore()`` puts back every original object exactly.
 """
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ _MISSING = object()
 
 
 class Swaps:
-    """Records (owner, attribute, original) so revert() restores the stock objects exactly."""
+    """Records (owner, attribute, original): ``restore()`` puts back every original object exactly."""
 
     def __init__(self) -> None:
         self._log: list[tuple[Any, str, Any]] = []

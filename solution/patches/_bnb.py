@@ -1,17 +1,6 @@
-"""bitsandbytes' ``Linear4bit`` as our NF4 kernels (solution/kernels/nf4_linear.py) see it, for the
-decoder-layer node's planner (solution/patches/qwen2_layer_node.py). Everything here reads a bnb
-module object or bitsandbytes itself; the kernel side takes the weight tensor, its quant state and
-the compute dtype.
-
-- ``linear_plan(module)``: the layer's cached ``LinearPlan`` (one per layer, in a
-  WeakKeyDictionary, re-validated by identity checks only: it is on the hot path, 196 linears per
-  step), after bnb's quant-state repair as its forward does first.
-- ``call_reason(plan, module, x)``: None when this call takes our path: the kernel's checks
-  (``input_reason``) plus bnb's CPU inference repacking, which we leave to bnb.
-- ``linear4bit_bias(module)``: bnb's in-place fp16 cast of the bias parameter.
-
-Imported by the planner when it first runs (it imports the kernels, hence Triton); bitsandbytes'
-own helpers are imported on first use.
+"""bitsandbytes' ``Linear4bit`` as our NF4 kernels (kernels/nf4_linear.py) see it, for the decoder-layer node's
+planner: everything here reads a bnb module or bitsandbytes itself; the kernel side takes the weight, its quant
+state and the compute dtype. Imported by the planner when it first runs (bitsandbytes' helpers on first use).
 """
 from __future__ import annotations
 
@@ -34,9 +23,9 @@ def _param(module, name: str):
 
 
 def linear_plan(module) -> LinearPlan:
-    """The cached plan of a bnb ``Linear4bit`` (bnb's quant-state repair included, as its forward
-    does first). Its compute dtype: ``module.compute_dtype`` once bnb fixed it
-    (``compute_type_is_set``), else None (bnb's forward may still change it: left to bnb)."""
+    """The cached plan of a bnb ``Linear4bit`` (one per layer, re-validated by identity checks: hot path),
+    after bnb's quant-state repair as its forward does first. Compute dtype: ``module.compute_dtype`` once
+    bnb fixed it (``compute_type_is_set``), else None (left to bnb)."""
     global _fix_quant_state
     weight = _param(module, "weight")
     qs = getattr(weight, "quant_state", None)
@@ -61,7 +50,7 @@ def release() -> None:
 
 
 def call_reason(plan: LinearPlan, module, x: torch.Tensor) -> str | None:
-    """None when this call (layer ``module``, its ``plan``, input ``x``) can take our path; else why not."""
+    """None when this call can take our path (``input_reason``; bnb's CPU inference repacking is bnb's), else why."""
     reason = input_reason(plan, x)
     if reason is not None:
         return reason
@@ -71,9 +60,8 @@ def call_reason(plan: LinearPlan, module, x: torch.Tensor) -> str | None:
 
 
 def linear4bit_bias(module):
-    """bnb's Linear4bit.forward bias handling, side effect included: the bias parameter is cast
-    to fp16 IN PLACE when it differs (``bias.data = bias.data.to(x.dtype)``), then
-    ``bias.to(compute_dtype)``, which returns the parameter itself once it is fp16."""
+    """bnb's Linear4bit.forward bias handling, side effect included: the bias parameter cast to fp16 IN PLACE
+    when it differs (``bias.data = bias.data.to(x.dtype)``); returns the parameter."""
     bias = _param(module, "bias")
     if bias is not None and bias.dtype != torch.float16:
         bias.data = bias.data.to(torch.float16)

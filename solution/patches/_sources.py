@@ -1,50 +1,10 @@
-"""The stock sources our patches mirror, by sha256, and the library versions they were read in.
+"""The stock sources our patches mirror, by sha256 (docs/GATES.md: every gate, the ranges, what each review found).
 
-A patch that re-implements a stock function's body (to fuse part of it), or relies on what a stock
-function does beyond its documented contract, must only run where that body is the one it mirrors.
-Each function below is accepted when the sha256 of its installed source (``inspect.getsource`` of
-the undecorated function) is one of the listed ones. Each listed hash was checked by reading the
-diff against the version the patch was written for (transformers 5.17.0, trl 0.29.1, peft 0.21.2,
-bitsandbytes 0.50.2, accelerate 1.15.0, torch 2.13) and finding nothing that changes what the
-mirror computes. Any other source (a newer release, a local edit) makes the patch refuse to install
-(its ``check()`` returns the reason, apply() prints it on one line), and that part of training runs
-the stock code. tests/test_gates.py checks that every name here is checked by some patch and that
-a changed source is refused. docs/GATES.md lists every gate, with the private calls.
-
-Where the hashes were taken: the wheels of every release in the ranges below (the source files
-read without installing them), and the installed packages. torch's from its macOS wheels (the same
-Python files as the Linux ones; the installed 2.13.0+cpu's files are byte-identical to 2.13.0's).
-
-Reviewed, transformers 5.16.1 ... 5.24.0 (every release), trl 0.29.0 / 0.29.1 (Soup 0.77.0 allows
-transformers >= 5.16.1, < 6 and trl >= 0.29, < 1), peft 0.20.0 ... 0.21.2 (Soup: >= 0.20, < 1),
-bitsandbytes 0.49.0 ... 0.50.2 (Soup: >= 0.41), accelerate 1.14.0 ... 1.16.0, torch 2.10.0, 2.11.0,
-2.12.0, 2.12.1, 2.13.0 (the Kaggle image's, the GPU machine's, the installed one's and between):
-- 5.21.0: Qwen2ForCausalLM.forward slices hidden states through ``slice_logits_to_keep`` (same
-  result for logits_to_keep == 0, the only case the fused path takes) - accepted.
-- 5.23.0: type hints (``inputs_embeds: torch.Tensor``) - accepted.
-- 5.24.0: ``past_key_values`` renamed ``cache`` (arguments of the CausalLM, the model and the
-  decoder layer, fields of the outputs; the old name kept as a deprecated alias) - accepted: the
-  mirrors take the cache argument's name from the installed signature (``cache_kwarg``), and the
-  decoder-layer node runs only without a cache.
-- Qwen2Attention.forward (mirrored by the decoder-layer node, solution/step/layer.py): one source
-  from 5.16.1 to 5.23.0; 5.24.0 renames ``past_key_values`` to ``cache`` (with ``deprecate_kwarg``)
-  and passes ``kwargs`` to ``cache.update`` - accepted: the node runs only without a cache.
-- Qwen2RMSNorm.forward, apply_rotary_pos_emb, rotate_half, Qwen2MLP.forward,
-  Trainer.floating_point_ops, PreTrainedModel.num_parameters, ForCausalLMLoss,
-  fixed_cross_entropy, PreTrainedModel.train: one source each over the whole range.
-- Trainer._clip_grad_norm: one source from 5.17.0 to 5.24.0 (accepted); 5.16.1's has no
-  mixed-mesh branch and no ``_has_mixed_mesh_grads``, which trainer_clip calls - refused.
-- peft Linear4bit.forward: one source from 0.20.0 to 0.21.2.
-- bitsandbytes Linear4bit.forward and matmul_4bit: one source each from 0.50.0 to 0.50.2
-  (accepted). 0.49.x casts the bias before the compute-dtype cast and sets the quant state's dtype
-  on the CPU - refused.
-- accelerate: clip_grad_norm_ one source from 1.15.0 to 1.16.0 (1.14.0 refused: not reviewed);
-  _clip_grad_norm_dtensor_aware 1.15.0, and 1.16.0's regrouping (every parameter whose ``.grad``
-  is None skipped, the others kept in order, one group without DTensors) - accepted.
-- torch Module.named_modules: 2.12.x differs only by a ``# noqa`` comment; _get_total_norm: 2.10.0
-  differs only by a ``# pyrefly`` comment; utils.checkpoint.checkpoint: 2.12 changes a type hint,
-  2.13 re-raises an exception of the checkpointed forward through its context generator (error
-  paths only) - accepted. The other torch methods: one source from 2.10.0 to 2.13.0.
+A patch that re-implements a stock function's body, or relies on what it does beyond its documented contract,
+runs only where that body is the one it mirrors: where the sha256 of the installed source (``inspect.getsource``
+of the undecorated function) is listed below, each hash taken from the wheels of every release in its range and
+its diff reviewed. Any other source: the patch's ``check()`` gives the reason, apply() prints it, and that part
+of training runs the stock code (tests/test_gates.py).
 """
 from __future__ import annotations
 
@@ -151,8 +111,7 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "torch.nn.Module.zero_grad": {
         "e2acaefe95021c77747b2c285044f4ef353be47fe223ea47d20ab10322d70f3a": "2.10.0-2.13.0",
     },
-    # qwen2_layer_node: the node's own gradient checkpointing stands in for torch's checkpoint
-    # called with the options ``step.layer.own_checkpoint`` accepts
+    # qwen2_layer_node: the node's own checkpointing stands in for it (``step.layer.own_checkpoint``'s options)
     "torch.utils.checkpoint.checkpoint": {
         "13cd61e07e801e1f6c2c85a1207b5f13626571b3fc3b4caab3d9a6a4a147d241": "2.10.0-2.11.0",
         "3d03debbb03f48589d88274250600ea00768dc0f07c50c020a9eb3fe755c83f1": "2.12.0-2.12.1",
@@ -162,8 +121,7 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "peft.tuners.lora.bnb.Linear4bit.forward": {
         "ba53967c7f8574384a160a6a897e8ec6205718e9bfef9d6998cb40cb8bcf6eb8": "0.20.0-0.21.2",
     },
-    # the node's NF4 linears (solution/patches/_bnb.py): bitsandbytes' forward (quant-state repair,
-    # bias cast, compute dtype) and its matmul
+    # the node's NF4 linears (patches/_bnb.py): bitsandbytes' forward (quant-state repair, bias cast) and matmul
     "bitsandbytes.nn.Linear4bit.forward": {
         "d52cf63457717cc718ca0a449dad0967171e679be90d5d2adcafe2e8a141093d": "0.50.0-0.50.2",
     },
@@ -191,8 +149,7 @@ def _reason(name: str, digest) -> str | None:
 
 
 def unexpected_source(name: str, fn) -> str | None:
-    """None when the installed ``fn`` is one of the reviewed sources of ``name``, else the reason
-    (also when ``fn`` is None: the function does not exist)."""
+    """None when the installed ``fn`` is a reviewed source of ``name``, else the reason (also for ``fn`` None)."""
     if fn is None:
         return f"{name} does not exist"
     return _reason(name, lambda: source_sha256(fn))
@@ -208,8 +165,7 @@ def first_unexpected(*pairs) -> str | None:
 
 
 def cache_kwarg(fn) -> str:
-    """The name of the KV-cache argument of an installed transformers forward: ``cache`` (5.24 on)
-    or ``past_key_values`` (before); outputs name their field the same way."""
+    """The KV-cache argument's (and output field's) name in an installed forward: ``cache`` or ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(inspect.unwrap(fn)).parameters else "past_key_values"
 
 

@@ -1,34 +1,14 @@
-"""``PeftModel.parameters()``, ``zero_grad()`` and ``train()``: the Trainer's per-step walks over
-the whole model, made in one pass over the modules' own dicts.
-
-What it replaces: every training step the Trainer calls ``model.train()`` (``training_step``),
-``model.zero_grad()`` and ``clip_grad_norm_(model.parameters(), ...)`` on the peft model. Each is
-torch's generic walk: ``train`` calls itself on every one of the ~1,000 modules, ``parameters``
-goes through ``named_modules`` (a prefix string built for every module and parameter) and
-``zero_grad`` reads ``.grad`` of every parameter, which for bitsandbytes' 4-bit weights goes
-through their ``__torch_function__``. The same answer every step. Measured by
-``python -m bench.step_walks`` (on the CPU); the whole runs with it: docs/PERFORMANCE.md.
-
-What it does instead, on ``PeftModel`` only:
-- ``parameters(recurse=True)``: one walk over the modules' ``_modules`` and ``_parameters`` dicts,
-  in torch's order (pre-order, children in insertion order, a module or a parameter met twice
-  taken once, None slots skipped): the same parameter objects in the same order as torch's.
-- ``zero_grad(set_to_none=True)``: that walk, then ``p.grad = None`` where a gradient is set, with
-  tensor-subclass overrides off for the ``.grad`` reads (bitsandbytes' ``__torch_function__``
-  hands ``.grad`` to torch unchanged: the same tensor). ``set_to_none=False`` or a replica: stock.
-- ``train(mode)``: returns at once when every module already has ``training == mode`` and each
-  module's class takes torch's plain ``Module.train`` or transformers' ``PreTrainedModel.train``
-  (reviewed: its extra work runs only when the mode changes); otherwise stock's walk.
-Any module class with its own ``named_modules`` / ``named_parameters`` / ``_named_members`` /
-``parameters`` (none in the workload): stock for all three.
-
-Risk: a walk that differs from torch's (order, duplicates) would change which gradients are
-clipped or cleared, not their values; the tests compare objects and order with torch's on shared
-modules, tied weights, None slots and the workload's stack, and every compared run checks
-grad_norm, loss and total_flos against the baseline (bench/rules.py). Refused (check()) unless
-torch's ``Module.named_modules`` / ``named_parameters`` / ``_named_members`` / ``parameters`` /
-``train`` / ``zero_grad`` are reviewed sources (sha256, solution/patches/_sources.py: torch
-2.10.0-2.13.0).
+"""``PeftModel.parameters()``, ``zero_grad()`` and ``train()``: the Trainer's per-step walks over the whole
+model, made in one pass over the modules' own dicts (torch's walks visit ~1,000 modules every step, building a
+name for each; bitsandbytes' 4-bit weights route ``.grad`` reads through ``__torch_function__``):
+- ``parameters(recurse=True)``: torch's order (pre-order, children in insertion order, a module or parameter
+  met twice taken once, None slots skipped), the same objects;
+- ``zero_grad(set_to_none=True)``: that walk, ``p.grad = None`` where set (reads with subclass overrides off:
+  the same tensor); ``set_to_none=False`` or a replica: stock;
+- ``train(mode)``: returns at once when every module already has ``training == mode`` and each class takes
+  torch's ``Module.train`` or the reviewed ``PreTrainedModel.train``; otherwise stock.
+A module class with its own walk methods (``_WALK_METHODS``): stock for all three. Tests compare objects and
+order with torch's. Refused (check()) unless torch's methods are reviewed sources (sha256, patches/_sources.py).
 """
 from __future__ import annotations
 
@@ -53,8 +33,7 @@ def check() -> str | None:
     for name in ("parameters", "zero_grad", "train"):
         if name in PeftModel.__dict__:
             return f"peft.PeftModel defines its own {name}()"
-    # The walks mirror torch's (order, duplicates, None slots, flags): its methods must be the
-    # reviewed sources (sha256, solution/patches/_sources.py).
+    # the walks mirror torch's (order, duplicates, None slots, flags): its methods must be reviewed sources
     from solution.patches._sources import first_unexpected
 
     module = torch.nn.Module
@@ -63,8 +42,7 @@ def check() -> str | None:
 
 
 def _walks_plainly(classes) -> bool:
-    """Every class in ``classes`` walks its modules and parameters as torch's Module does: torch's
-    own methods, or this patch's ``parameters`` (the same objects in the same order)."""
+    """Every class in ``classes`` walks as torch's Module does (torch's methods, or this patch's)."""
     for cls in classes:
         ok = _PLAIN_WALK.get(cls)
         if ok is None:
@@ -88,9 +66,7 @@ def _collect(m, seen: set, out: list) -> None:
 
 
 def _modules(root) -> list | None:
-    """Every module under ``root`` (itself first), in torch's ``named_modules`` order (pre-order,
-    children in insertion order, a module met again skipped), each once; None when a module's
-    class walks in its own way."""
+    """Every module under ``root`` (itself first) in ``named_modules`` order, once; None: a class walks its own way."""
     out: list = []
     _collect(root, {id(root)}, out)
     return out if _walks_plainly({type(m) for m in out}) else None
@@ -109,9 +85,7 @@ def _collect_parameters(m, seen: set, seen_p: set, out: list, classes: set) -> N
 
 
 def walk_parameters(root) -> list | None:
-    """``list(root.parameters())`` as torch's ``Module.parameters`` gives it: the modules in
-    ``_modules``' order, each module's own parameters in registration order, None slots skipped,
-    a parameter met again skipped (None: a module walks in its own way; the caller asks torch)."""
+    """``list(root.parameters())`` as torch gives it (None: a module walks in its own way; ask torch)."""
     out: list = []
     classes: set = set()
     _collect_parameters(root, {id(root)}, set(), out, classes)
@@ -130,8 +104,7 @@ def _plain_train(cls) -> bool:
 
 
 def _reviewed_train(train) -> bool:
-    """transformers' ``PreTrainedModel.train``, reviewed: with the mode unchanged it is
-    ``Module.train`` (its kernel re-setup runs only on a change)."""
+    """transformers' reviewed ``PreTrainedModel.train``: with the mode unchanged it is ``Module.train``."""
     try:
         from transformers.modeling_utils import PreTrainedModel
     except Exception:  # noqa: BLE001

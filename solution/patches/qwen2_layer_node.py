@@ -1,20 +1,10 @@
-"""Turns on the decoder-layer node (solution/step/layer.py): on the packed path each Qwen2 decoder
-layer runs as ONE autograd node whose forward and backward are straight sequences of our kernel
-calls, instead of stock's ~13 module calls and autograd nodes a layer.
+"""Turns on the decoder-layer node (solution/step/layer.py, docs/layer_node.md) and is its planner: what
+needs the libraries' modules (bitsandbytes' Linear4bit, peft's LoRA layer, transformers' Qwen2 classes) is
+read here, once per layer, into a ``LayerPlan``, with a cheap per-step check (``_validator``).
 
-This file is the node's planner: what needs the libraries' modules (bitsandbytes' Linear4bit,
-peft's LoRA layer, transformers' Qwen2 classes) is read here, once per layer, into a
-``step.layer.LayerPlan``, with a cheap per-step check that it still holds.
-
-The node computes what stock's modules compute, in the same order of operations (up to fp16
-roundings: tests/test_default_stack.py). It runs a packed step only when it takes every layer;
-a step it does not take runs stock's forward (padded), said once. ``SOLUTION_SKIP_PATCHES=
-qwen2_layer_node`` leaves it out, and with it the packed step.
-
-Refused (check()) unless every stock source the node stands in for is a reviewed one (sha256,
-solution/patches/_sources.py): transformers' Qwen2 decoder layer, attention, MLP, RMSNorm and
-RoPE, peft's LoRA forward over bitsandbytes 4-bit, bitsandbytes' Linear4bit forward and
-matmul_4bit, torch's checkpoint (the node's own checkpointing stands in for it).
+Skipping it (``SOLUTION_SKIP_PATCHES=qwen2_layer_node``) turns off the packed step too. Refused (check())
+unless every stock source the node stands in for is a reviewed one (``_mirrored``; sha256,
+solution/patches/_sources.py).
 """
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ NAME = "qwen2_layer_node"
 # What else this patch carries: apply()'s line says it when the patch is skipped.
 ALSO_OFF_WHEN_SKIPPED = "the packed step (no work on padding) and the decoder CUDA graphs: stock's forward runs"
 
-# the stock functions check() found reviewed (unwrapped: a class-level timing wrapper such as
-# bench/host_split.py's keeps them): a plan is built only while they are still installed
+# the reviewed stock functions (unwrapped: a timing wrapper keeps them); plans are built only while installed
 _CHECKED: list = state.kept([])
 
 # rows of the probe inputs the plan is checked with (a plan must not depend on a step's token count)
@@ -78,8 +67,7 @@ def check() -> str | None:
 
 
 def step_ok(x) -> bool:
-    """fp16 autocast for x's device, as peft's LoRA forward and SDPA read it (peft asks
-    torch.is_autocast_enabled(), the CUDA autocast; F.linear casts with the tensors' device's)."""
+    """fp16 autocast for x's device, as peft (``torch.is_autocast_enabled()``: CUDA's) and F.linear read it."""
     dev = x.device.type
     return (torch.is_autocast_enabled() and torch.is_autocast_enabled(dev)
             and torch.get_autocast_dtype(dev) == torch.float16)
@@ -102,9 +90,8 @@ def _lora_state(mod, dropout):
 
 
 def _validator(layer, sides, linears):
-    """The per-step check of a plan: no hooks and no instance-level forwards on the layer's
-    modules, the same adapter state, dropout and LoRA weights (``_lora_state``), the same packed
-    weights (``_weight_same``). Attribute reads only."""
+    """A plan's per-step check (attribute reads only): no hooks or instance-level forwards on the layer's
+    modules, the same ``_lora_state``, the same packed weights."""
     modules = tuple(layer.modules())
     states = [(mod, dropout, _lora_state(mod, dropout)) for mod, dropout in sides]
 
@@ -119,10 +106,8 @@ def _validator(layer, sides, linears):
 
 
 def _lora_side(layer, x):
-    """(None, LoraPlan) when the node computes what peft's ``lora.bnb.Linear4bit.forward`` computes
-    for ``layer`` on inputs like x: one active adapter, not merged, plain LoRA (no DoRA / variant,
-    no LoRA bias), nn.Dropout (p < 1, not in place) or none, a plain bnb Linear4bit base our NF4
-    path takes; else (reason, None)."""
+    """(None, LoraPlan) when the node computes what peft's ``lora.bnb.Linear4bit.forward`` computes for
+    ``layer`` on inputs like x, else (reason, None)."""
     from bitsandbytes.nn import Linear4bit
 
     from solution.patches import _bnb
@@ -168,8 +153,7 @@ def _lora_side(layer, x):
 
 
 def build(layer, x):
-    """A step.layer.LayerPlan for ``layer`` on input x ([1, N, H] fp32, the packed rows), or why
-    not (a string)."""
+    """A LayerPlan for ``layer`` on x ([1, N, H] fp32 packed rows), or why not (a string)."""
     from bitsandbytes.nn import Linear4bit
     from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     from transformers.activations import SiLUActivation
@@ -203,8 +187,7 @@ def build(layer, x):
     if not attention.varlen_enabled():
         return "variable-length attention refused on this machine"
 
-    # Inputs shaped like the step's but with many rows: the plan must not depend on this step's
-    # token count. Expanded views of one element: nothing is allocated.
+    # inputs like the step's with PROBE_ROWS rows (expanded views: nothing allocated)
     def probe(k: int, dtype):
         return torch.empty(1, dtype=dtype, device=x.device).expand(1, PROBE_ROWS, k)
 

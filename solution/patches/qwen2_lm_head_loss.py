@@ -1,34 +1,16 @@
-"""Wire the fused LM head + loss (solution/kernels/lm_head_loss.py) into Qwen2 + trl's SFTTrainer.
+"""Wire the fused LM head + loss (solution/kernels/lm_head_loss.py) into Qwen2 + trl's SFTTrainer: two mirrors
+of stock code, fused where marked.
 
-Two swaps, both needed, both exact mirrors of the stock code they replace except for the fused part:
-
-1. ``Qwen2ForCausalLM.forward``: when (and only when) trl's compute_loss below asks for it through a
-   context variable, and the call is one we support (labels given, all logits wanted, the stock
-   ForCausalLMLoss, a plain frozen bias-free nn.Linear head, fp16 autocast or plain fp16/fp32), it
-   computes loss, per-token loss, entropy and argmax with the fused kernel and returns
-   ``logits=None`` plus ``token_entropy`` / ``token_argmax`` / ``token_loss``. Any other call (generation, eval,
-   a user asking for logits, bf16, another loss...) runs the stock forward unchanged.
-2. ``SFTTrainer.compute_loss`` (trl 0.29.1): in training, it sets that request, calls the same
-   ``Trainer.compute_loss`` stock calls, and logs ``entropy``, ``num_tokens`` and
-   ``mean_token_accuracy`` with trl's own formulas, reading the per-token entropy and argmax from the
-   outputs instead of recomputing them from the logits (if the forward declined, it falls back to the
-   logits exactly like stock). Anything trl does differently in other settings (Liger, eval,
-   prompt tuning, context parallel shift_labels, aux loss, custom compute_loss_func) goes to the
-   stock method.
-
-Soup's rewind recorder (soup_cli.trainer.rewind_hf, a subclass of the SFTTrainer) needs per-row
-losses after compute_loss; without logits it reads them from the trainer attribute
-``soup_cli.utils.stream_loss_chunk.STEP_ATTR`` (``_soup_chunked_step``: an object whose
-``token_loss`` is [B, T] fp32, position t = cross-entropy of labels[:, t + 1], 0.0 where that label
-is -100), which Soup's own chunked loss sets. The patched compute_loss sets that attribute to a
-``FusedLMHeadStep`` (the same four fields as Soup's ``ChunkedStep``) after every fused step and to
-None on every other call, so a stale value is never read.
-
-Why not only patch the loss: trl reads ``outputs.logits`` for its metrics, so the logits would have
-to exist anyway; without them trl crashes unless ``use_liger_kernel`` is set, which we must not
-require. The patch is refused (check()) unless the installed sources of both methods are exactly the
-ones mirrored here or reviewed as equivalent (sha256 of their source text, solution/patches/_sources.py:
-transformers 5.16.1-5.23.0, trl 0.29.0-0.29.1).
+1. ``Qwen2ForCausalLM.forward``: when the compute_loss below asks (a context variable) and the call is
+   supported (``_head_ok``, ``_compute_dtype``), loss, per-token loss, entropy and argmax come from the fused
+   kernel, with ``logits=None``; any other call (generation, eval, logits wanted, bf16...) runs stock's.
+2. ``SFTTrainer.compute_loss`` (trl 0.29.1, training cases: ``_trainer_can_fuse``; else stock): sets that
+   request, calls ``Trainer.compute_loss`` and logs trl's metrics with trl's formulas, reading entropy and
+   argmax from the outputs (from the logits where the forward declined).
+Why both: trl reads ``outputs.logits`` for its metrics and crashes without them unless ``use_liger_kernel``,
+which we must not require. Soup's rewind recorder, without logits, reads per-row losses from the trainer
+attribute ``soup_step_attr()``: a ``FusedLMHeadStep`` after each fused step, None after any other call.
+Refused (check()) unless the mirrored sources are reviewed ones (sha256, solution/patches/_sources.py).
 """
 from __future__ import annotations
 
@@ -46,16 +28,13 @@ from solution.patches._sources import cache_given, cache_kwarg, drop_cache_args
 NAME = "qwen2_lm_head_loss"
 
 
-# Set by the patched SFTTrainer.compute_loss around its model call: "I read the metrics from
-# token_entropy / token_argmax, logits are not needed". A context variable, so nothing is added to
-# the model's inputs and any other caller keeps the stock outputs.
+# set by the patched compute_loss around its model call ("no logits needed"); other callers get stock's outputs
 _FUSED_REQUESTED: contextvars.ContextVar[bool] = contextvars.ContextVar("lm_head_loss_requested", default=False)
 
 
 @contextlib.contextmanager
 def fused_lm_head_requested():
-    """Within this block, a supported Qwen2ForCausalLM forward with labels returns loss +
-    token_entropy + token_argmax and logits=None."""
+    """Within this block a supported forward with labels returns the token stats and logits=None."""
     token = _FUSED_REQUESTED.set(True)
     try:
         yield
@@ -79,10 +58,9 @@ def soup_step_attr() -> str:
 
 @dataclass(frozen=True)
 class FusedLMHeadStep:
-    """What a fused training step leaves on the trainer under soup_step_attr(), with the fields of
-    Soup's ChunkedStep: token_entropy fp32 [B, T]; token_loss fp32 [B, T] (position t: cross-entropy
-    of labels[:, t + 1], 0.0 where it is -100 and at the last position); correct / labelled: int64
-    scalars, labelled positions whose argmax is the label / all labelled positions."""
+    """What a fused step leaves on the trainer under soup_step_attr(), the fields of Soup's ChunkedStep:
+    token_entropy, token_loss fp32 [B, T] (t: cross-entropy of labels[:, t + 1], 0.0 where -100 and at the
+    end); correct / labelled: int64 scalars, labelled positions whose argmax is the label / all of them."""
     token_entropy: torch.Tensor
     token_loss: torch.Tensor
     correct: torch.Tensor
@@ -96,10 +74,8 @@ def _output_class():
 
     @dataclass
     class CausalLMOutputWithTokenStats(CausalLMOutputWithPast):
-        """CausalLMOutputWithPast with logits=None and what trl's metrics (and Soup's rewind log)
-        need instead: token_entropy fp32 [batch, seq] (entropy of softmax(logits) at each position),
-        token_argmax int64 [batch, seq] (argmax of the logits at each position) and token_loss
-        fp32 [batch, seq] (cross-entropy of position t against labels[:, t + 1], 0 where ignored)."""
+        """CausalLMOutputWithPast with logits=None plus, per [batch, seq] position, token_entropy fp32 (of
+        softmax(logits)), token_argmax int64 and token_loss fp32 (against labels[:, t + 1], 0 where ignored)."""
         token_entropy: torch.FloatTensor | None = None
         token_argmax: torch.LongTensor | None = None
         token_loss: torch.FloatTensor | None = None
@@ -134,9 +110,8 @@ def _head_ok(model, labels, logits_to_keep, kwargs) -> bool:
 
 
 def _packed_lm_head(packed, weight, shift_labels, dtype, num_items_in_batch, labelled_rows):
-    """The fused LM head on the packed real-token rows of an unpadded decoder run (qwen2_unpad):
-    labels gathered the same way, per-token results put back at their [batch, seqlen] positions
-    (0 at pad positions, where stock's values are never used)."""
+    """The fused LM head on the packed real-token rows (qwen2_unpad): labels gathered the same way, per-token
+    results scattered back to [batch, seqlen] (0 at pads, where stock's values are never used)."""
     from solution.kernels.lm_head_loss import fused_lm_head_loss
     from solution.step.packing import pad_rows, unpad_rows
 
@@ -169,9 +144,8 @@ def _make_forward(stock_forward):
                                  position_ids=position_ids, inputs_embeds=inputs_embeds, labels=labels,
                                  use_cache=use_cache, logits_to_keep=logits_to_keep, return_dict=True, **kwargs)
         drop_cache_args(kwargs)
-        # The labelled tokens' count, read before the decoder is queued (one sync, next to the one
-        # the packed step makes for its row lengths): the LM head's gradient GEMM then runs on
-        # those rows only (Soup trains on the responses: ~36% of the shipped tokens have no label).
+        # The labelled tokens' count, read before the decoder is queued (one sync): the LM head's gradient
+        # GEMM runs on those rows only (~36% of the shipped tokens have no label).
         labelled = int((labels[..., 1:] != -100).sum()) if torch.is_grad_enabled() else None
         # From here on: the stock forward's body, with the LM head + loss fused.
         with capture_packed_hidden() as packed:  # filled when the decoder ran on real tokens only
@@ -189,8 +163,7 @@ def _make_forward(stock_forward):
                                           attentions=outputs.attentions, **{cache_kw: getattr(outputs, cache_kw)})
         shift_labels = shift_labels_like_stock(labels.to(hidden_states.device))
         if packed:
-            # Only the real tokens' rows go through the LM head (pad positions: label -100, and
-            # trl weighs their entropy by attention_mask 0); their results are scattered back.
+            # only the real tokens' rows (pads: label -100, entropy weighed by attention_mask 0)
             token_entropy, token_argmax, token_loss, loss = _packed_lm_head(
                 packed[0], weight, shift_labels, dtype, kwargs.get("num_items_in_batch"), labelled)
         else:
@@ -202,8 +175,7 @@ def _make_forward(stock_forward):
                             attentions=outputs.attentions, token_entropy=token_entropy, token_argmax=token_argmax,
                             token_loss=token_loss, **{cache_kw: getattr(outputs, cache_kw)})
 
-    # Same name, docstring and (through __wrapped__) signature as stock: the Trainer inspects the
-    # forward signature (label names, **kwargs => model_accepts_loss_kwargs).
+    # stock's name, docstring and signature (__wrapped__): the Trainer inspects it (label names, **kwargs)
     functools.update_wrapper(forward, stock_forward)
     return forward
 
@@ -224,14 +196,12 @@ def _make_compute_loss(sft_trainer_cls, stock_compute_loss):
     step_attr = soup_step_attr()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # Cleared on every call: only the fused step below sets it, so Soup's rewind recorder never
-        # reads a previous step's per-token losses (it uses outputs.logits when they exist).
+        # cleared on every call: Soup's rewind recorder never reads a previous step's per-token losses
         setattr(self, step_attr, None)
         if not _trainer_can_fuse(self, inputs):
             return stock_compute_loss(self, model, inputs, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
-        # Below: trl 0.29.1 SFTTrainer.compute_loss for training without Liger / prompt tuning /
-        # shift_labels / aux loss, with the metrics read from the fused outputs when present.
+        # Below: trl 0.29.1 SFTTrainer.compute_loss (training cases), metrics from the fused outputs when present.
         mode = "train"
         inputs.pop("_prediction_loss_only", None)
         labels = inputs["labels"]

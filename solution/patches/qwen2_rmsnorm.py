@@ -1,17 +1,7 @@
-"""Route ``Qwen2RMSNorm.forward`` through our fused Triton RMSNorm (solution/kernels/rmsnorm.py).
-
-The replacement calls the kernel when the input lives where our kernels run (a CUDA tensor, or a
-CPU tensor while Triton's interpreter is on) and dtypes/shapes are ones it handles (fp16/fp32 input
-and weight, hidden size <= 8192); anything else (bf16, fp64, other devices...) goes to the stock
-forward unchanged. Output dtype and values follow stock exactly in semantics:
-``weight * (x.float() * rstd).to(x.dtype)``.
-
-Autocast: the kernel runs inside a torch.autograd.Function that autocast does not touch, and the
-stock forward's ops are not changed by autocast either (its inputs are already fp32 where autocast
-would upcast), so the dtypes seen downstream are the same with and without the patch.
-
-Refused (check()) unless the installed ``Qwen2RMSNorm.forward`` is one of the reviewed sources
-(sha256, solution/patches/_sources.py).
+"""Route ``Qwen2RMSNorm.forward`` through our fused Triton RMSNorm (solution/kernels/rmsnorm.py) where the
+input is where our kernels run and ``rmsnorm_supported``; anything else: the stock forward. Stock's formula
+and dtypes, ``weight * (x.float() * rstd).to(x.dtype)``, with or without autocast (which touches neither).
+Refused (check()) unless the installed forward is a reviewed source (sha256, solution/patches/_sources.py).
 """
 from __future__ import annotations
 
@@ -22,8 +12,7 @@ NAME = "qwen2_rmsnorm"
 
 
 def _stock_forward_is_expected(forward) -> str | None:
-    """The kernel reproduces this exact formula; refuse to install unless ``forward`` is one of the
-    reviewed sources (sha256, solution/patches/_sources.py)."""
+    """The kernel reproduces this exact formula: the reason unless ``forward`` is a reviewed source."""
     return unexpected_source("transformers.Qwen2RMSNorm.forward", forward)
 
 

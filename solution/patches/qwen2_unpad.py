@@ -1,11 +1,6 @@
-"""No work on padding in Qwen2: wires the packed training step (solution/step/) into
-transformers. ``Qwen2Model.forward``: a training forward that ``step.decoder.plan`` accepts (every
-right-padded batch, also one with no padding) runs ``step.decoder.unpadded_forward`` on the real
-tokens only, where the decoder-layer node takes every layer; anything else runs the stock forward
-unchanged.
-
-Refused (check()) unless the installed Qwen2Model.forward is the source mirrored in solution/step/
-or reviewed as equivalent (sha256, solution/patches/_sources.py).
+"""No work on padding (docs/no_padding.md): ``Qwen2Model.forward`` runs a training forward that
+``step.decoder.plan`` accepts through ``step.decoder.unpadded_forward``; anything else: the stock forward.
+Refused (check()) unless the installed forward is a reviewed source (sha256, solution/patches/_sources.py).
 """
 from __future__ import annotations
 

@@ -1,35 +1,12 @@
-"""``transformers.Trainer._clip_grad_norm``: the gradient clip handed only the parameters that
-hold a gradient.
+"""``transformers.Trainer._clip_grad_norm``: the gradient clip handed only the parameters that hold a gradient.
 
-What it replaces: every step the Trainer clips with
-``accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)``. With one process accelerate
-unscales the gradients (fp16's GradScaler), then loops over the list once (its DTensor grouping),
-and torch's ``clip_grad_norm_`` loops over it twice more (the gradients of the norm, then those
-it scales). Each loop reads ``.grad`` of all 450 parameters of the workload's model; for the 196
-bitsandbytes 4-bit weights every such read goes through their ``__torch_function__``. Only the
-112 LoRA weights hold a gradient. Measured on the H200 host (graphs off, one run's host split,
-bench/host_split.py): the clip phase 7.3 ms a step.
-
-What it does instead: one pass reads every parameter's ``.grad`` with tensor-subclass overrides
-off (bitsandbytes' ``__torch_function__`` hands a ``.grad`` read to torch unchanged: the same
-tensor, or None) and keeps the parameters that hold one, in ``model.parameters()``'s order;
-accelerate's ``clip_grad_norm_`` gets that list instead of all parameters. In the reviewed code
-every use of the list skips a parameter whose ``.grad`` is None and keeps the order of the others
-(accelerate's DTensor grouping, torch's norm and its clip: the documented contract of
-``torch.nn.utils.clip_grad_norm_``), and the unscale does not read the list. So the unscaled
-gradients, the norm (the same tensors in the same order), the clip coefficient, the clipped
-gradients and the returned norm are the same bits.
-
-Where: one process (``accelerator.distributed_type`` NO), SageMaker model parallelism off
-and no mixed DTensor meshes (both stock's own branches), and the reviewed sources of
-``Trainer._clip_grad_norm`` (transformers 5.17.0-5.24.0), ``Accelerator.clip_grad_norm_`` and
-``Accelerator._clip_grad_norm_dtensor_aware`` (accelerate 1.15.0-1.16.0) and torch's
-``clip_grad_norm_`` with its ``_get_total_norm`` and ``_clip_grads_with_norm_`` (torch
-2.10.0-2.13.0), sha256 in solution/patches/_sources.py; anything else: stock.
-
-Risk: a later release whose clip uses a parameter without a gradient (the hash check refuses any
-other source); tests/test_trainer_clip.py compares the returned norm and every gradient with
-stock's bit for bit, with gradients missing on some trainable parameters and set on a frozen one.
+Stock's ``accelerator.clip_grad_norm_(model.parameters(), ...)`` reads ``.grad`` of all 450 parameters three
+times a step (through ``__torch_function__`` for the 196 4-bit weights); only the 112 LoRA weights hold one.
+Here one pass (subclass overrides off) keeps those, in order. In the reviewed code every use of the list skips
+a parameter whose ``.grad`` is None and keeps the others' order, and the unscale does not read it: norm and
+clipped gradients are the same bits (tests/test_trainer_clip.py). Only with one process, SageMaker model
+parallelism off, no mixed DTensor meshes, and reviewed sources of the transformers, accelerate and torch
+functions involved (``check``; sha256, solution/patches/_sources.py); anything else: stock.
 """
 from __future__ import annotations
 
@@ -65,8 +42,7 @@ def check() -> str | None:
 
 
 def with_grads(model) -> list:
-    """The parameters of ``model`` that hold a gradient, in ``model.parameters()``'s order (the
-    ``.grad`` reads with tensor-subclass overrides off: the same tensors)."""
+    """The parameters of ``model`` that hold a gradient, in ``model.parameters()``'s order."""
     import torch
 
     with torch._C.DisableTorchFunctionSubclass():
@@ -74,8 +50,7 @@ def with_grads(model) -> list:
 
 
 def _single_process(trainer, model) -> bool:
-    """Stock's clip would take accelerate's one-process branch (``_clip_grad_norm``'s own
-    branches not taken)."""
+    """Stock's clip would take accelerate's one-process branch (none of ``_clip_grad_norm``'s own)."""
     from accelerate.utils import DistributedType
     from transformers.trainer import is_sagemaker_mp_enabled
 

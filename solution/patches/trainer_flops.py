@@ -1,25 +1,11 @@
 """``transformers.Trainer.floating_point_ops``: the model's parameter count taken once per run.
 
-What it replaces: every training step the Trainer adds ``floating_point_ops(inputs)`` to its FLOP
-count (``total_flos``, a metric Soup logs), and transformers computes it as
-``6 * tokens * model.num_parameters(exclude_embeddings=True)``. ``num_parameters`` walks every
-module (for the embeddings' names) and every parameter (bitsandbytes' 4-bit weights route each
-attribute read through their ``__torch_function__``): ~6 ms of host time a step on the H200 host
-(docs/PERFORMANCE.md), the same number every step.
-
-What it does instead: inside ``floating_point_ops``, and only there, ``num_parameters`` with
-``only_trainable=False`` answers from a memo that lives as long as the Trainer's run state
-(``trainer.state``, a new object each time ``train()`` starts) and its model. Stock's own
-``floating_point_ops`` still runs: the formula, the inputs it reads and the integer it returns are
-transformers'; only the repeated walk is gone. A count that can change within a run is not
-memoized: ``only_trainable=True`` (a callback may freeze or unfreeze parameters) and every call
-outside ``floating_point_ops`` go to stock.
-
-Risk: a run that adds or removes parameters between two steps of one ``train()`` (no Trainer
-feature does) would keep the first count; the total_flos check of every compared run
-(bench/rules.py: equal, exactly) and the test guard it. Refused (check()) unless
-``Trainer.floating_point_ops`` and ``PreTrainedModel.num_parameters`` are reviewed sources (sha256,
-solution/patches/_sources.py: transformers 5.16.1-5.24.0).
+Every step stock adds ``6 * tokens * num_parameters(exclude_embeddings=True)`` to ``total_flos``, walking
+every module and parameter (~6 ms of host time a step on the H200 host) for the same number. Here, inside
+``floating_point_ops`` only, ``num_parameters(only_trainable=False)`` answers from a memo that lives as long as
+``trainer.state`` (new at each ``train()``) and its model; anything else goes to stock. Risk: parameters
+added or removed within one ``train()`` (no Trainer feature does) keep the first count; every compared run
+checks total_flos exactly. Refused (check()) unless both functions are reviewed sources (patches/_sources.py).
 """
 from __future__ import annotations
 
@@ -43,8 +29,7 @@ def check() -> str | None:
         return "transformers.Trainer has no floating_point_ops()"
     if not callable(getattr(PreTrainedModel, "num_parameters", None)):
         return "PreTrainedModel has no num_parameters()"
-    # The memo is right only while floating_point_ops asks num_parameters for a count that depends
-    # on the model's parameters alone: both reviewed (sha256, solution/patches/_sources.py).
+    # the memo is right only while the count depends on the model's parameters alone: both reviewed
     from solution.patches._sources import first_unexpected
 
     return first_unexpected(("transformers.Trainer.floating_point_ops", transformers.Trainer.floating_point_ops),

@@ -1,13 +1,7 @@
-"""``transformers.Trainer.train``: note the run's row lengths for the CUDA graphs (read only).
-
-When training starts, the tokenized training dataset's row lengths, the rows per batch and the
-number of batches the run will take are handed to solution/step/lengths.py, which predicts the
-CUDA-graph buckets the run is likely to need so that they can be captured ahead, in the first steps
-(solution/step/cuda_graphs.py; their cost is in Soup's duration). Nothing of the Trainer is changed:
-``train`` runs exactly as stock, after a read of one dataset column. Where the figures are not there
-or do not describe the batches (an iterable dataset, no ``input_ids`` column, length-grouped
-sampling, padding-free or packed batches, more than one process), nothing is noted and graphs are
-captured as batches come.
+"""``transformers.Trainer.train``: hand the run's row lengths, rows per batch and batch count to
+solution/step/lengths.py (CUDA-graph buckets captured ahead), then run stock's ``train`` unchanged. Where the
+figures do not describe the batches (iterable dataset, no ``input_ids``, length-grouped sampling,
+padding-free or packed batches, several processes) nothing is noted.
 """
 from __future__ import annotations
 

@@ -1,50 +1,17 @@
-"""CUDA graphs over the decoder layers (Python and launch overhead), $SOLUTION_CUDA_GRAPHS.
+"""CUDA graphs over the decoder layers ($SOLUTION_CUDA_GRAPHS; design and measurements: docs/cuda_graphs.md).
 
-1. What it replaces. The eager loop over Qwen2's 28 decoder layers in the packed forward
-   (solution/step/decoder.py) and autograd's walk back through them: every op of every
-   layer is a Python call and a kernel launch, ~40 launches a layer each way.
-2. Why that is slow. On a fast GPU the step is bound by that host work, not by the kernels: the
-   host split on the H200 puts most of the step in Python and launch work inside the layers,
-   several times the layers' GPU work (the measurement: docs/cuda_graphs.md, section 2, and
-   docs/PERFORMANCE.md).
-3. What it does instead. For each bucket of token counts it records the layers' forward and
-   backward once in two CUDA graphs (torch.cuda.CUDAGraph) and from then on replays them: two
-   host calls a step for all 28 layers. A graph replays fixed shapes and fixed host values, so:
-   - token count: the packed tokens (N) are padded to the bucket size (a multiple of
-     $SOLUTION_GRAPH_BUCKET, 256 by default, at least one token more than N) by one extra packed
-     row (packing.make_unpadded(extra=...)): copies of the first tokens of the longest row, with
-     their own attention row, so they never touch a real token and get a zero gradient;
-   - attention's longest row: a bound that holds for every batch of the bucket is passed
-     (Unpadded.max_len_bound); the kernel reads each row's true extent from cu_seqlens, which is
-     copied in every step. The bound is the bucket size, or, when the run's row lengths are known
-     (lengths.py), the smaller ``row_bound``: no real row is longer than the run's longest, and the
-     filler row is at most one bucket width. PyTorch's attention sizes its grid and its backward's
-     zero-filled workspace by this bound (the workspace fill was 1.3% of the step's GPU time with
-     the bucket as the bound: docs/cuda_graphs.md); a batch with a longer row is replayed in graphs
-     of its own, captured with the bucket size as the bound;
-   - dropout: stock draws each LoRA mask over the padded [batch, longest row, hidden] shape,
-     which changes every step, so the masks cannot be drawn inside a graph. They are drawn
-     before each replay, in the layers' call order, with the very calls stock makes
-     (``graph_buffers.MaskSlots.draw``), into buffers the captured layers read (packing.dropout_masks_from):
-     the generator advances exactly as in the eager run, and the graphs themselves draw nothing
-     (checked: the number of masks taken and the generator's offset around the first replay);
-   - memory: all graphs share one memory pool (torch.cuda.graph_pool_handle) and are replayed one
-     bucket at a time (forward then backward), so the activations of one bucket reuse those of
-     another; the inputs, outputs and gradients live in buffers shared by every bucket (``graph_buffers.Arena``).
-   Embedding, RoPE's cos/sin, the final norm, the LM head and loss, GradScaler and the optimizer
-   stay eager.
-4. Correctness risks. (a) Anything inside the layers that depends on host values captured once:
-   only the token count and attention's row bound do, both fixed per bucket. (b) Random numbers:
-   see dropout above; a model whose layers would draw anything else keeps the eager path (the
-   unpad patch already refuses other dropouts; the take count and offset checks catch the rest).
-   (c) Module hooks on the layers would run only at capture: such a model keeps the eager path.
-   (d) Values: the filler row changes the token dimension of every matmul, so cuBLAS may pick
-   other tile orders than at N: results agree with the eager run to fp16 rounding, not bit for
-   bit (the filler's own contribution to every weight gradient is exactly zero). (e) Memory: the
-   activations live in the graph pool, which torch.cuda.max_memory_allocated does not count
-   during replays: compare peak *reserved* memory for runs with graphs (the report shows both).
-   (f) Captures cost time: one per bucket, each about one eager step.
-5. How it was measured: see docs/cuda_graphs.md (GPU tests: tests/test_decoder_graphs.py).
+1-3. Per bucket of packed token counts the layers' forward and backward are recorded once in two CUDA graphs
+   and replayed: two host calls a step instead of ~40 launches a layer each way. Fixed per bucket: N, padded
+   by one filler row (``bucketed_tokens``); attention's ``row_bound``. Before each replay: cu_seqlens copied
+   in, the LoRA dropout masks drawn with stock's calls (graph_buffers.MaskSlots.draw). Buffers and one memory
+   pool are shared by every bucket (graph_buffers.Arena). Everything outside the layers stays eager.
+4. Correctness risks. (a) Host values captured once: only the token count and the row bound, fixed per bucket.
+   (b) Random numbers: the graphs draw nothing (checked: masks taken, generator offset around the first replay).
+   (c) Module hooks would run only at capture: such a model stays eager. (d) Values: the filler changes every
+   matmul's token dimension, so cuBLAS may pick other tile orders: results agree with the eager run to fp16
+   rounding, not bit for bit (the filler's contribution to every weight gradient is exactly zero).
+   (e) Memory: max_memory_allocated does not count the graph pool during replays: compare peak reserved.
+   (f) One capture per bucket, about one eager step each.
 """
 from __future__ import annotations
 
@@ -65,41 +32,35 @@ from solution.step import layer as layer_node
 MAX_GRAPHS = 64  # captured buckets per model; beyond it new sizes run eagerly
 # torch's context that turns tensor subclasses' __torch_function__ off (torch >= 2.0; a no-op where absent)
 _NO_SUBCLASS_TORCH_FUNCTION = getattr(torch._C, "DisableTorchFunctionSubclass", contextlib.nullcontext)
-# torch's private multi-tensor copy (aten::_foreach_copy_, one launch for all the captured gradient
-# copies; its schema is checked by tests/test_gates.py); where absent, one public Tensor.copy_ each
+# torch's private multi-tensor copy (one launch for all captured gradient copies; docs/GATES.md), else copy_ each
 _FOREACH_COPY = getattr(torch, "_foreach_copy_", None)
 
 
 def mode() -> str:
-    """$SOLUTION_CUDA_GRAPHS (settings.current()): "auto" (default: graphs only where the eager
-    step is measured to be host-bound, see step/graph_decision.py), "1" (always, from the first step), "0" (never)."""
+    """$SOLUTION_CUDA_GRAPHS: "auto" (where the eager step is measured host-bound: graph_decision.py), "1", "0"."""
     return settings.current().cuda_graphs
 
 
 def enabled() -> bool:
-    """Graphs may be used ($SOLUTION_CUDA_GRAPHS is not 0); in "auto" mode only after the measured
-    decision (step/graph_decision.py) says so."""
+    """Graphs may be used ($SOLUTION_CUDA_GRAPHS is not 0; in "auto" mode once graph_decision.py says so)."""
     return mode() != "0"
 
 
 def bucket_size() -> int:
-    """Token bucket of the graphs ($SOLUTION_GRAPH_BUCKET, default 256; settings.current())."""
+    """$SOLUTION_GRAPH_BUCKET (tokens, default 256)."""
     return settings.current().graph_bucket
 
 
 def row_bound(tokens: int, longest: int, cap: int | None) -> int:
-    """Attention's row bound for a bucket of ``tokens`` whose longest row (the filler row included)
-    is ``longest``: ``cap`` (the run's longest real row or one bucket width, whichever is larger:
-    DecoderGraphs.row_cap) where it holds, else the bucket size (always a bound: no row is longer
-    than the whole bucket). Pure."""
+    """Attention's row bound for a bucket of ``tokens`` whose longest row (filler included) is ``longest``:
+    ``cap`` (DecoderGraphs.row_cap) where it holds, else the bucket size (always a bound). Pure."""
     if cap is None or longest > cap:
         return tokens
     return min(tokens, cap)
 
 
 def bucketed_tokens(n: int, bucket: int) -> int:
-    """The bucket a batch of n packed tokens is replayed in: the next multiple of ``bucket`` above
-    n (always at least one filler token, so every bucket has the same number of attention rows)."""
+    """The bucket for n packed tokens: the next multiple of ``bucket`` above n (always one filler row or more)."""
     return (n // bucket + 1) * bucket
 
 
@@ -126,8 +87,7 @@ class _LayerGraphs:
                                 cu_seqlens=self.cu_seqlens, max_len_bound=self.bound)
 
     def load(self, info: packing.Unpadded, h, cos, sin) -> None:
-        """This step's inputs into the graph's buffers (h's values; its autograd edge stays with
-        the replay Function)."""
+        """This step's inputs into the graph's buffers (h's values; its autograd edge stays with the replay)."""
         with torch.no_grad():
             self.h.copy_(h)
             self.cos.copy_(cos)
@@ -137,9 +97,8 @@ class _LayerGraphs:
 
 
 class _ReplayDecoderLayers(torch.autograd.Function):
-    """The decoder layers as one autograd node: forward replays the forward graph, backward copies
-    the incoming gradient in, replays the backward graph and hands out copies of its gradients
-    (the graph's buffers are overwritten by the next replay; autograd may keep what it is given)."""
+    """The decoder layers as one autograd node: forward replays the forward graph; backward copies the
+    gradient in, replays the backward graph and hands out copies (the next replay overwrites its buffers)."""
 
     @staticmethod
     def forward(ctx, graphs: _LayerGraphs, h, *params):
@@ -175,10 +134,8 @@ def _cuda_generator(device: torch.device):
 
 
 def _describe_failure(exc: BaseException) -> str:
-    """One line for a failed capture: the exception, and the first one of its chain when it differs.
-    A capture that an operation invalidated fails again at capture_end ("operation failed due to a
-    previous error during capture"), and that second exception replaces the first in Python's
-    ``finally``: the first is its ``__context__``, and it names the operation at fault."""
+    """One line for a failed capture: the exception and, when it differs, the first of its chain (an
+    invalidated capture fails again at capture_end; the first, naming the operation, is its ``__context__``)."""
     def line(e: BaseException) -> str:
         return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
 
@@ -189,13 +146,9 @@ def _describe_failure(exc: BaseException) -> str:
 
 
 def _release_capture_state(device: torch.device) -> None:
-    """After a failed capture, give the CUDA generator a state that is not capturing. capture_begin
-    registers the generator's state with the graph and capture_end releases it, but only once
-    cudaStreamEndCapture has succeeded: after an invalidated capture the state still counts itself
-    as capturing, and every later random draw (the eager dropout the layers fall back to) fails
-    with "Offset increment outside graph capture encountered unexpectedly". A clone of the state has
-    the same seed and offset and is not capturing (test_decoder_graphs.py's failed-capture test,
-    passed on the H200)."""
+    """After a failed capture, give the CUDA generator a clone of its state (same seed and offset, not
+    capturing): capture_end releases the state only after a successful capture, and a state still
+    "capturing" fails every later eager draw ("Offset increment outside graph capture ...")."""
     gen = _cuda_generator(device)
     if gen is None:
         return
@@ -206,9 +159,7 @@ def _release_capture_state(device: torch.device) -> None:
 
 
 def run_layers(layers, h, info, cos, sin):
-    """The decoder loop of step/decoder.py on packed rows (no KV cache, no extra arguments): every
-    layer through the decoder-layer node (step/layer.py). Raises where the node does not take every
-    layer (the capture then fails, and the step runs eagerly: decoder.unpadded_forward)."""
+    """Every layer through the decoder-layer node; raises where the node does not take them all (eager)."""
     node = layer_node.step_context(cos, sin, info, h, packing.dropout_mask_source())
     plans = layer_node.plans(layers, h, node)
     if plans is None:
@@ -220,10 +171,8 @@ def run_layers(layers, h, info, cos, sin):
 
 
 class Scan:
-    """What one walk over the decoder layers' modules finds (``_scan``): any module hook in or
-    around the layers (they would run only at capture), the LoRA dropouts with p > 0 in training
-    mode (the masks one forward takes), and the trainable parameters in ``Module.parameters()``
-    order (the graphs' gradient outputs)."""
+    """What ``_scan`` finds: any module hook in or around the layers, the LoRA dropouts with p > 0 in
+    training mode (the masks one forward takes), the trainable parameters in ``Module.parameters()`` order."""
 
     __slots__ = ("hooked", "dropouts", "params")
 
@@ -232,11 +181,8 @@ class Scan:
 
 
 def _scan(layers) -> Scan:
-    """One pass over the layers' modules, every step: what ``layer.modules()`` and
-    ``layer.parameters()`` would visit (pre-order, children in order, each module and parameter
-    once), read from the modules' own dicts. It replaced two walks with torch's generators
-    (``modules()`` for hooks and dropouts, then ``parameters()``) at about a third of their host
-    time (``python -m bench.step_walks``; docs/cuda_graphs.md, "Host work per step")."""
+    """One pass over the layers' modules' own dicts, every step, visiting what ``layer.modules()`` and
+    ``layer.parameters()`` would, in their order (docs/cuda_graphs.md, "Host work per step")."""
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     except Exception:  # noqa: BLE001 - peft / bnb absent: no LoRA layer of that kind
@@ -246,9 +192,8 @@ def _scan(layers) -> Scan:
     seen_modules: set = set()
     seen_params: set = set()
     stack = [(layer, False) for layer in reversed(list(layers))]  # (module, inside a LoRA layer's lora_dropout)
-    # bitsandbytes' Params4bit overrides __torch_function__, which every attribute read of such a
-    # tensor goes through (~2.5 us for requires_grad; 196 weights): the block reads the flags with
-    # subclass overrides off (it only reads attributes; nothing is computed or called in it)
+    # bitsandbytes' Params4bit routes every attribute read through __torch_function__ (~2.5 us for
+    # requires_grad; 196 weights): read the flags with subclass overrides off (nothing is computed here)
     with _NO_SUBCLASS_TORCH_FUNCTION():
         while stack:
             m, in_dropout = stack.pop()
@@ -286,8 +231,7 @@ class DecoderGraphs:
         self.failed: str | None = None
         self.full_said = False
         self.ahead: list[int] | None = None  # buckets to capture ahead (lengths.py), set at the first step
-        # the longest row any bucket of this run holds, where the run's row lengths are known
-        # (``row_bound``; set at the first step with ``ahead``), else None (the bucket is the bound)
+        # the run's longest row (``row_bound``; set with ``ahead``), None where unknown (the bucket is the bound)
         self.row_cap: int | None = None
 
     # -- parameters ---------------------------------------------------------------------------
@@ -301,8 +245,7 @@ class DecoderGraphs:
     def _graphs_for(self, layers, binfo, h, cos, sin, dropouts: int, ahead: bool = False) -> _LayerGraphs | None:
         n = h.shape[1]
         autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
-        # a bucket captured ahead holds batches whose rows are within the run's (its own stand-in
-        # rows are only shapes); a real batch's rows, the filler row included, are checked
+        # a real batch's rows (filler included) are checked; a bucket captured ahead has stand-in rows
         bound = row_bound(n, 0 if ahead else max(binfo.lengths), self.row_cap)
         # dropouts: the LoRA dropouts active now (a dropout put in eval mode changes what the layers do)
         key = (n, bound, binfo.batch, len(binfo.lengths), h.dtype, cos.dtype, h.requires_grad, autocast, dropouts)
@@ -328,9 +271,7 @@ class DecoderGraphs:
         return g
 
     def _ensure_arena(self, binfo, h, cos) -> None:
-        """Buffers for the largest bucket this run can meet: its batch at the padded length, or a
-        bucket predicted ahead, or this one (an arena that no longer fits is replaced; the graphs
-        recorded on the old one keep their own buffers)."""
+        """Buffers for the largest bucket this run can meet (one that no longer fits is replaced)."""
         if self.arena is None or not self.arena.fits(h, cos):
             capacity = max([h.shape[1], bucketed_tokens(binfo.batch * binfo.seqlen, bucket_size())] + (self.ahead or []))
             self.arena = graph_buffers.Arena(capacity, h, cos)
@@ -353,18 +294,16 @@ class DecoderGraphs:
         self.stream.wait_stream(current)
         with torch.cuda.stream(self.stream):
             if not self.warmed:  # lazy initialisations (cuBLAS, autograd's device thread) outside a capture
-                # The caching allocator keeps freed blocks per stream: the eager steps' activations,
-                # cached for the default stream, cannot serve the warm-up on this side stream, which
-                # would reserve a second copy. Give them back first.
+                # freed blocks are cached per stream: the eager steps' cannot serve this side stream's
+                # warm-up, which would reserve a second copy. Give them back first.
                 torch.cuda.current_stream(self.device).synchronize()
                 torch.cuda.empty_cache()
                 inputs, out = forward()
                 torch.autograd.grad(out, inputs, grad_outputs=g.grad_out, allow_unused=True)
                 del inputs, out
                 masks.pack()  # the masks made during the warm-up, now in one block
-                # the warm-up's activations sit in the eager pool; the graphs keep theirs in the graph
-                # pool: give the eager pool's copy back (without it the peak reserved memory was
-                # measured higher: docs/cuda_graphs.md, section 5)
+                # the warm-up's activations sit in the eager pool, the graphs' in the graph pool: give the
+                # eager copy back (peak reserved measured higher without: docs/cuda_graphs.md, section 5)
                 self.stream.synchronize()
                 torch.cuda.empty_cache()
                 self.warmed = True
@@ -397,17 +336,10 @@ class DecoderGraphs:
                                "(one per LoRA dropout): some dropout would draw inside the graph")
 
     def _capture_ahead(self, layers, binfo, h, cos, dropouts: int) -> None:
-        """Capture the buckets that lengths.py predicts for this run (``self.ahead``) and that are
-        not captured yet, in this step (one of steps 1-2: Soup's duration counts them, the steps 3-N
-        figure does not), after this step's own bucket, so that no capture falls in a later step.
-        Largest first: all graphs share one memory pool, and a smaller bucket's capture can reuse
-        the blocks a larger one freed, where ascending order grows the pool at every larger capture.
-        (This step's own bucket stays first: the first capture's eager warm-up runs at its size:
-        with the largest bucket captured first, and so warmed up, peak reserved memory was measured
-        higher than with this step's bucket first: docs/cuda_graphs.md, section 5a.) A bucket's
-        graphs depend only on its token count, its number of rows and dtypes: they are recorded from
-        zeros shaped like a batch of ``binfo.batch`` rows (a capture runs no kernel; the values the
-        replays use are loaded before each replay)."""
+        """Capture the buckets lengths.py predicts (``self.ahead``) in this step, after its own bucket, so that
+        none falls in a later step. Largest first: a smaller bucket reuses the shared pool's blocks (the order:
+        docs/cuda_graphs.md, section 5a). Recorded from zeros shaped like a batch of ``binfo.batch`` rows (a
+        capture runs no kernel; each replay loads its step's values)."""
         for nb in sorted(self.ahead or [], reverse=True):
             if nb == h.shape[1] or nb > self.arena.capacity:
                 continue
@@ -422,8 +354,7 @@ class DecoderGraphs:
 
     # -- a step -------------------------------------------------------------------------------
     def forward(self, model, layers, input_ids, info, scan: Scan) -> torch.Tensor | None:
-        """The layers' output [1, N, H] on the packed real tokens (pre final norm), replayed from a
-        graph; None when this step cannot run in one (the caller runs the eager loop)."""
+        """The layers' output [1, N, H] on the packed real tokens replayed from a graph; None: run them eagerly."""
         n = info.n_tokens
         nb = bucketed_tokens(n, bucket_size())
         binfo = packing.make_unpadded(list(info.lengths), info.seqlen, input_ids.device, extra=nb - n)
@@ -453,9 +384,8 @@ class DecoderGraphs:
             say(f"decoder CUDA graphs disabled ({self.failed}); the layers run eagerly")
             g = None
         if g is None:
-            # the caller's eager loop on the real tokens only: on the padded attention layout a
-            # filler row would alias real positions and take their gradients (nothing random was
-            # drawn yet: the masks are drawn after a capture)
+            # the caller's eager loop on the real tokens only (a filler row there would take real
+            # positions' gradients); nothing random was drawn yet
             return None
         g.load(binfo, h, cos, sin)
         g.arena.masks.draw(binfo)
@@ -477,9 +407,7 @@ def stats() -> dict:
     return {"captures": [dict(c) for c in CAPTURES], "failed": list(FAILURES), "refused": sorted(_REFUSALS_SAID),
             "decisions": [dict(d) for d in graph_decision.DECISIONS]}
 
-# Forward arguments that reach the layers but no op inside them reads: the Trainer's loss
-# normaliser (transformers passes its **kwargs down to every layer; Qwen2's attention and MLP
-# ignore it, so the eager loop and a replay compute the same).
+# forward arguments no op in the layers reads (the Trainer's loss normaliser, passed down in **kwargs)
 IGNORED_KWARGS = frozenset({"num_items_in_batch"})
 
 

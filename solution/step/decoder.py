@@ -1,20 +1,8 @@
-"""The packed decoder body (the step's layer 4): which training forwards run on the real tokens
-only (``plan``) and the Qwen2Model forward body that does it (``unpadded_forward``).
-
-For a right-padded training batch (the only kind trl's collator makes here: ``attention_mask``
-rows of ones then zeros; a batch without padding is one with zero pads) ``unpadded_forward``
-gathers the N real tokens into one packed row [1, N] (packing.py), embeds them, computes RoPE's
-cos/sin at each token's own position (0..len-1 of its row, as stock's arange does for right
-padding), runs every decoder layer on [1, N, H] through the decoder-layer node (layer.py; replayed
-from CUDA graphs where cuda_graphs.py decides they pay, else eagerly), applies the final norm and
-scatters the result back to [batch, seqlen, H] (zeros at pad positions). The CausalLM head patch (patches/qwen2_lm_head_loss.py) can take the packed rows
-directly (``capture_packed_hidden``), so the LM head skips the pads as well. Any other call (eval,
-generation, a cache, position_ids given, left padding, hidden states or attentions requested,
-sliding-window layers, attention dropout, another attention implementation, NEFTune, a dropout
-our LoRA kernel does not own, a model spread over several devices or offloaded by accelerate)
-gets None from ``plan``, and a step where the node does not take every layer (hooks, an
-instance-level forward, another module class...) None from ``unpadded_forward``: the stock
-forward runs unchanged.
+"""The packed decoder body (the step's layer 5; docs/no_padding.md): ``plan`` decides which training forwards
+run on the real tokens only (None: stock forward), ``unpadded_forward`` is the Qwen2Model body that does it:
+the N real tokens as one row [1, N], RoPE at each token's position in its row, every layer through the
+decoder-layer node (replayed from CUDA graphs where they pay), the final norm, and the result scattered back
+to [batch, seqlen, H] (zeros at pads); the LM head patch may take the packed rows (``capture_packed_hidden``).
 """
 from __future__ import annotations
 
@@ -31,15 +19,13 @@ from solution.patches._sources import cache_given
 from solution.step import cuda_graphs, graph_decision, packing
 from solution.step import layer as layer_node
 
-# Set by the LM-head patch around its call of the decoder: a list that receives
-# (packed final hidden states [1, N, H], Unpadded) when the decoder ran unpadded.
+# Set by the LM-head patch around its decoder call: receives (packed final hidden [1, N, H], Unpadded).
 _PACKED_SINK: contextvars.ContextVar[list | None] = contextvars.ContextVar("solution_packed_sink", default=None)
 
 
 @contextlib.contextmanager
 def capture_packed_hidden():
-    """Within this block, an unpadded Qwen2Model forward also appends (packed hidden, Unpadded)
-    to the yielded list, for a caller that can use the packed rows (the fused LM head)."""
+    """Within this block an unpadded Qwen2Model forward appends (packed hidden, Unpadded) to the yielded list."""
     sink: list = []
     token = _PACKED_SINK.set(sink)
     try:
@@ -54,10 +40,8 @@ def _has_neftune_hook(module: torch.nn.Module) -> bool:
 
 
 def _dropouts_ok(model) -> bool:
-    """Every dropout with p > 0 in the decoder is a LoRA dropout of a peft bnb 4-bit layer: the
-    node draws its mask over the padded shape, as stock's call does (kernels/lora_nf4.lora_dropout).
-    Any other dropout would draw over the packed rows: other random numbers than stock's, so such
-    a model keeps the stock forward."""
+    """Every dropout with p > 0 is a LoRA dropout of a peft bnb 4-bit layer (drawn over the padded shape as
+    stock does); any other would draw other random numbers over the packed rows."""
     try:
         from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
     except Exception:  # noqa: BLE001 - peft / bnb absent
@@ -68,13 +52,9 @@ def _dropouts_ok(model) -> bool:
 
 
 def _on_one_device(model) -> bool:
-    """Every parameter and buffer of the decoder on one device, and no accelerate hook
-    (``_hf_hook``) on any of its modules. ``device_map="auto"`` over several visible GPUs (Kaggle's
-    "GPU T4 x2") spreads the layers over them, and CPU / disk offload loads weights at each
-    forward: accelerate then wraps each layer's forward to move its inputs or weights, while the
-    packed step's row description, attention and CUDA graphs live on the input's device. Such a
-    model keeps the stock forward. A one-device
-    map adds no hooks (accelerate's dispatch_model)."""
+    """Every parameter and buffer on one device and no accelerate hook (``_hf_hook``): ``device_map="auto"``
+    over several GPUs, or CPU / disk offload, wraps each layer's forward to move inputs or weights, while the
+    packed step lives on the input's device (a one-device map adds no hooks)."""
     devices = {t.device for t in itertools.chain(model.parameters(), model.buffers())}
     return len(devices) <= 1 and not any(hasattr(m, "_hf_hook") for m in model.modules())
 
@@ -83,8 +63,7 @@ _MODEL_OK: "weakref.WeakKeyDictionary" = state.kept(weakref.WeakKeyDictionary())
 
 
 def _model_ok(model) -> bool:
-    """``_dropouts_ok`` and ``_on_one_device``: what the model's modules allow, asked once per
-    model (each walks every module; plan() runs every step)."""
+    """``_dropouts_ok`` and ``_on_one_device``, asked once per model (each walks every module)."""
     ok = _MODEL_OK.get(model)
     if ok is None:
         ok = _MODEL_OK[model] = _dropouts_ok(model) and _on_one_device(model)
@@ -92,10 +71,8 @@ def _model_ok(model) -> bool:
 
 
 def _run_node(layer, plan, hidden_states, node):
-    """The layer through the decoder-layer node (``layer_node.run_layer``: its own checkpointing
-    where transformers' checkpoint function is torch's plain one); a checkpointed layer whose
-    checkpoint function the node does not reproduce runs the node under that function (as stock's
-    layer would run under it)."""
+    """The layer through the node (``layer_node.run_layer``); under a checkpoint function the node does not
+    reproduce, the node runs under that function (as stock's layer would)."""
 
     def under_checkpoint_function(layer_plan):
         def run(h):  # the forward, and again in backward (the recompute)
@@ -107,8 +84,7 @@ def _run_node(layer, plan, hidden_states, node):
 
 
 def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cache, kwargs):
-    """The Unpadded description when this call can run packed, else None (stock forward). The KV
-    cache argument, if any, is in kwargs (``past_key_values`` or, from transformers 5.24, ``cache``)."""
+    """The Unpadded description when this call can run packed, else None (stock forward)."""
     cfg = model.config
     if not (model.training and torch.is_grad_enabled()):
         return None
@@ -129,16 +105,13 @@ def plan(model, input_ids, attention_mask, position_ids, inputs_embeds, use_cach
     lengths = packing.right_padded_lengths(attention_mask)
     if lengths is None or min(lengths) < 1:
         return None  # not right padding (left padding, holes, not 0/1), or an empty row
-    # Any right-padded batch, also one with no padding at all (rows of equal length, rows truncated
-    # at max_length, a batch of one row): the packed layout with cu_seqlens is exact for all of them,
-    # so every training batch takes the same path (packed kernels, CUDA graphs).
+    # any right-padded batch, also one without padding: the packed layout is exact for all of them
     return packing.make_unpadded(lengths, input_ids.shape[1], input_ids.device)
 
 
 def unpadded_forward(model, input_ids, info, kwargs):
-    """Stock Qwen2Model.forward's body on the packed real tokens (no cache, no masks to build), or
-    None when the decoder-layer node does not take every layer this step (the caller then runs
-    stock's forward; nothing random was drawn and no layer ran)."""
+    """Stock Qwen2Model.forward's body on the packed real tokens, or None when the node does not take every
+    layer this step (nothing random was drawn and no layer ran)."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
     # the layers replayed from CUDA graphs (solution/step/cuda_graphs.py), or eagerly
@@ -153,8 +126,7 @@ def unpadded_forward(model, input_ids, info, kwargs):
         plans = layer_node.plans(layers, hidden_states, node)
         if plans is None:
             return None
-        # while $SOLUTION_CUDA_GRAPHS=auto measures whether graphs pay: the forward of the second
-        # half of the layers is timed
+        # while "auto" measures whether graphs pay, the second half of the layers is timed
         timer = graph_decision.eager_timer(model, input_ids.device)
         for i, (decoder_layer, layer_plan) in enumerate(zip(layers, plans)):
             if timer is not None and i == len(layers) // 2:

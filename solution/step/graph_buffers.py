@@ -1,7 +1,5 @@
-"""The buffers the decoder CUDA graphs read and write (solution/step/cuda_graphs.py): the LoRA
-dropout masks drawn before each replay (``MaskSlots``), the inputs, outputs and gradients shared
-by every bucket's graphs (``Arena``), and the LoRA weights' gradients (``GradBuffers``).
-"""
+"""The buffers the decoder CUDA graphs (step/cuda_graphs.py) read and write: the dropout masks (``MaskSlots``),
+the inputs, outputs and gradients shared by every bucket (``Arena``), the weights' gradients (``GradBuffers``)."""
 from __future__ import annotations
 
 import torch
@@ -11,9 +9,8 @@ from solution.step import packing
 
 
 class MaskSlots(packing.DropoutMaskSource):
-    """The LoRA dropout masks of one step: one bool buffer [capacity, hidden] per dropout call of
-    the layers, in call order. ``take`` (inside the layers) hands out the first n rows; ``draw``
-    (before a replay) fills them as stock's draws would be."""
+    """The LoRA dropout masks of one step: one bool buffer [capacity, hidden] per dropout call, in call order.
+    ``take`` (inside the layers) hands out the first n rows; ``draw`` (before a replay) fills them as stock would."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
@@ -40,11 +37,9 @@ class MaskSlots(packing.DropoutMaskSource):
         return self.buffers[i][: self._n].view(x.shape)
 
     def pack(self) -> None:
-        """Move the masks into one allocation (the values are not kept: draw() fills them before
-        every replay). Called after the first capture's eager warm-up, which made them one by one
-        between its activations: each left live in its own 20 MiB granule of the side stream's
-        expandable segment, which empty_cache() cannot unmap while anything in it is live
-        (measured: ~1 GiB kept mapped for 0.25 GiB in use; docs/cuda_graphs.md, section 5b)."""
+        """Move the masks into one allocation (values not kept: draw() refills them). After the first warm-up,
+        which made them between its activations: one live mask keeps its 20 MiB granule mapped through
+        empty_cache() (~1 GiB measured: docs/cuda_graphs.md, section 5b)."""
         if not self.buffers:
             return
         sizes = [b.numel() for b in self.buffers]
@@ -53,9 +48,8 @@ class MaskSlots(packing.DropoutMaskSource):
         self.buffers = [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
     def draw(self, info: packing.Unpadded) -> None:
-        """Each mask as lora_nf4.lora_dropout draws it eagerly (over stock's padded shape, the same
-        kernel on the same shape and dtype, so the same random numbers), in the same order, and the
-        rows of the bucket's tokens kept (filler rows: copies of real rows' masks)."""
+        """Each mask as lora_nf4.lora_dropout draws it eagerly (stock's padded shape: the same random numbers),
+        in order, keeping the bucket's tokens' rows (filler rows: copies of real rows')."""
         rows, n = info.batch * info.seqlen, info.n_tokens
         with torch.no_grad():
             for (p, dtype, hidden), buf in zip(self.specs, self.buffers):
@@ -63,8 +57,7 @@ class MaskSlots(packing.DropoutMaskSource):
 
 
 class Arena:
-    """Inputs, outputs and their gradients of the layers for up to ``capacity`` tokens, shared by
-    every graph of a runner (a bucket of n tokens uses the first n), plus the dropout masks."""
+    """The layers' inputs, outputs, gradients and masks for up to ``capacity`` tokens, shared by a runner's graphs."""
 
     def __init__(self, capacity: int, h: torch.Tensor, cos: torch.Tensor):
         self.capacity = capacity
@@ -84,11 +77,9 @@ class Arena:
 
 
 class GradBuffers:
-    """The trainable parameters' gradient buffers the backward graphs write: views of one flat
-    buffer when the parameters share a dtype and device (the LoRA weights), so that a replay
-    hands autograd its copies with one clone, not one per parameter (112 clones a step otherwise).
-    Autograd keeps each view as that parameter's ``.grad`` as it kept each clone:
-    the same values and layout, in disjoint memory."""
+    """The gradient buffers the backward graphs write: views of one flat buffer when the parameters share a
+    dtype and device, so that a replay hands out its copies with one clone (autograd keeps each view as that
+    parameter's ``.grad``: the same values and layout as one clone each)."""
 
     def __init__(self, params: list[torch.Tensor]):
         self.shapes = [p.shape for p in params]

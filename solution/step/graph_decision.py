@@ -1,21 +1,10 @@
-"""Whether the decoder CUDA graphs pay on this machine ($SOLUTION_CUDA_GRAPHS=auto): the measured decision.
+"""Whether the decoder CUDA graphs pay on this machine ($SOLUTION_CUDA_GRAPHS=auto; docs/cuda_graphs.md, 3a).
 
-A graph replay removes host work (Python and launches), never GPU work: it pays only where the
-eager layers keep the GPU waiting for the host. On a GPU-bound machine (a T4 may be one) a
-capture is pure cost and the bucket's filler tokens add GPU work. So in "auto" mode the first
-packed training forward runs eagerly and its second half of layers is timed: host time from
-the call of layer L/2 to the return of the last layer (time.perf_counter), GPU time between
-two CUDA events recorded at the same two points (read at the next step, when the step's own
-synchronisation has completed them: no extra sync). The first half is left out: it pays the
-compiles and lazy initialisations of a first step, which would make any machine look
-host-bound. If the GPU finished that work within GPU_BOUND_RATIO of the host's time, the GPU was
-waiting for the host (host-bound): graphs from the next step on. Otherwise it was still busy
-after the host had issued everything (GPU-bound): no graphs. A sample during which the
-background precompile's in-process preload ran (it holds the GIL) is not used; the next step
-is timed instead. Its compile processes still running do not void a sample: each has its own
-core. (Voiding those too put a cold run's captures into step 3, inside the timed steps:
-docs/cuda_graphs.md, section 5b.) And a timed part does not start during the preload
-(``settle_precompile`` waits for its end), so that the first step's sample is a clean one.
+A replay removes host work, never GPU work. The first packed training forward runs eagerly; its layers'
+second half (the first pays the first step's compiles) is timed on the host and on the GPU (CUDA events read
+at the next step: no extra sync). GPU time within GPU_BOUND_RATIO of the host's: host-bound, graphs from the
+next step on; else no graphs. A sample that overlapped the precompile's in-process preload (it holds the GIL)
+is not used, and a timed part waits for that preload first (``settle_precompile``).
 """
 from __future__ import annotations
 
@@ -39,9 +28,7 @@ _MEANING = {
 
 
 def decide(samples: list[tuple[float, float]]) -> tuple[bool | None, str]:
-    """(host-bound?, why) from the probe samples so far, (host seconds, GPU seconds) of the eager
-    layers' timed part per step; None while there is none. Host-bound means graphs on. Pure: tested
-    with fake timings."""
+    """(host-bound = graphs on?, why) from the samples (host s, GPU s) so far; None while there is none. Pure."""
     if not samples:
         return None, "measuring"
     host, gpu = samples[0]
@@ -60,12 +47,9 @@ PRECOMPILE_WAIT_S = 30.0  # the most the first timed forward waits for the preco
 
 
 def settle_precompile(timeout: float = PRECOMPILE_WAIT_S) -> float:
-    """Before a probe sample: if the background precompile is in its in-process preload (the
-    short last phase: disk hits once the compile processes are done), wait for it to end (at most ``timeout`` seconds), so that it cannot void the sample and
-    delay the decision by a step (a late decision put a cold run's captures into the timed steps:
-    docs/cuda_graphs.md, section 5b). While the compile processes still run, nothing is waited
-    for: they do not void a sample, and on a host with few cores the step compiles what it needs
-    sooner than the processes' queue would. Returns the seconds waited."""
+    """Before a probe sample: wait (at most ``timeout`` s) for the precompile's in-process preload to end, so
+    that it cannot void the sample and delay the decision (docs/cuda_graphs.md, 5b); not for the compile
+    processes, which do not void one. Returns the seconds waited."""
     if not precompile.running() or precompile.STATE.get("preload_started_t") is None:
         return 0.0
     t0 = time.perf_counter()
@@ -105,8 +89,7 @@ class Probe:
         self.reason = "measuring"
 
     def collect(self) -> None:
-        """Read the events of earlier steps that have completed, then decide if possible (said and
-        recorded in DECISIONS)."""
+        """Read the completed events of earlier steps, then decide if possible (said, kept in DECISIONS)."""
         while self.pending and self.pending[0][2].query():
             host, start, end = self.pending.pop(0)
             self.samples.append((host, start.elapsed_time(end) / 1e3))
@@ -121,8 +104,7 @@ _PROBES: "weakref.WeakKeyDictionary" = state.kept(weakref.WeakKeyDictionary())  
 
 
 def probe_of(model, device: torch.device, wanted: bool) -> Probe | None:
-    """The model's probe when this forward needs its verdict (``wanted``: graphs in "auto" mode and
-    not refused). None otherwise, and without CUDA (no timing there)."""
+    """The model's probe when this forward needs its verdict (``wanted``: "auto", not refused; CUDA), else None."""
     if device.type != "cuda" or not wanted:
         return None
     probe = _PROBES.get(model)
@@ -132,9 +114,7 @@ def probe_of(model, device: torch.device, wanted: bool) -> Probe | None:
 
 
 def eager_timer(model, device: torch.device) -> Timer | None:
-    """A timer for the caller's eager loop over the layers (it times their second half) while
-    "auto" mode is still measuring this model and no sample is waiting to be read; None otherwise
-    (nothing to time)."""
+    """A timer for the caller's eager loop while "auto" still measures this model and no sample is pending."""
     probe = _PROBES.get(model)
     if probe is None or probe.verdict is not None or probe.pending or device.type != "cuda":
         return None

@@ -1,36 +1,15 @@
-"""The decoder layer as ONE autograd node (the packed step's layer).
+"""The decoder layer as ONE autograd node (the packed step's layer; why and measurements: docs/layer_node.md).
 
-1. What it replaces. Stock runs each of Qwen2's 28 decoder layers as modules
-   (Qwen2DecoderLayer -> RMSNorm, Qwen2Attention -> peft LoRA q / v over bnb NF4, bnb NF4 k / o,
-   RoPE, attention, residual + norm, the NF4 MLP): ~13 module calls and autograd nodes a layer
-   (plus the views' and casts' nodes), each module call with its Python checks (peft's adapter
-   state, bnb's quant state, hooks), and autograd's engine walking all of them back.
-2. Why that was slow. On a fast GPU the eager step is host-bound: the GPU work of a layer is
-   ~0.8 ms forward and backward on an H200 while its Python and launch work took ~6 ms
-   (docs/PERFORMANCE.md); on a T4 the same elementwise passes over fp32 intermediates cost GPU
-   time as well.
-3. What it does instead. ``LayerPlan`` answers once per layer what the modules ask at every call
-   (the NF4 plans, the biases, the LoRA weights, scaling and dropout) and a cheap check per step
-   confirms it still holds (``LayerPlan.valid``). ``_LayerNode`` then runs the layer's forward as
-   one straight sequence of our kernel calls and cuBLAS GEMMs, stock's operations in stock's order
-   (the same dropout draws, the same GEMMs on the same fp16 operands), and its backward as the
-   reverse sequence: x cast to fp16 once for q, k and v, q's and v's four LoRA weights cast in one
-   launch, attention's way in (the LoRA sums, RoPE, the KV heads' repeat, the fp16 casts) and out
-   one launch each (kernels/qkv_rope.py), the MLP as kernels/nf4_mlp.py, the three projections'
-   input gradients summed by one kernel (kernels/qkv_grad.py).
-4. Correctness risks. (a) A layer the node does not take: any hook, instance-level forward,
-   adapter state, dropout, dtype or attention setting it does not reproduce makes ``plan_for``
-   answer None, and a step kernels/qkv_rope.py does not take (``takes``) is refused too: the whole
-   step then runs stock's forward (the reason is said once; ``plans``). (b) Numerics: stock's
-   operations with fp16 roundings where GEMM shapes differ (packed rows): anchored to stock and
-   fp64 (tests/test_default_stack.py, tests/test_layer_node.py: the same dropout draws exactly).
-   (c) Memory: it saves what stock's nodes save, or less (the MLP's fp16 gate / up). (d) Gradient
-   checkpointing: where the checkpoint function is torch's plain one (``own_checkpoint``) the node
-   checkpoints itself (``_CheckpointedLayerNode``: keeps its input and the generator's state,
-   recomputes the same kernels with the same draws in its backward: the same bits as without
-   checkpointing); under any other checkpoint function it runs inside it, everything it keeps
-   going through ``save_for_backward``, so that function's saved-tensor hooks see it.
-5. How it was measured: docs/layer_node.md (host time per layer, whole runs with graphs off).
+``LayerPlan`` holds, once per layer, what stock's ~13 module calls ask at every call; ``LayerPlan.valid``
+re-checks it each step. ``_LayerNode`` runs stock's operations in stock's order (the same dropout draws, the
+same GEMMs on the same fp16 operands) as one straight sequence of our kernels and cuBLAS GEMMs, and back.
+
+Contract. (a) A layer or step the node does not reproduce gets no plan: the whole step runs stock's forward,
+said once (``plans``). (b) Numerics: fp16 roundings placed differently where GEMM shapes differ
+(tests/test_default_stack.py; tests/test_layer_node.py: the same dropout draws exactly). (c) Memory: it saves
+what stock's nodes save, or less. (d) Gradient checkpointing: under torch's plain checkpoint
+(``own_checkpoint``) the node checkpoints itself (``_CheckpointedLayerNode``: the same bits as without);
+under another checkpoint function it runs inside it, saving only through ``save_for_backward``.
 """
 from __future__ import annotations
 
@@ -62,9 +41,8 @@ CHECKPOINT_COUNT = "decoder_layer_node_checkpointed"  # per forward of the node'
 # -- the plan -------------------------------------------------------------------------------------
 
 class LoraPlan:
-    """One LoRA-on-NF4 projection (q or v) as the node calls it: the base weight's kernel plan
-    (kernels/nf4_linear.LinearPlan), its fp16 bias, the LoRA weights (the parameters themselves),
-    the dropout module (lora_dropout reads p and training) and the scaling."""
+    """One LoRA-on-NF4 projection (q or v): the base weight's LinearPlan, its fp16 bias, the LoRA weights
+    (the parameters), the dropout module (lora_dropout reads p and training) and the scaling."""
 
     __slots__ = ("plan", "bias16", "wa", "wb", "dropout", "scaling")
 
@@ -73,11 +51,9 @@ class LoraPlan:
 
 
 class LayerPlan:
-    """Everything about one decoder layer that the node needs and that does not change from step
-    to step: the kernel plans of q, k, v, o, gate, up, down (kernels/nf4_linear.LinearPlan), k's
-    fp16 bias, the norms' weights and eps, the attention's shapes and scale, the MLP's memory
-    policy. Made once by the planner (solution/patches/qwen2_layer_node.py, which reads the
-    bitsandbytes / peft modules); ``valid`` is the planner's per-step check that it still holds."""
+    """What the node needs of one decoder layer and that does not change between steps: the LinearPlans of q,
+    k, v, o, gate, up, down, k's fp16 bias, the norms' weights and eps, attention's shapes and scale, the MLP's
+    memory policy. Made by the planner (patches/qwen2_layer_node.py); ``valid``: its per-step check."""
 
     __slots__ = ("q", "v", "k", "k_bias16", "o", "mlp", "policy", "norm1_w", "norm2_w", "eps1", "eps2",
                  "n_heads", "n_kv", "head_dim", "groups", "scale", "valid")
@@ -91,9 +67,8 @@ class LayerPlan:
         self.valid = valid
 
 
-# The planner (solution/patches/qwen2_layer_node.py installs it through its swaps, so revert()
-# removes it; None: the node is off, and with it the packed step). It answers what needs the
-# libraries' modules:
+# The planner (patches/qwen2_layer_node.py installs it, revert() removes it; None: the node and the packed
+# step are off). It answers what needs the libraries' modules:
 #   build(layer, x) -> LayerPlan | str
 #   step_ok(x) -> bool             fp16 autocast as peft and SDPA read it, for x's device
 PLANNER = None
@@ -106,9 +81,8 @@ def _transient(x) -> tuple:
 
 
 def plan_for(layer, x) -> LayerPlan | None:
-    """The layer's plan when the node can run it on input x this step, else None (said once). A
-    refusal is kept with the step state it was made under (``_transient``) and asked again when
-    that changes."""
+    """The layer's plan when the node can run it on x this step, else None (said once). A refusal is kept
+    with its ``_transient`` state and asked again when that changes."""
     entry = _PLANS.get(layer)
     if isinstance(entry, LayerPlan):
         if entry.valid():
@@ -126,8 +100,7 @@ def plan_for(layer, x) -> LayerPlan | None:
 
 
 def forget(layer=None) -> None:
-    """Drop the cached plan of ``layer`` (all plans when None), e.g. after its modules changed in a
-    way the per-step check does not see."""
+    """Drop the cached plan of ``layer`` (all plans when None)."""
     if layer is None:
         _PLANS.clear()
     else:
@@ -137,9 +110,8 @@ def forget(layer=None) -> None:
 # -- one step's context ---------------------------------------------------------------------------
 
 class StepContext:
-    """What every layer of one packed forward shares: RoPE's cos / sin [1, N, D] (contiguous: the
-    kernels read both with cos's strides), the packed batch (``Unpadded``), the attention dtype,
-    and where the dropout masks come from (a CUDA graph's slots, or None: draw)."""
+    """What every layer of one packed forward shares: RoPE's cos / sin [1, N, D] (contiguous: the kernels read
+    both with cos's strides), the packed batch, the attention dtype, the mask source (graph slots; None: draw)."""
 
     __slots__ = ("cos", "sin", "info", "mask_source", "attn_dtype", "n", "native", "rope_takes")
 
@@ -153,10 +125,8 @@ class StepContext:
         self.rope_takes: dict = {}  # head_dim -> kernels/qkv_rope.py takes it with these tables
 
     def ok(self, x) -> bool:
-        """The step's conditions the plans do not cover: fp16 autocast on x's device (what peft and
-        SDPA read), packed rows with row offsets, RoPE tables the kernel takes, no global hooks, and
-        variable-length attention working on this device (``attention.varlen_works``: the node
-        calls that kernel with no fallback; where it refuses, the step runs stock's forward)."""
+        """The step's conditions the plans do not cover: fp16 autocast, packed rows with row offsets, RoPE
+        tables the kernel takes, no global hooks, ``attention.varlen_works`` (the node has no fallback)."""
         cos = self.cos
         return (PLANNER.step_ok(x) and self.attn_dtype == torch.float16
                 and self.info.cu_seqlens is not None and not global_hooks() and x.shape[1] == self.n
@@ -166,10 +136,8 @@ class StepContext:
 
 
 def takes(layer, h, ctx: StepContext) -> LayerPlan | None:
-    """The layer's plan when the node runs it this step (``ctx.ok(h)`` was checked by the caller
-    for the step), else None (said once): the step then runs stock's forward. Attention's way in
-    and out of the node is kernels/qkv_rope.py: it must take the step (fp32 hidden states; RoPE
-    tables and a head_dim its kernels take: ``qkv_rope.supported``)."""
+    """The layer's plan when the node runs it this step (the caller checked ``ctx.ok(h)``), else None (said
+    once): also where kernels/qkv_rope.py does not take the step (``qkv_rope.supported``, fp32 h)."""
     plan = plan_for(layer, h)
     if plan is None:
         return None
@@ -198,9 +166,7 @@ def checkpointed(layer) -> bool:
 
 
 def plans(layers, h, ctx: StepContext | None) -> list[LayerPlan] | None:
-    """Every layer's plan when the node takes them all this step (``takes``), else None: the
-    packed step runs only where the node runs every layer (``ctx`` None: the step's conditions
-    failed)."""
+    """Every layer's plan when the node takes them all this step, else None (also for ``ctx`` None)."""
     if ctx is None:
         return None
     out = []
@@ -215,9 +181,7 @@ def plans(layers, h, ctx: StepContext | None) -> list[LayerPlan] | None:
 
 
 def run_layer(layer, plan: LayerPlan, h, ctx: StepContext, other_checkpoint=None):
-    """The layer's output through the node: ``apply_node``, or ``apply_checkpointed`` when the
-    layer is checkpointed with a checkpoint function the node reproduces (``own_checkpoint``);
-    a layer checkpointed with another function: ``other_checkpoint(plan)``."""
+    """``apply_node``; checkpointed: ``apply_checkpointed`` if ``own_checkpoint``, else ``other_checkpoint(plan)``."""
     if not checkpointed(layer):
         return apply_node(plan, h, ctx)
     if own_checkpoint(getattr(layer, "_gradient_checkpointing_func", None)):
@@ -226,8 +190,7 @@ def run_layer(layer, plan: LayerPlan, h, ctx: StepContext, other_checkpoint=None
 
 
 def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
-    """The step's context when the node may run this forward (its patch installed, the step's
-    conditions met), else None."""
+    """The step's context when the node may run this forward (planner installed, ``ok``), else None."""
     if PLANNER is None:
         return None
     ctx = StepContext(cos, sin, info, mask_source)
@@ -237,11 +200,9 @@ def step_context(cos, sin, info, h, mask_source=None) -> StepContext | None:
 # -- the node -------------------------------------------------------------------------------------
 
 def _lora_forward16(side: LoraPlan, x3, ctx: StepContext, source, ab16, x16=None):
-    """q_proj / v_proj on x3 ([1, N, H] fp32) up to its GEMMs: (base16, lora16, x16, saved, mask,
-    mode, drop_scale), with the dropout mask drawn as peft's call draws it (over the padded shape),
-    or taken from ``source`` (a packing.DropoutMaskSource: a CUDA graph's slots) when it is not
-    None. The sum of base16 and lora16 is made by kernels/qkv_rope.py. ``ab16``: fp16 A and B
-    (``cast_four``); ``x16``: fp16(x) made by an earlier launch, or None."""
+    """q_proj / v_proj on x3 ([1, N, H] fp32) up to its GEMMs: (base16, lora16, x16, saved, mask, mode,
+    drop_scale); the mask drawn as peft's call draws it (padded shape) or taken from ``source`` when not None.
+    kernels/qkv_rope.py sums base16 and lora16. ``ab16``: fp16 A and B; ``x16``: fp16(x) if already made."""
     xd, mask, mode, drop_scale = lora_dropout(side.dropout, x3, defer=True, packed=ctx.info, mask_source=source)
     base16, lora16, x16, saved = lora_forward_gemms(side.plan, x3, xd, mask, side.wa, side.wb, side.bias16, x16,
                                                     ab16)
@@ -249,9 +210,7 @@ def _lora_forward16(side: LoraPlan, x3, ctx: StepContext, source, ab16, x16=None
 
 
 def _lora_grads(grads16, dtypes):
-    """The four LoRA weights' fp16 gradients (q's A, B, v's A, B; None where not asked for) in the
-    weights' dtypes: autograd's casts, in one launch when all four are there (``cast_four``), else
-    two at a time (``cast_grads``)."""
+    """The four LoRA fp16 gradients (None where not asked for) cast to the weights' dtypes, in one or two launches."""
     if all(g is not None for g in grads16):
         return cast_four(grads16, dtypes)
     return [*cast_grads(grads16[0], grads16[1], dtypes[0], dtypes[1]),
@@ -259,10 +218,8 @@ def _lora_grads(grads16, dtypes):
 
 
 def _projections16(plan: LayerPlan, x3, ctx: StepContext, source):
-    """q's, k's and v's fp16 GEMM outputs for kernels/qkv_rope.py, in stock's order (q's
-    dropout drawn first, then v's; x cast to fp16 once, in q's dequantization launch; q's and v's
-    LoRA weights cast to fp16 in one launch): (qb16, ql16, kb16, vb16, vl16, q_saved, v_saved,
-    q_mask, v_mask, mode, drop_scale)."""
+    """q's, k's and v's fp16 GEMM outputs for kernels/qkv_rope.py in stock's order (q's dropout drawn before
+    v's; x cast to fp16 once): (qb16, ql16, kb16, vb16, vl16, q_saved, v_saved, q_mask, v_mask, mode, drop_scale)."""
     weights = (plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb)
     qa16, qb16_w, va16, vb16_w = cast_four(weights, (torch.float16,) * 4)
     qb16, ql16, x16, q_saved, q_mask, mode, drop_scale = _lora_forward16(plan.q, x3, ctx, source, (qa16, qb16_w))
@@ -274,8 +231,7 @@ def _projections16(plan: LayerPlan, x3, ctx: StepContext, source):
 
 
 def _attention(plan: LayerPlan, qp, kp, vp, ctx: StepContext):
-    """Variable-length attention on attention's fp16 inputs [1, N, heads, D]: (out [1, N, Hq * D],
-    saved)."""
+    """Variable-length attention on fp16 inputs [1, N, heads, D]: (out [1, N, Hq * D], saved)."""
     if ctx.native:
         out, lse, seed, offset = attn_varlen.varlen_forward(qp, kp, vp, ctx.info.cu_seqlens, ctx.info.max_len, plan.scale)
         saved = (qp, kp, vp, out, lse, seed, offset)
@@ -300,10 +256,8 @@ def _attention_grads(plan: LayerPlan, d_out16, saved, ctx: StepContext):
 
 
 def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
-    """The layer's forward kernels: (out [1, N, H] fp32, kept, meta). ``kept``: the tensors its
-    backward needs, in ``_node_backward``'s order; ``meta``: the plain values it needs with them.
-    ``masks``: where the dropout masks come from instead of ``sc.mask_source`` (the checkpointed
-    node's recording or replay of them), or None."""
+    """The layer's forward kernels: (out [1, N, H] fp32, kept, meta): the tensors and plain values
+    ``_node_backward`` needs. ``masks``: a mask source instead of ``sc.mask_source`` (checkpointed node), or None."""
     source = sc.mask_source if masks is None else masks
     record(NODE_COUNT, ours=False)  # one per layer forward through the node (tests and reports)
     n, hid = sc.n, h.shape[-1]
@@ -330,9 +284,8 @@ def _node_forward(h, plan: LayerPlan, sc: StepContext, masks=None):
 
 
 def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs, dtypes):
-    """The layer's backward kernels from ``_node_forward``'s ``kept`` and ``meta`` (``kept`` is a
-    list: it is emptied, so each activation is freed as soon as it is used). ``needs``: which of
-    (h, q's A, q's B, v's A, v's B) need a gradient; ``dtypes``: the four LoRA weights' dtypes.
+    """The backward kernels from ``_node_forward``'s ``kept`` (a list, emptied: each activation is freed once
+    used) and ``meta``. ``needs``: which of (h, qa, qb, va, vb) need a gradient; ``dtypes``: the LoRA weights'.
     Returns (grad_h, grad_qa, grad_qb, grad_va, grad_vb)."""
     n_q, n_v, n_att, n_mlp, has_masks, mode, drop_scale = meta
     t = kept
@@ -354,16 +307,14 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
     g2 = grad_out.reshape(n, hid)
     if not g2.is_contiguous():
         g2 = g2.contiguous()
-    # the residual add's backward hands g to h2 as it is and fp16(g) to the MLP: that cast is made
-    # in the down weight's dequantization launch (mlp_backward)
+    # the residual add hands g to h2 and fp16(g) to the MLP (cast in the down weight's dequantization launch)
     dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2)
     del mlp_saved
     d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2,
                                                 [torch.float32, torch.float16])
     del dy
     d_attn16 = plan.o.input_grad16(d_o16)
-    # attention's gradients to the projections' fp16 GEMM inputs in one launch; k's input gradient
-    # matters only when x needs one (layer 0 without checkpointing: no)
+    # attention's gradients to the projections' fp16 GEMM inputs; k's input gradient only when x needs one
     dq, dk, dv = _attention_grads(plan, d_attn16, att_saved, sc)
     del att_saved, d_attn16
     gq16, gsq16, gk16, gv16, gsv16 = qkv_rope.backward(dq, dk, dv, sc.cos, sc.sin, plan.q.scaling,
@@ -399,8 +350,7 @@ def _consume(ctx) -> None:
 
 
 class _LayerNode(torch.autograd.Function):
-    """out = Qwen2DecoderLayer(h) on packed rows [1, N, H] (fp32), stock's operations;
-    gradients for h and the four LoRA weights (q's A, B, v's A, B)."""
+    """out = Qwen2DecoderLayer(h) on packed rows [1, N, H] fp32; gradients for h and q's and v's A and B."""
 
     @staticmethod
     def forward(ctx, h, qa, qb, va, vb, plan: LayerPlan, sc: StepContext):
@@ -427,8 +377,7 @@ def _rng_state(device: torch.device):
 
 @contextlib.contextmanager
 def _generator_at(state, device: torch.device):
-    """Within this block the dropout generator of ``device`` is at ``state`` (``_rng_state``); after
-    it, where it was before (``fork_rng``: as torch's checkpoint leaves it after its recompute)."""
+    """Within this block ``device``'s dropout generator is at ``state``; after it, where it was (``fork_rng``)."""
     cuda = device.type == "cuda"
     with torch.random.fork_rng(devices=[device] if cuda else []):  # the CPU's state is always forked
         if cuda:
@@ -439,9 +388,7 @@ def _generator_at(state, device: torch.device):
 
 
 class _RecordedMasks:
-    """A mask source (packing.DropoutMaskSource's ``take``) that hands out ``source``'s masks and
-    keeps them: the checkpointed node's forward inside a CUDA graph, where the masks come from the
-    graph's slots (drawn before each replay, over stock's padded shape)."""
+    """A mask source that hands out ``source``'s masks and keeps them (the checkpointed node in a CUDA graph)."""
 
     def __init__(self, source):
         self.source, self.masks = source, []
@@ -453,9 +400,8 @@ class _RecordedMasks:
 
 
 class _ReplayedMasks:
-    """A mask source that hands out the masks a ``_RecordedMasks`` kept, in the same order: the
-    checkpointed node's recompute takes the very masks its forward took (stock's recompute draws
-    them again from the restored generator state: the same values)."""
+    """A mask source that hands out the masks a ``_RecordedMasks`` kept, in order: the recompute takes the
+    very masks its forward took (the values stock's recompute redraws from the restored generator)."""
 
     def __init__(self, masks):
         self.masks, self.i = masks, 0
@@ -470,19 +416,11 @@ class _ReplayedMasks:
 
 
 class _CheckpointedLayerNode(torch.autograd.Function):
-    """The node under gradient checkpointing: the forward keeps only the layer's input and where
-    its dropout masks came from; the backward recomputes the forward's kernels with the same
-    masks, then runs the node's backward. Two cases:
-    - masks drawn by the layer (eager): the forward keeps the dropout generator's state; the
-      backward sets it again (inside ``fork_rng``, so the generator ends where the forward left it,
-      as torch's checkpoint leaves it) and the recompute draws the same masks;
-    - masks taken from a source (``sc.mask_source``: a CUDA graph's slots, drawn before each replay
-      exactly as stock draws them): the forward keeps the masks it took (views of the slots, which
-      hold them until the next replay) and the recompute takes them again; no generator is read or
-      set, so the node can be captured in a CUDA graph.
-    The values are the node's under transformers' checkpoint function (the same kernels, the same
-    masks), without the checkpoint machinery around them (saved-tensor hooks or a second autograd
-    graph)."""
+    """The node under gradient checkpointing: the forward keeps only the layer's input and where its masks
+    came from; the backward recomputes the forward's kernels with the same masks, then runs the node's
+    backward. Masks drawn eagerly: the generator's state is kept and set again in ``_generator_at`` (it ends
+    where the forward left it, as torch's checkpoint leaves it). Masks from ``sc.mask_source`` (a CUDA
+    graph's slots): the masks are kept and taken again, no generator touched (so it can be captured)."""
 
     @staticmethod
     def forward(ctx, h, qa, qb, va, vb, plan: LayerPlan, sc: StepContext):
@@ -519,22 +457,17 @@ class _CheckpointedLayerNode(torch.autograd.Function):
 
 
 def apply_checkpointed(plan: LayerPlan, h, ctx: StepContext):
-    """The layer's output through the node with its own gradient checkpointing (``plan`` from
-    ``takes``; the caller checked ``own_checkpoint``)."""
+    """The layer's output through the node's own checkpointing (the caller checked ``own_checkpoint``)."""
     return _CheckpointedLayerNode.apply(h, plan.q.wa, plan.q.wb, plan.v.wa, plan.v.wb, plan, ctx)
 
 
-# torch.utils.checkpoint.checkpoint's keywords the node's own checkpointing reproduces (debug and
-# determinism_check only report on a recompute that differs; the node's recompute is the same kernels)
+# checkpoint's keywords the node reproduces (debug, determinism_check only report a recompute that differs)
 _OWN_CHECKPOINT_OPTIONS = frozenset({"use_reentrant", "preserve_rng_state", "debug", "determinism_check"})
 
 
 def own_checkpoint(checkpoint_fn) -> bool:
-    """``checkpoint_fn`` (a layer's ``_gradient_checkpointing_func``) is torch's plain
-    ``torch.utils.checkpoint.checkpoint`` with options the node's own checkpointing reproduces:
-    use_reentrant either way, preserve_rng_state on, no context_fn (transformers' ``offload`` wraps
-    it in another function: not this). Anything else: the node runs inside that function. Asked
-    for each checkpointed layer of a step: attribute reads only."""
+    """``checkpoint_fn`` (a layer's ``_gradient_checkpointing_func``) is torch's plain checkpoint with options
+    the node reproduces: use_reentrant either way, preserve_rng_state on, no context_fn. Attribute reads only."""
     if (not isinstance(checkpoint_fn, functools.partial) or checkpoint_fn.func is not torch_checkpoint.checkpoint
             or checkpoint_fn.args):
         return False

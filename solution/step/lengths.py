@@ -1,18 +1,10 @@
-"""The training run's row lengths, and the CUDA-graph buckets its batches are likely to need.
-
-Why: a CUDA-graph bucket captured on first sight inside the timed steps costs about one eager
-pass of the layers on the host (docs/cuda_graphs.md). The buckets a run will need are not known
-before its batches come, but their distribution is: the Trainer's tokenized dataset holds every
-row's length, the batch size and the step count are in its arguments, and the sampler draws each
-epoch as a random permutation of the rows. ``predicted_buckets`` simulates such permutations
-with its own seeded generator (``random.Random``: the global torch / Python / NumPy generators
-are never touched, so the run's batch order and dropout are unchanged) and names the buckets that
-more than ``p_min`` of the simulated runs meet. P_MIN is 1/4: capturing a bucket ahead costs one
-capture outside the timed steps, leaving it costs one capture inside them with its probability. cuda_graphs.py captures those ahead, in the step
-that turns graphs on (step 2: outside steps 3-64, inside Soup's duration, which counts every
-capture); a bucket outside them is still captured when it first comes.
-
-``note`` is called by patches/trainer_lengths.py when ``Trainer.train`` starts; it only reads.
+"""The training run's row lengths, and the CUDA-graph buckets its batches are likely to need (docs/cuda_graphs.md,
+3b). A bucket first captured inside the timed steps costs about one eager pass; the Trainer's dataset and
+arguments give the distribution of the batches, so ``predicted_buckets`` simulates the sampler's permutations
+(its own ``random.Random``: the run's generators are never touched) and names the buckets more than P_MIN of the
+simulated runs meet (capturing ahead costs one capture outside the timed steps; leaving it, one inside with its
+probability). cuda_graphs.py captures those in the step that turns graphs on. ``note`` is called by
+patches/trainer_lengths.py when ``Trainer.train`` starts; it only reads.
 """
 from __future__ import annotations
 
@@ -33,8 +25,7 @@ MAX_ROWS = 200_000  # a larger dataset is not read (reading its lengths would co
 
 
 def note(lengths, batch: int, steps: int, max_length: int | None = None) -> LengthProfile | None:
-    """Record this run's profile (the last call wins); None (and nothing recorded) when the
-    figures are not usable."""
+    """Record this run's profile (the last call wins); None (nothing recorded) when the figures are unusable."""
     global _PROFILE
     lengths = [int(n) for n in lengths]
     if not lengths or len(lengths) > MAX_ROWS or batch < 1 or steps < 1 or min(lengths) < 0:
@@ -59,10 +50,9 @@ P_MIN = 0.25
 
 def predicted_buckets(prof: LengthProfile, bucket_of, p_min: float = P_MIN, runs: int = 200,
                       seed: int = 0) -> list[int]:
-    """The buckets (``bucket_of(tokens in a batch)``) that more than ``p_min`` of ``runs`` simulated
-    runs meet: each run takes the rows in a random order, epoch after epoch, ``prof.batch`` at a
-    time (the last batch of an epoch may be shorter, as a DataLoader without drop_last gives it),
-    for ``prof.steps`` batches. Sorted ascending. Pure: its own generator, nothing global."""
+    """The buckets (``bucket_of(tokens in a batch)``) more than ``p_min`` of ``runs`` simulated runs meet, each
+    run taking the rows in random order, epoch after epoch, ``prof.batch`` at a time (last batch of an epoch
+    possibly shorter), for ``prof.steps`` batches. Sorted ascending. Pure."""
     rng = random.Random(seed)
     n_rows, b = len(prof.lengths), prof.batch
     seen: dict[int, int] = {}
