@@ -165,8 +165,10 @@ def render(summary: dict, lang: str, src: str = str(SUMMARY), steps: int | str |
     calls = {name: run.get("call") for name, run in runs.items() if run.get("call")}
     if len({(c.get("commit"), c.get("date")) for c in calls.values()}) > 1:
         out += ["", t["calls"]]
-        out += [f"- {name}: {str(c.get('date'))[:16]}, {c.get('commit')}, `{c.get('command')}`"
-                for name, c in calls.items()]
+        by_call: dict = {}  # one line per call, naming the runs it made
+        for name, c in calls.items():
+            by_call.setdefault((str(c.get("date"))[:16], c.get("commit"), c.get("command")), []).append(name)
+        out += [f"- {', '.join(names)}: {date}, {commit}, `{command}`" for (date, commit, command), names in by_call.items()]
     proj = summary.get("t4_projection") or {}
     if proj.get("baseline_train_s") is not None and proj.get("solution_train_s") is not None:
         out += ["", t["t4"].format(b=proj["baseline_train_s"], s=proj["solution_train_s"])]

@@ -9,21 +9,13 @@
 # Named runs (bench/runs.py; each a baseline-vs-solution comparison under stated conditions):
 #   RUNS=shipped,shipped-graphs-off bash scripts/gpu_run.sh runs
 # runs bench.compare --runs "$RUNS" into $OUT/runs-<names joined by +>, its summary.json and report.md
-# copied beside results.tgz as runs-<names>-summary.json / -report.md. One call holds about ten
-# children (~50 s each on the H200, more in an SM partition or with cold caches); a split of every
-# run of issues 24/25 into calls of <= 10 minutes (children in brackets):
-#   RUNS=shipped,shipped-graphs-off (9)          RUNS=gpu-bound-sm16 (4)
-#   RUNS=ckpt,shipped-same-allocator,outliers (6) RUNS=long,short (8)     RUNS=shipped-cold (2)
-# Measured on the H200 (2026-12-02): RUNS=shipped,shipped-graphs-off,ckpt with --no-host-split (9
-# children) 506 s, and 413 s once checkpointing replayed graphs; RUNS=shipped-same-allocator,outliers,
-# gpu-bound-sm16 with --no-host-split --no-profile (6) ~240 s; the whole GPU suite 339-417 s
-# (TEST_TIMEOUT's default was 450 s since; on 2026-12-03 ecac261's suite ran 1,081 of 1,116 tests
-# in 450 s, so it is 560 s now, under the 600 s a call may run); RUNS=shipped-cold --no-profile (2) 72-100 s; the whole
-# suite then RUNS=ckpt --no-profile in one call 557 s.
-# On 2026-12-03 (56ebb1d, one warm machine, wall time of each call): tests + bench_node_sections 188 s
-# (the suite 136 s with 6 workers); RUNS=shipped-graphs-off --repeat 3 --no-profile 270 s;
-# RUNS=shipped,ckpt --profile-shapes shipped 396 s; RUNS=gpu-bound-sm16,shipped-cold --no-profile 180 s;
-# RUNS=long,short --no-profile 185 s (all with --no-host-split).
+# copied beside results.tgz as runs-<names joined by ->-summary.json / -report.md. The whole named set in calls of <= 10
+# minutes, as measured on an H100 (2026-12-07, one warm machine, wall time of each call, all with
+# --no-host-split): the notebook's quick default (`bash scripts/run_notebook.sh $OUT/notebook`, the
+# profiled shipped run) 254 s; tests (TEST_WORKERS=14; the suite 108 s) + RUNS=shipped-graphs-off
+# --repeat 3 --no-profile 309 s; RUNS=gpu-bound-sm8 --repeat 3 --no-profile 314 s;
+# RUNS=ckpt,shipped-cold,gpu-bound-sm16 --no-profile 216 s; RUNS=long,short --no-profile 137 s;
+# RUNS=outliers,shipped-same-allocator --no-profile 140 s. Each machine start costs ~60 s or more.
 # then, here, from the calls' unpacked results.tgz: one report with every run and the call each came from
 # (the T4 projection and the partition's prediction need the shipped runs' results):
 #   python -m bench.rebuild_report DIR_1/runs-... DIR_2/runs-... ... --into ALL_DIR
@@ -56,8 +48,9 @@ pack() {
   cp "$OUT"/compare/report.md "$FINAL"/ 2>/dev/null
   local d sums=()
   for d in compare compare-shapes compare-cold compare-all $(cd "$OUT" && ls -d runs-* 2>/dev/null); do
-    if [ -f "$OUT/$d/summary.json" ]; then cp "$OUT/$d/summary.json" "$FINAL/$d-summary.json"; sums+=("$OUT/$d/summary.json"); fi
-    [ "$d" != compare ] && [ -f "$OUT/$d/report.md" ] && cp "$OUT/$d/report.md" "$FINAL/$d-report.md"
+    local name=${d//+/-}  # the device tool brings back names of letters, digits, '.', '_' and '-' only
+    if [ -f "$OUT/$d/summary.json" ]; then cp "$OUT/$d/summary.json" "$FINAL/$name-summary.json"; sums+=("$OUT/$d/summary.json"); fi
+    [ "$d" != compare ] && [ -f "$OUT/$d/report.md" ] && cp "$OUT/$d/report.md" "$FINAL/$name-report.md"
   done
   [ ${#sums[@]} -gt 1 ] && python3 -m bench.summary_merge "${sums[@]}" -o "$FINAL/summary.json"
   # Soup's output dirs (adapter, checkpoint with optimizer state, tokenizer) stay behind: too big to carry.

@@ -52,6 +52,14 @@ def test_runs_of_several_calls_name_their_calls():
     assert "- gpu-bound-sm16: 2026-12-02T11:30, abc1234, `python -m bench.compare --runs shipped`" in en
 
 
+def test_runs_of_one_call_share_its_line():
+    summary = _summary(calls_differ=True)
+    summary["runs"]["long"] = dict(summary["runs"]["gpu-bound-sm16"])  # a second run of the later call
+    en = df.render(summary, "en", steps=64)
+    assert "- gpu-bound-sm16, long: 2026-12-02T11:30, abc1234, `python -m bench.compare --runs shipped`" in en
+    assert "- shipped: 2026-12-02T10:00, abc1234, `python -m bench.compare --runs shipped`" in en
+
+
 def test_a_repeated_run_states_its_pairs_and_spread():
     summary = _summary()
     summary["runs"]["gpu-bound-sm16"]["repeats"] = {"pairs": [{}, {}, {}], "chosen": 2, "steps_ratio_min": 0.39,
