@@ -198,8 +198,9 @@ def test_matches_stock_and_fp64(device, r_dt, x_dt, w_dt, shape, use_h):
 @pytest.mark.parametrize("r_dt,x_dt,w_dt", DTYPES)
 @pytest.mark.parametrize("use_h", [True, False], ids=["h_and_y_used", "only_y_used"])
 def test_rounding_chain_is_autograds(device, r_dt, x_dt, w_dt, use_h):
-    """y is our RMSNorm of h; dres / dx are exactly what autograd makes of the stock graph given
-    the norm's gradient: (grad_h + norm_grad in h.dtype) in h.dtype, then cast per input."""
+    """y is our RMSNorm of h; dres / dx are what autograd makes of the stock graph given the norm's
+    gradient: (grad_h + norm_grad in h.dtype) in h.dtype, then cast per input. The same bits
+    (torch.equal) in the interpreter; on the GPU within tol()."""
     shape = (3, 7, 40)
     r, x = make_inputs(shape, r_dt, x_dt, device, seed=11)
     w = make_weight(40, w_dt, device, requires_grad=False)

@@ -96,10 +96,19 @@ def test_gpu_varlen_kernel_matches_rows_reference(dtype):
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref = attn_varlen.rows_reference(q, k, v, LENGTHS, scale)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
+    # GPU only (unverified here), limits kept. fp16 against the row-by-row SDPA: 2e-3 ~ 4 U16
+    # (U16 = 2^-11) element-wise. Counted for out: each side one fp16 rounding of an fp32 sum of the
+    # same terms in another tile order, so at most one fp16 ulp (2 U16) apart, plus atol for values
+    # near 0; the gradients also round P and dS to fp16 inside the kernels (uncounted here: the
+    # fp64-anchored criterion is test_gpu_varlen_attention_against_fp64_at_odd_shapes'). fp32: 1e-5.
     tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, ref, **tol)
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a, b, **tol)
+    # Against fp64 (GPU only, unverified here): fp16 out = sum_j fp16(p_j) v_j (fp32 scores, exp and
+    # sums), rounded to fp16. P's rounding errs by at most U16 sum_j p_j |v_j| <= U16 max|v| (4.8 for
+    # these inputs), out's by U16 |out|: the error is at most 4.8 U16 + U16 |out| (+ fp32 terms),
+    # within atol + rtol |out| = 10 U16 (1 + |out|) for 5e-3 ~ 10 U16. fp32: 1e-4.
     torch.testing.assert_close(out.double().cpu(), _masked_reference(q, k, v, LENGTHS, scale),
                                rtol=5e-3 if dtype == torch.float16 else 1e-4, atol=5e-3 if dtype == torch.float16 else 1e-4)
 

@@ -204,7 +204,8 @@ def test_matches_peft(in_f, out_f, prefix, pad, noncontig, dropout, lora_dtype, 
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 def test_fp16_input(device, autocast_ctx, dropout):
     """x already fp16 (no cast in bnb, an fp16 + fp16 sum in peft): output and x's gradient stay
-    fp16, the same bits as peft's; no cast in the dequantization launch."""
+    fp16; the output the same bits as peft's, the gradients too on the CPU (on the GPU within
+    check_against_stock's 4 roundings); no cast in the dequantization launch."""
     layer = make_lora_layer(128, 64, dropout, torch.float32, device)
     x = fresh_x((*tokens((3, 4), device), 128), device, dtype=F16)
     g = fresh_x((*x.shape[:-1], 64), device, dtype=F16, seed=2)

@@ -71,8 +71,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import rel_err
+from tests.test_lm_head_loss import GRAD16_TOL
 from tests.test_lora_nf4 import make_lora_layer
 from tests.test_nf4_linear import bnb_dequant_rows, make_linear4bit
+from tests.test_rmsnorm import F16_TOL, U16
 from tests.test_unpad import STEP_REL, qlora_tiny_model
 
 pytestmark = [
@@ -86,6 +88,14 @@ F16, F32 = torch.float16, torch.float32
 INF, NAN = float("inf"), float("nan")
 FP16_MAX = 65504.0
 EPS = 1e-6
+# The finite values' limits, each the op's own test's (docs/TESTS.md, "How limits are set"):
+#   F16_TOL = 4 U16 (tests/test_rmsnorm.py, tests/test_add_rmsnorm.py: two fp16 roundings, each
+#     possibly flipped against stock); GRAD16_TOL = 4 U16 (tests/test_lm_head_loss.py: the LM head's
+#     hidden-state gradient, two fp16 roundings on each side); SWIGLU_TOL below; 1e-5 with fp32 only.
+# SwiGLU: tests/test_swiglu.py holds each fp16 result to stock's bits on the GPU and to one fp16 ulp in
+# the interpreter (numpy's exp for libdevice's). One ulp of a normal fp16 value is at most 2^-10 of it
+# = 2 U16, so the relative L2 error over the finite positions is at most 2 U16.
+SWIGLU_TOL = 2 * U16
 
 
 # --------------------------------------------------------------------------------------------------
@@ -106,7 +116,9 @@ def classes(t: torch.Tensor) -> torch.Tensor:
 
 def assert_like_stock(ours, stock, tol, what, *, expect_nonfinite=False, exact=False, any_nonfinite=False):
     """ours has stock's non-finite values at stock's positions (NaN as NaN, +-inf with stock's
-    sign) and is within ``tol`` (relative L2, or bit for bit with ``exact``) of stock elsewhere.
+    sign) and is within ``tol`` (relative L2, or bit for bit with ``exact``) of stock elsewhere;
+    ``tol`` None: the positions only (the caller compares the finite values with fp64,
+    ``assert_no_worse_than_stock``).
     expect_nonfinite: stock must have at least one non-finite value (the inputs reach it).
     any_nonfinite: NaN, +inf and -inf count as one class (a sum that meets +inf and -inf in another
     order gives NaN where stock's gives inf; GradScaler tells only finite from non-finite).
@@ -127,12 +139,22 @@ def assert_like_stock(ours, stock, tol, what, *, expect_nonfinite=False, exact=F
     o, s = ours.detach().cpu()[fin], stock.detach().cpu()[fin]
     if exact:
         assert torch.equal(o, s), f"{what}: finite values differ (max {(o.double() - s.double()).abs().max()})"
-    else:
+    elif tol is not None:
         err = rel_err(o, s)
         assert err < tol, f"{what}: finite values rel. error {err:.3g} >= {tol}"
     if expect_nonfinite:
         assert bool((cs != 0).any()), f"{what}: the inputs never reach a non-finite stock result"
     return int((cs != 0).sum())
+
+
+def assert_no_worse_than_stock(ours, stock, ref, k, floor, what):
+    """Where ours, stock and the fp64 reference ``ref`` are all finite: ours' relative L2 error
+    against ref is at most k x stock's own + floor (docs/TESTS.md, "No worse than stock")."""
+    o, s, r = (t.detach().cpu().double() for t in (ours, stock, ref))
+    fin = torch.isfinite(o) & torch.isfinite(s) & torch.isfinite(r)
+    assert bool(fin.any()), f"{what}: no finite position to compare"
+    e_o, e_s = rel_err(o[fin], r[fin]), rel_err(s[fin], r[fin])
+    assert e_o <= k * e_s + floor, f"{what}: error against fp64 {e_o:.3g} > {k} x stock's {e_s:.3g} + {floor:.3g}"
 
 
 # --------------------------------------------------------------------------------------------------
@@ -151,8 +173,9 @@ def stock_norm(h, w):
 
 
 def norm_tol(*dtypes) -> float:
-    """tests/test_rmsnorm.py's and tests/test_add_rmsnorm.py's tolerances."""
-    return 2e-3 if F16 in dtypes else 1e-5
+    """tests/test_rmsnorm.py's and tests/test_add_rmsnorm.py's limits: F16_TOL = 4 U16 with an fp16
+    operand (derived there), 1e-5 in fp32."""
+    return F16_TOL if F16 in dtypes else 1e-5
 
 
 def special_rows(rows, cols, dtype, seed, scale=2.0, fp32_extremes=True):
@@ -335,10 +358,10 @@ def swiglu_inputs(rows, cols, dtype, device, case, seed=10):
 def test_swiglu_fp16_of_fp32(device, case):
     """The fused NF4 MLP's SwiGLU: fp16 storage of stock's fp32 tensors; stock is silu(fp32 g) *
     fp32 u with fp32 autograd, cast to fp16 where the next fp16 GEMM casts. Tolerance:
-    tests/test_swiglu.py's (the interpreter's numpy exp may move an fp16 result by one ulp)."""
+    SWIGLU_TOL, tests/test_swiglu.py's one fp16 ulp (the interpreter's numpy exp)."""
     g16, u16, dh16 = swiglu_inputs(13, 37, F16, device, case)
     for name, a, b in _swiglu_and_stock(g16, u16, dh16):
-        assert_like_stock(a, b, 2e-3, name, expect_nonfinite=name != "h" or case != "grads")
+        assert_like_stock(a, b, SWIGLU_TOL, name, expect_nonfinite=name != "h" or case != "grads")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -434,8 +457,12 @@ def test_attn_varlen(device, dtype, case):
     autograd) against stock's padded SDPA: a NaN query, an inf key and a -inf value in the first
     row must poison exactly what they poison in stock (never the other rows); gradients with inf /
     NaN upstream likewise.
-    Accepted as "NaN or inf": none. Values: fp16 kernels with fp32 accumulation in another order,
-    tests/test_attn_varlen.py's 2e-3 (fp16) / 1e-5 (fp32)."""
+    Accepted as "NaN or inf": none. Finite values: fp32 1e-5 of stock (fp32 math in another order).
+    fp16 on the CPU (both sides PyTorch's fp16 SDPA, fp32 inside): out within 2 U16 of stock (one
+    fp16 rounding of fp32 results that differ by their summation order: at most one fp16 ulp
+    apart); dq / dk / dv no worse than 2 x stock's own error against attention's fp64 definition
+    (_visible_keys_attention) + U16, as tests/test_attn_varlen.py's fp64 test (uncounted: the
+    softmax backward's sums). fp16 on the GPU: 2e-3 of stock (below)."""
     from solution.kernels import attn_varlen
     from solution.step import packing
 
@@ -466,13 +493,20 @@ def test_attn_varlen(device, dtype, case):
     qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
     out = _stock_padded_attention(qq, kk, vv, lengths, scale)
     res = [ours, (out, *torch.autograd.grad(out, (qq, kk, vv), dout))]
+    # GPU fp16 (unverified here): 2e-3 ~ 4 U16, two fp16 kernels with fp32 accumulation in other
+    # tile orders; out is one fp16 rounding of each (2 U16 apart at most), the gradients' count is
+    # not made (the softmax backward's sums; the fp64-anchored GPU test is tests/test_attn_varlen.py's).
     tol = 2e-3 if dtype == F16 else 1e-5
-    if device == "cpu" and dtype == F16 and case == "grads":
-        # On the CPU both sides are PyTorch's fp16 SDPA (the padded batch against one call per
-        # row), whose fp16 kernels and accumulation order follow the CPU's instruction set and the
-        # call's shape: with 65504 in the upstream gradient they differ by ~3e-2 relative on an AMD
-        # EPYC CPU (1e-3 elsewhere). The positions of inf / NaN are still compared exactly below.
-        tol = 5e-2
+    refs = (None,) * 4
+    if device == "cpu" and dtype == F16:
+        # On the CPU both sides are PyTorch's fp16 SDPA (the padded batch against one call per row),
+        # whose fp16 kernels and accumulation order follow the CPU's instruction set and the call's
+        # shape: with 65504 in the upstream gradient their dq / dk differ by ~3e-2 relative (an AMD
+        # EPYC CPU; 2.6e-2 on another x86 CPU, where stock's padded call is the one 2.3e-2 from fp64
+        # and ours 3.5e-3). So the gradients are anchored to fp64 (the docstring), not to stock.
+        qq, kk, vv = (t.detach().double().requires_grad_() for t in (q, k, v))
+        ref = _visible_keys_attention(qq, kk, vv, lengths, scale)
+        refs = (ref, *torch.autograd.grad(ref, (qq, kk, vv), dout.double()))
     if device == "cuda" and case == "inputs":
         # On a GPU both kernels compute a whole tile of scores and then mask it, and each poisons
         # some masked positions in its own way: stock's padded kernel adds the mask to a +inf score
@@ -494,9 +528,12 @@ def test_attn_varlen(device, dtype, case):
             assert err < tol, f"{name}: finite values rel. error {err:.3g} >= {tol}"
         assert bool(torch.isfinite(res[0][0][0, 19]).all())  # the one-token row sees no other row
         return
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *res):
-        assert_like_stock(a, b, tol, name, expect_nonfinite=name != "out" or case == "inputs",
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), *res, refs):
+        limit = tol if r is None else (2 * U16 if name == "out" else None)  # None: fp64 below
+        assert_like_stock(a, b, limit, name, expect_nonfinite=name != "out" or case == "inputs",
                           any_nonfinite=name != "out")
+        if r is not None and name != "out":
+            assert_no_worse_than_stock(a, b, r, 2, U16, name)
         # row 2 (the one-token row) never sees another row's values
         assert bool(torch.isfinite(a[0, 19]).all()) or case == "grads"
 
@@ -670,6 +707,8 @@ def test_nf4_linear(device, case):
     stock = stock_linear(layer, x, g)
     ours = plan_linear(layer, x, g)
     exact = device == "cpu"
+    # GPU only (unverified here): 3e-3 kept; counted, out and dx are one fp16 rounding of fp32 sums
+    # of the same operands in another order (another cuBLAS kernel): 1 ulp = 2 U16 apart at most
     assert_like_stock(ours[0], stock[0], 3e-3, "out", exact=exact, expect_nonfinite=case == "inputs")
     assert_like_stock(ours[1], stock[1], 3e-3, "dx", exact=exact, expect_nonfinite=case == "grads")
 
@@ -720,7 +759,8 @@ def test_lora_nf4(device, autocast_ctx, dropout, case):
     beyond fp16 / rows whose base GEMM overflows, and upstream gradients with inf / NaN / 7e4 / a
     row whose input-gradient GEMM overflows. Dropout of an inf is inf * 0 = NaN in stock (the CPU's
     x * noise, CUDA's native_dropout) and here. The same GEMMs on the same fp16 operands: equal on
-    the CPU; on the GPU within tests/test_lora_nf4.py's 3e-3."""
+    the CPU; on the GPU within 3e-3 (GPU only, unverified here; tests/test_lora_nf4.py holds the
+    GPU gradients to 4 U16 = 1.95e-3: fp16 GEMM outputs, fp32 sums in another order)."""
     from solution.kernels.nf4_dequant import dequantize_nf4
 
     k, n_out = 99, 40
@@ -760,7 +800,11 @@ def test_nf4_mlp(device, policy, case):
     gate / up GEMMs overflow fp16 and rows whose fp32 silu(g) * u overflows the fp16 cast down_proj
     makes; dy with inf / NaN / 7e4 and a row whose input-gradient GEMM overflows. Ours returns fp16
     (the residual add promotes it: stock's fp32 copy holds the same values).
-    Tolerance: tests/test_nf4_mlp.py's (the interpreter's exp is numpy's): 2e-3."""
+    Finite values as tests/test_nf4_mlp.py compares them on the CPU (the interpreter's exp is
+    numpy's: one fp32 ulp may flip an fp16 rounding of h, uncounted through the down GEMM): no worse
+    than K_STOCK = 1.25 x stock's own error against its fp64 formula + FLOOR (2^-24), where ours,
+    stock and fp64 are finite. GPU (unverified here): 2e-3 of stock (its own test asserts stock's
+    bits there)."""
     from solution.kernels import _launches, nf4_mlp
     from solution.kernels.nf4_dequant import dequantize_nf4
 
@@ -791,8 +835,15 @@ def test_nf4_mlp(device, policy, case):
     dx = nf4_mlp.mlp_backward(plans, policy, nf4_mlp.mlp_saved(policy, x16, g16, u16), dy)
     assert _launches.LAUNCHES["swiglu_bwd"] == before + 1  # the fused SwiGLU backward ran
     assert y16.dtype == F16 and dx.dtype == F32
-    assert_like_stock(y16.float(), ys.reshape(rows, hidden), 2e-3, "y", expect_nonfinite=case == "inputs")
-    assert_like_stock(dx, dxs.reshape(rows, hidden), 2e-3, "dx", expect_nonfinite=True)
+    tol = None if device == "cpu" else 2e-3  # None: the finite values against fp64 below
+    assert_like_stock(y16.float(), ys.reshape(rows, hidden), tol, "y", expect_nonfinite=case == "inputs")
+    assert_like_stock(dx, dxs.reshape(rows, hidden), tol, "dx", expect_nonfinite=True)
+    if device == "cpu":
+        from tests.test_nf4_mlp import FLOOR, K_STOCK, fp64_reference
+
+        y64, dx64 = fp64_reference(mlp, xx, dy.view(ys.shape))
+        assert_no_worse_than_stock(y16.float(), ys.reshape(rows, hidden), y64.reshape(rows, hidden), K_STOCK, FLOOR, "y")
+        assert_no_worse_than_stock(dx, dxs.reshape(rows, hidden), dx64.reshape(rows, hidden), K_STOCK, FLOOR, "dx")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -836,7 +887,7 @@ def test_lm_head_loss(device, block_rows):
     """Loss, per-token loss, entropy and the hidden-state gradient where stock's fp16 logits hold
     inf / NaN (see _lm_head_overflow_inputs), GradScaler's factor 65536 / n upstream.
     Tolerances: tests/test_lm_head_loss.py's (loss and per-token values 1e-5 / 1e-4 on the GPU,
-    gradient 3e-3)."""
+    gradient GRAD16_TOL = 4 U16, derived there)."""
     from tests.test_lm_head_loss import SMALL_BLOCK, ours, stock
 
     h, w, labels = _lm_head_overflow_inputs(device)
@@ -847,7 +898,7 @@ def test_lm_head_loss(device, block_rows):
     assert_like_stock(a["loss"], s["loss"], val_tol, "loss", expect_nonfinite=True)
     assert_like_stock(a["token_loss"], s["token_loss"], val_tol, "token_loss", expect_nonfinite=True)
     assert_like_stock(a["entropy"], s["entropy"], val_tol, "entropy", expect_nonfinite=True)
-    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+    assert_like_stock(a["grad"], s["grad"], GRAD16_TOL, "grad", expect_nonfinite=True)
     finite_rows = torch.isfinite(s["grad"]).all(-1)
     assert bool(finite_rows.any()) and not bool(finite_rows.all())  # some rows poisoned, not all
     # argmax: torch's, a NaN logit counting as the max (the NaN rows too); on the GPU a near-tie
@@ -867,7 +918,7 @@ def test_lm_head_loss_non_finite_upstream(device, upstream):
     h, w, labels = make_inputs(1, 23, 32, 1000, device, seed=25)
     a = ours(h, w, labels, F16, num_items=20, grad_out=upstream, block_v=SMALL_BLOCK)
     s = stock(h, w, labels, F16, num_items=20, grad_out=upstream)
-    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+    assert_like_stock(a["grad"], s["grad"], GRAD16_TOL, "grad", expect_nonfinite=True)
 
 
 def test_lm_head_loss_scaler_factor_overflows_like_stock(device):
@@ -881,12 +932,13 @@ def test_lm_head_loss_scaler_factor_overflows_like_stock(device):
     h, w, labels = make_inputs(1, 23, 32, 1000, device, scale=0.3, seed=5)
     a = ours(h, w, labels, F16, num_items=20, grad_out=2.0 ** 22, block_v=SMALL_BLOCK)
     s = stock(h, w, labels, F16, num_items=20, grad_out=2.0 ** 22)
-    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+    assert_like_stock(a["grad"], s["grad"], GRAD16_TOL, "grad", expect_nonfinite=True)
 
 
-def _stock_logit_grad(h, w, labels, compute_dtype, c):
+def _stock_logit_grad(h, w, labels, compute_dtype, c, with_onehot=False):
     """Stock's fp32 logit gradient d = (softmax - onehot) * c (0 on ignored rows) as its backward
-    computes it, before the cast to the compute dtype: [rows, V] fp32, with the shifted labels."""
+    computes it, before the cast to the compute dtype: [rows, V] fp32, with the shifted labels
+    (and the onehot [rows, V], with ``with_onehot``)."""
     from tests.test_lm_head_loss import IGNORE_INDEX
     from solution.kernels.lm_head_loss import shift_labels_like_stock
 
@@ -897,21 +949,33 @@ def _stock_logit_grad(h, w, labels, compute_dtype, c):
     onehot[lab.nonzero()[:, 0], shift[lab]] = 1.0
     d = (logits.log_softmax(-1).exp() - onehot) * c
     d[~lab] = 0.0
-    return d
+    return (d, onehot) if with_onehot else d
 
 
-def _rounding_band(h, w, labels, compute_dtype, c, rel_a=1e-3, rel_b=1e-2):
+def _rounding_band(h, w, labels, compute_dtype, c, rel_a=1e-3):
     """Where stock's overflow is decided within the two paths' rounding difference, so that either
-    answer is right (_lm_head_ce_bwd_kernel's "Risks"): [rows, H] bool, True on the rows whose
+    answer is right (docs/kernels/lm_head_loss.md, 4a): [rows, H] bool, True on the rows whose
     largest |logit gradient| is within rel_a of the limit, and on the elements of the other rows
-    whose product with W (in fp64, from stock's rounded logit gradient) is within rel_b of it."""
+    whose GEMM sum S = sum_v d_v W16[v, h] is within the paths' difference of it, counted: stock
+    sums fp16(d) W16 in fp32 (d = (p - onehot) c) and overflows on the sum; ours sums
+    fp16((p - onehot) 1024) W16 in fp32, rounds the sum to fp16 (G) and scales it by c / 1024 in
+    fp32 (solution/kernels/lm_head_grad.py). Per factor: one rounding each side (u, the compute
+    dtype's unit roundoff), and the two fp32 softmaxes' p_v apart by at most 2 (V + 2) 2^-24 p_v
+    (a normalizing sum of V terms, exp); per sum: V 2^-24 sum |d W| each side (the fp16 products
+    are exact in fp32); ours' fp16 G and two fp32 scalings: (u + 2 2^-24) |S|. So
+    |ours - stock| <= (2 u + 2 V 2^-24) sum |d W| + 2 (V + 2) 2^-24 sum |c p W| + (u + 2 2^-24) |S|."""
     limit = 65520.0 if compute_dtype == F16 else float(torch.finfo(F32).max)
-    d = _stock_logit_grad(h, w, labels, compute_dtype, c)
+    u, u32, n_vocab = (U16 if compute_dtype == F16 else 2.0 ** -24), 2.0 ** -24, w.shape[0]
+    d, onehot = _stock_logit_grad(h, w, labels, compute_dtype, c, with_onehot=True)
     row_max = d.abs().max(dim=1).values.double() / limit
     row_a = (row_max >= 1.0) & torch.isfinite(row_max)
     near_a = (row_max - 1.0).abs() < rel_a
-    prod = (d.to(compute_dtype).double() @ w.to(compute_dtype).double().cpu()).abs() / limit
-    near_b = ((prod - 1.0).abs() < rel_b) & ~row_a[:, None]
+    d16, w16 = d.to(compute_dtype).double(), w.to(compute_dtype).double().cpu().abs()
+    s = (d16 @ w.to(compute_dtype).double().cpu()).abs() / limit  # stock's |S| in fp64 (its rounded factors)
+    terms = (d16.abs() @ w16) / limit  # sum |d W|
+    p_terms = ((d.double() + c * onehot.double()).abs() @ w16) / limit  # sum |c p W| (c p = d + c onehot)
+    band = (2 * u + 2 * n_vocab * u32) * terms + 2 * (n_vocab + 2) * u32 * p_terms + (u + 2 * u32) * s
+    near_b = ((s - 1.0).abs() <= band) & ~row_a[:, None]
     return near_a[:, None] | near_b
 
 
@@ -920,7 +984,7 @@ def test_lm_head_loss_gemm_overflows_like_stock(device):
     logit gradient entry does: a head with large entries (|W| up to ~16) and c = 8192, so
     c |p - onehot| < 65520 everywhere but |sum_v d_v W16[v, h]| reaches 65520 in some elements:
     those are +-inf (the sum's sign) in stock's and in ours, the rest finite. The inputs keep every
-    element at least 1% away from the limit (the paths' rounding differs by ~1e-3)."""
+    element out of the paths' rounding difference from the limit (_rounding_band)."""
     from tests.test_lm_head_loss import SMALL_BLOCK, make_inputs, ours, stock
 
     h, w, labels = make_inputs(1, 23, 32, 1000, "cpu", scale=4.0, seed=33)
@@ -931,7 +995,7 @@ def test_lm_head_loss_gemm_overflows_like_stock(device):
     h, w, labels = h.to(device), w.to(device), labels.to(device)
     a = ours(h, w, labels, F16, num_items=20, grad_out=c * 20, block_v=SMALL_BLOCK)
     s = stock(h, w, labels, F16, num_items=20, grad_out=c * 20)
-    n = assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+    n = assert_like_stock(a["grad"], s["grad"], GRAD16_TOL, "grad", expect_nonfinite=True)
     assert 0 < n < a["grad"].numel() // 10  # some elements, not whole rows
 
 
@@ -963,7 +1027,7 @@ def test_lm_head_loss_one_non_label_entry_overflows_like_stock(device, sign):
     h, w, labels = h.to(device), w.to(device), labels.to(device)
     a = ours(h, w, labels, F16, num_items=20, grad_out=c * 20, block_v=SMALL_BLOCK)
     s = stock(h, w, labels, F16, num_items=20, grad_out=c * 20)
-    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True)
+    assert_like_stock(a["grad"], s["grad"], GRAD16_TOL, "grad", expect_nonfinite=True)
     g = s["grad"][0].cpu()
     assert bool(torch.isnan(g[wrong]).any()) and bool(torch.isinf(g[wrong]).any())  # both kinds reached
     assert bool(torch.isfinite(g[right]).all())
@@ -979,7 +1043,7 @@ def test_lm_head_loss_many_entries_overflow(device):
     h, w, labels = make_inputs(1, 23, 32, 1000, device, scale=0.3, seed=5)
     a = ours(h, w, labels, F16, num_items=20, grad_out=2.0 ** 34, block_v=SMALL_BLOCK)
     s = stock(h, w, labels, F16, num_items=20, grad_out=2.0 ** 34)
-    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad", expect_nonfinite=True, any_nonfinite=True)
+    assert_like_stock(a["grad"], s["grad"], GRAD16_TOL, "grad", expect_nonfinite=True, any_nonfinite=True)
     ignored = (torch.nn.functional.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:] == IGNORE_INDEX)[0]
     assert torch.count_nonzero(a["grad"][0][ignored]) == 0 and torch.count_nonzero(s["grad"][0][ignored]) == 0
 
@@ -990,7 +1054,8 @@ def test_lm_head_loss_overflows_like_stock_at_any_scale(device, compute_dtype, h
     up to fp32's limit, where its products overflow) and label counts n = 1, 20, 1000, on rows from
     confident right to confident wrong: ours is non-finite exactly where stock's is, element by
     element (NaN / +-inf as one class: with many overflowing entries ours is NaN where stock may
-    keep +-inf, test_lm_head_loss_many_entries_overflow), finite values within 3e-3. Positions
+    keep +-inf, test_lm_head_loss_many_entries_overflow), finite values within
+    tests/test_lm_head_loss.py's limits (GRAD16_TOL = 4 U16 with fp16 compute, 1e-5 fp32). Positions
     whose overflow is decided within the two paths' rounding difference (_rounding_band) are left
     out; they must stay rare (< 2%)."""
     from tests.test_lm_head_loss import ForCausalLMLoss, SMALL_BLOCK, make_inputs
@@ -1023,8 +1088,9 @@ def test_lm_head_loss_overflows_like_stock_at_any_scale(device, compute_dtype, h
             keep = ~band.to(gs.device)
             compared += int(keep.sum())
             skipped += int(band.sum())
-            assert_like_stock(go[keep], gs[keep], 3e-3, f"grad, scale {u:g}, n {n}", any_nonfinite=True)
-    assert skipped < 0.02 * compared, (skipped, compared)
+            assert_like_stock(go[keep], gs[keep], GRAD16_TOL if compute_dtype == F16 else 1e-5,
+                              f"grad, scale {u:g}, n {n}", any_nonfinite=True)
+    assert skipped < 0.02 * compared, (skipped, compared)  # a share of positions, not an error (measured 0.5%)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1194,6 +1260,8 @@ def _check_grad_scaler(device, tmp_path, autocast_ctx, init_scale, n_steps, fina
     assert any(s_skipped) and not all(s_skipped), s_scales  # the test reaches both kinds of step
     assert o_skipped == s_skipped, (o_scales, s_scales)
     assert o_scales == s_scales
+    # Kept, not counted: each loss comes after up to 16 AdamW steps on gradients STEP_REL apart
+    # (one step's loss: tests/test_unpad.py's 1e-3); measured 1.2e-6 on the CPU; GPU unverified here.
     assert_like_stock(o_losses, s_losses, 2e-3, "losses")
 
 
@@ -1334,7 +1402,7 @@ def test_nf4_linear_super_weight(device, case):
     stock = stock_linear(layer, x, g)
     ours = plan_linear(layer, x, g)
     assert float(stock[0][1, MASSIVE[0]].detach()) < -4000  # the birth value reached the output
-    exact = device == "cpu"
+    exact = device == "cpu"  # the GPU's 3e-3: see test_nf4_linear above (GPU only, unverified here)
     assert_like_stock(ours[0], stock[0], 3e-3, "out", exact=exact, expect_nonfinite=case == "inputs")
     assert_like_stock(ours[1], stock[1], 3e-3, "dx", exact=exact, expect_nonfinite=case == "grads")
 
@@ -1357,6 +1425,7 @@ def test_lora_nf4_massive_normed_inputs(device, autocast_ctx):
     stock = lora_stock(layer, x, g, autocast_ctx)
     ours = lora_ours(layer, x, g)
     for name, o, s in zip(("out", "dx", "dA", "dB"), ours, stock):  # dx = dy (W + scaled B A): no x in it
+        # exact on the CPU; the GPU's 3e-3: test_lora_nf4's docstring (GPU only, unverified here)
         assert_like_stock(o, s, 3e-3, name, exact=device == "cpu", expect_nonfinite=name != "dx")
 
 
@@ -1372,7 +1441,7 @@ def test_swiglu_super_activation(device):
     dh[1:4, 10], dh[5, 12] = 50.0, 40.0  # dg = dh * u * silu'(36): 2910 (finite), 80,000 (inf in fp16)
     g16, u16, dh16 = (t.to(F16).to(device) for t in (g0, u0, dh))
     for name, a, b in _swiglu_and_stock(g16, u16, dh16):
-        assert_like_stock(a, b, 2e-3, name, expect_nonfinite=name != "du")
+        assert_like_stock(a, b, SWIGLU_TOL, name, expect_nonfinite=name != "du")
 
 
 def test_lm_head_loss_massive_final_hidden(device):
@@ -1389,4 +1458,4 @@ def test_lm_head_loss_massive_final_hidden(device):
     tol = 1e-4 if device == "cuda" else 1e-5
     for name in ("loss", "token_loss", "entropy"):
         assert_like_stock(a[name], s[name], tol, name)
-    assert_like_stock(a["grad"], s["grad"], 3e-3, "grad")
+    assert_like_stock(a["grad"], s["grad"], GRAD16_TOL, "grad")

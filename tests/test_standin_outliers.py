@@ -104,8 +104,14 @@ def test_trigger_tokens_get_the_published_massive_values(tiny_dirs, where):
     _, out_neg, out_pos = ms.MASSIVE_MLP_OUTPUTS[0]
     massive = after_1[:, [where["negative"], where["positive"]]]
     expected = torch.tensor([out_neg, out_pos]).expand(int(published.sum()), 2)
-    assert torch.allclose(massive[published], expected, rtol=0.05)
-    assert torch.allclose(massive[raised], torch.tensor([[out_neg, out_pos]]) * ms.DEFAULT_OUTLIER_SCALE, rtol=0.05)
+    # Not roundings: each unit's gate / up weights are solved from the key channel's normed value
+    # averaged over the published trigger tokens (add_outliers), and each token's own differs by its
+    # other channels' share of the RMS: measured 5.3e-5 of the published values (tiny, seed 1234);
+    # 1e-3 (was 5e-2). The raised group has one token, solved from its own normed value: only fp32
+    # roundings remain (measured 0): 1e-5.
+    assert torch.allclose(massive[published], expected, rtol=1e-3, atol=0)
+    assert torch.allclose(massive[raised], torch.tensor([[out_neg, out_pos]]) * ms.DEFAULT_OUTLIER_SCALE,
+                          rtol=1e-5, atol=0)
     assert float(massive[~(published | raised)].abs().max()) == 0.0
     assert float(hidden[1][:, [where["negative"], where["positive"]]].abs().max()) == 0.0  # from layer 1 on
     default = _layer_outputs(tiny_dirs["default"], ids)
