@@ -70,11 +70,10 @@ import torch
 from solution.kernels import _launches
 from solution.step.layer import NODE_COUNT as NODE
 from tests.conftest import HAS_CUDA, rel_err
-from tests.test_unpad import _right_padded_batch, qlora_tiny_model
+from tests.test_unpad import LOSS_SCALE, _right_padded_batch, qlora_tiny_model
 
 K = 2.0
 FLOOR = {"loss": 2.0 ** -21, "grad": 2.0 ** -12}
-LOSS_SCALE = 1024.0
 B_STD = 0.02
 LENGTHS = ([40, 17, 64, 9], [33, 58, 12, 25], [64, 48, 5, 30])  # three right-padded batches (x12 on a GPU)
 

@@ -7,7 +7,7 @@ interpreter), every patch installed by solution.apply(), once with the node and 
 (``SOLUTION_SKIP_PATCHES=qwen2_layer_node``: the packed step is then off, stock's forward runs).
 - Against stock: the random generator must end where stock leaves it (the same dropout draws,
   exactly), the loss and every LoRA gradient within fp16 noise (the fp64-anchored limit is
-  tests/test_default_stack.py's; here a looser guard: ``REL``).
+  tests/test_default_stack.py's; here a looser guard: ``STEP_REL``).
 - Against itself: checkpointed (its own checkpointing, or inside another checkpoint function) the
   node recomputes the same kernels with the same draws, so the loss and every gradient are the
   SAME BITS as without checkpointing.
@@ -32,7 +32,7 @@ def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt
     generator offset or CPU RNG state, our launches by name). ``loss_scale``: the backward starts
     from loss x loss_scale, as fp16 training's GradScaler makes it (its first steps: 1024; None: from
     the loss itself). Unscaled, the tiny model's fp16 gradients on the GPU are subnormal (~1e-5), where
-    one rounding is no longer 2^-11 of the value and REL would not hold for stock against itself."""
+    one rounding is no longer 2^-11 of the value and STEP_REL would not hold for stock against itself."""
     import solution
     from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
     from solution.settings import Settings
@@ -80,8 +80,6 @@ def _batch(device, lengths):
     return _right_padded_batch(lengths, max(lengths), vocab=100, device=device)
 
 
-# Norm-wise relative limit of the node against stock (tests/test_unpad.py's STEP_REL, derived there).
-REL = STEP_REL
 
 
 def _rel(a, b) -> float:
@@ -116,10 +114,10 @@ def _assert_node_against_stock(node, stock):
     assert launches_n.get(NODE, 0) > 0 and launches_n.get("qkv_grad_sum", 0) > 0, launches_n  # the node ran
     assert launches_s.get(NODE, 0) == 0, launches_s  # stock's forward ran
     assert (rng_n == rng_s) if isinstance(rng_n, int) else torch.equal(rng_n, rng_s)  # the same draws
-    assert _rel(loss_n, loss_s) <= REL, (loss_n, loss_s)
+    assert _rel(loss_n, loss_s) <= STEP_REL, (loss_n, loss_s)
     assert set(grads_n) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():
-        assert _rel(grads_n[name], g) <= REL, (name, _rel(grads_n[name], g))
+        assert _rel(grads_n[name], g) <= STEP_REL, (name, _rel(grads_n[name], g))
 
 
 @pytest.fixture
@@ -151,7 +149,7 @@ def test_step_runs_stock_where_qkv_rope_does_not_take_the_shapes(device, tmp_pat
     stock's forward (said once): stock's bits on the CPU, since it is stock. On the GPU two stock
     runs need not be the same bits (the memory-efficient attention backward that stock's SDPA
     takes on the T4's paths accumulates in a run-dependent order: seen 9.5e-7 apart on a lora_B
-    gradient of ~1e-2 from loss x 1024): there the two are held to REL, the draws exactly."""
+    gradient of ~1e-2 from loss x 1024): there the two are held to STEP_REL, the draws exactly."""
     from solution.step import layer as layer_node
     from workload import model_standin
 
@@ -168,10 +166,10 @@ def test_step_runs_stock_where_qkv_rope_does_not_take_the_shapes(device, tmp_pat
         _assert_same_bits(refused, stock)
         return
     (loss_r, grads_r, rng_r, _), (loss_s, grads_s, rng_s, _) = refused, stock
-    assert rng_r == rng_s and _rel(loss_r, loss_s) <= REL, (loss_r, loss_s)
+    assert rng_r == rng_s and _rel(loss_r, loss_s) <= STEP_REL, (loss_r, loss_s)
     assert set(grads_r) == set(grads_s) and any("lora_B" in n for n in grads_s)
     for name, g in grads_s.items():
-        assert _rel(grads_r[name], g) <= REL, (name, _rel(grads_r[name], g))
+        assert _rel(grads_r[name], g) <= STEP_REL, (name, _rel(grads_r[name], g))
 
 
 @pytest.mark.parametrize("reentrant", [False, True])

@@ -970,8 +970,9 @@ def _rounding_band(h, w, labels, compute_dtype, c, rel_a=1e-3):
     row_max = d.abs().max(dim=1).values.double() / limit
     row_a = (row_max >= 1.0) & torch.isfinite(row_max)
     near_a = (row_max - 1.0).abs() < rel_a
-    d16, w16 = d.to(compute_dtype).double(), w.to(compute_dtype).double().cpu().abs()
-    s = (d16 @ w.to(compute_dtype).double().cpu()).abs() / limit  # stock's |S| in fp64 (its rounded factors)
+    d16, w16 = d.to(compute_dtype).double(), w.to(compute_dtype).double().cpu()
+    s = (d16 @ w16).abs() / limit  # stock's |S| in fp64 (its rounded factors)
+    w16 = w16.abs()
     terms = (d16.abs() @ w16) / limit  # sum |d W|
     p_terms = ((d.double() + c * onehot.double()).abs() @ w16) / limit  # sum |c p W| (c p = d + c onehot)
     band = (2 * u + 2 * n_vocab * u32) * terms + 2 * (n_vocab + 2) * u32 * p_terms + (u + 2 * u32) * s

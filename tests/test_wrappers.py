@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import rel_err
-from tests.test_unpad import STEP_REL, _right_padded_batch, qlora_tiny_model
+from tests.test_unpad import LOSS_SCALE, STEP_REL, _right_padded_batch, qlora_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def _step(model_dir, device, batch, where, reentrant, patched, autocast_ctx):
         with autocast_ctx(), fused_lm_head_requested():
             out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
         forward_calls = len(calls)
-        (out.loss * 1024).backward()  # scaled as GradScaler starts: unscaled, the tiny model's fp16 gradients are subnormal
+        (out.loss * LOSS_SCALE).backward()  # normal fp16 gradients (tests/test_unpad.py, STEP_REL)
         grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
         return out.loss.detach().float(), grads, forward_calls, len(calls)
     finally:
