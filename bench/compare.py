@@ -718,6 +718,9 @@ def build_report(args, model_label, base, sol, base_prof, sol_prof, workload, ba
     rep["t4_projection"] = t4_projection.project(base, base_prof, sol, sol_prof, steps=workload.steps,
                                                  device=rep["gpu"]["name"], shape=shape,
                                                  sol_prof_eager=sol_prof_eager, sol_eager_timed=eager_timed)
+    against = t4_projection.against_partition(rep["t4_projection"], rep["shapes"].get(t4_projection.PARTITION_RUN))
+    if against:
+        rep["t4_projection"]["against"] = against
     for key, e in rep["shapes"].items():
         if "partition" in e:
             rates = next(p.get("rates") for p in e["partition"].values())

@@ -69,6 +69,8 @@ TEXT = {
         "yes": "yes", "no": "NO",
         "t4": "T4 projection (a model, not a measurement): 64-step training, baseline {b:.1f} s, solution {s:.1f} s "
               "(calibrated on the official 80 s).",
+        "against": " Solution / baseline projected {p:.3f}, measured in the 8-SM partition {m:.3f} "
+                   "(projection {d:+.0%}).",
     },
     "ru": {
         "generated": "<!-- создано `python -m bench.doc_figures --write` из {src}: не править вручную -->",
@@ -87,6 +89,8 @@ TEXT = {
         "yes": "да", "no": "НЕТ",
         "t4": "Проекция на T4 (модель, не измерение): обучение за 64 шага, базовый {b:.1f} с, решение {s:.1f} с "
               "(калибровка по официальным 80 с).",
+        "against": " Решение / базовый: по проекции {p:.3f}, замер в разделе из 8 SM {m:.3f} "
+                   "(проекция {d:+.0%}).",
     },
 }
 
@@ -171,7 +175,9 @@ def render(summary: dict, lang: str, src: str = str(SUMMARY), steps: int | str |
         out += [f"- {', '.join(names)}: {date}, {commit}, `{command}`" for (date, commit, command), names in by_call.items()]
     proj = summary.get("t4_projection") or {}
     if proj.get("baseline_train_s") is not None and proj.get("solution_train_s") is not None:
-        out += ["", t["t4"].format(b=proj["baseline_train_s"], s=proj["solution_train_s"])]
+        a = proj.get("against")
+        out += ["", t["t4"].format(b=proj["baseline_train_s"], s=proj["solution_train_s"])
+                + (t["against"].format(p=a["projected_ratio"], m=a["measured_ratio"], d=a["difference"]) if a else "")]
     return "\n".join(out)
 
 

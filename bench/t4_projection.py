@@ -1,7 +1,8 @@
-"""T4 projection: what the measured H200 runs would take on a T4. A MODEL, NOT A MEASUREMENT.
+"""T4 projection: what the measured H200 or H100 runs would take on a T4. A MODEL, NOT A MEASUREMENT.
 
-No T4 was available to the project; every GPU report is measured on an H200 made to take the
-T4's code paths (bench/run_one.py: emulate_t4_paths). This module turns one such report's
+No T4 was available to the project; every GPU report is measured on an H200 or an H100 (SXM) made to
+take the T4's code paths (bench/run_one.py: emulate_t4_paths). Below, "the H200" stands for the
+measured machine; an H100's runs take the same steps with its own peaks (SOURCES). This module turns one such report's
 figures into an estimate of the 64-step training time on a T4, with a simple "roofline" model.
 Every step of it, in plain words:
 
@@ -83,6 +84,11 @@ T4_MEM_BW = 320e9
 # 4.8 TB/s HBM3e; PCIe 5.0 x16.
 H200_FP16_TENSOR_FLOPS = 989e12
 H200_MEM_BW = 4.8e12
+# NVIDIA H100 SXM5 datasheet ("NVIDIA H100 80GB HBM3" as the driver names it): the same ~989 dense
+# fp16 TFLOPS as the H200, 3.35 TB/s HBM3, PCIe 5.0 x16. (The H100 PCIe and NVL cards have other
+# figures and are not taken.)
+H100_FP16_TENSOR_FLOPS = 989e12
+H100_MEM_BW = 3.35e12
 
 # --- achievable fractions of those peaks ------------------------------------------------------------
 # T4 FLOP: SOURCED. A cuBLAS fp16 GEMM of 4096 x 4096 x 4096 on a T4 sustains ~24 TFLOP/s (37% of
@@ -93,22 +99,43 @@ T4_FLOP_FRACTION = 24 / 65
 # T4 bandwidth: ASSUMPTION. A streaming copy on a GDDR6 card typically reaches ~75-85% of the
 # datasheet bandwidth; 80% (256 GB/s) is assumed, not measured.
 T4_BW_FRACTION = 0.80
-# H200 FLOP: ASSUMPTION. Large dense fp16 GEMMs on Hopper reach ~65-75% of the dense peak; 70%
-# (~690 TFLOP/s) is assumed, not measured on this machine.
-H200_FLOP_FRACTION = 0.70
-# H200 bandwidth: ASSUMPTION. HBM3e streaming reaches ~85-90% of the datasheet; 85% (~4.1 TB/s)
-# is assumed, not measured on this machine.
-H200_BW_FRACTION = 0.85
-# PCIe: T4 3.0 x16 (~15.8 GB/s a direction) against the H200's 5.0 x16 (~63 GB/s), the same
+# Hopper FLOP (H200 and H100 SXM): ASSUMPTION. Large dense fp16 GEMMs on Hopper reach ~65-75% of
+# the dense peak; 70% (~690 TFLOP/s) is assumed, not measured on these machines.
+HOPPER_FLOP_FRACTION = 0.70
+# Hopper bandwidth: ASSUMPTION. HBM3 / HBM3e streaming reaches ~85-90% of the datasheet; 85% (~4.1
+# TB/s on the H200, ~2.8 on the H100) is assumed, not measured on these machines.
+HOPPER_BW_FRACTION = 0.85
+# PCIe: T4 3.0 x16 (~15.8 GB/s a direction) against the Hopper cards' 5.0 x16 (~63 GB/s), the same
 # achievable fraction assumed on both: transfers 4x slower on the T4.
 PCIE_SCALE = 4.0
 
-FLOP_SCALE = (H200_FP16_TENSOR_FLOPS * H200_FLOP_FRACTION) / (T4_FP16_TENSOR_FLOPS * T4_FLOP_FRACTION)
-MEM_SCALE = (H200_MEM_BW * H200_BW_FRACTION) / (T4_MEM_BW * T4_BW_FRACTION)
+# The measured machines the model takes: {name: (the driver's device name contains, dense fp16 FLOP/s,
+# memory bandwidth)}; the same achievable fractions for both.
+SOURCES = {"H200": ("H200", H200_FP16_TENSOR_FLOPS, H200_MEM_BW),
+           "H100": ("H100 80GB HBM3", H100_FP16_TENSOR_FLOPS, H100_MEM_BW)}
+
+
+def source_of(device: str | None) -> str | None:
+    """The SOURCES key of a device name (None: a machine the model does not take)."""
+    return next((k for k, (match, _, _) in SOURCES.items() if device and match in device), None)
+
+
+def flop_scale(source: str = "H200") -> float:
+    """A FLOP-bound kernel's T4 seconds per measured second on ``source``."""
+    return SOURCES[source][1] * HOPPER_FLOP_FRACTION / (T4_FP16_TENSOR_FLOPS * T4_FLOP_FRACTION)
+
+
+def mem_scale(source: str = "H200") -> float:
+    """A memory-bound kernel's T4 seconds per measured second on ``source``."""
+    return SOURCES[source][2] * HOPPER_BW_FRACTION / (T4_MEM_BW * T4_BW_FRACTION)
+
+
+FLOP_SCALE = flop_scale("H200")
+MEM_SCALE = mem_scale("H200")
 
 # --- the host --------------------------------------------------------------------------------------
-# ASSUMPTION: Kaggle's T4 sessions run on a 2.0-2.2 GHz Intel Xeon (a few vCPUs); the H200 machine's
-# host is a current server CPU boosting well above 3 GHz. Single-thread Python and launch work is
+# ASSUMPTION: Kaggle's T4 sessions run on a 2.0-2.2 GHz Intel Xeon (a few vCPUs); the H200 and H100
+# machines' hosts are current server CPUs boosting well above 3 GHz. Single-thread Python and launch work is
 # taken as 2x slower on Kaggle (the pessimistic end of a 1.5-2x guess; not measured).
 KAGGLE_CPU_FACTOR = 2.0
 # solution/step/cuda_graphs.py: GPU_BOUND_RATIO (a copy, checked equal by tests/test_t4_projection.py):
@@ -121,7 +148,6 @@ OFFICIAL_BASELINE_TOKENS_PER_S = 900.0
 OFFICIAL_BASELINE_MEMORY_GB = 14.0
 
 SKIP_STEPS = 2  # bench/run_one.py: the profile and the timed figures cover steps 3..N
-SOURCE_GPU = "H200"  # the machine whose peaks the constants above describe
 LABEL = "T4 projection (a model, not a measurement)"
 
 FLOP, MEMORY, TRANSFER = "flop-bound", "memory-bound", "transfer"
@@ -140,7 +166,13 @@ def kernel_class(name: str) -> str:
     return MEMORY
 
 
-SCALE = {FLOP: FLOP_SCALE, MEMORY: MEM_SCALE, TRANSFER: PCIE_SCALE}
+SCALE = {FLOP: FLOP_SCALE, MEMORY: MEM_SCALE, TRANSFER: PCIE_SCALE}  # from the H200
+
+
+def t4_machine(source: str = "H200") -> dict:
+    """project_run's ``machine`` for a T4 projected from runs measured on ``source`` (a SOURCES key)."""
+    return {"name": "T4", "scale": {FLOP: flop_scale(source), MEMORY: mem_scale(source), TRANSFER: PCIE_SCALE},
+            "host_factor": KAGGLE_CPU_FACTOR, "source": source}
 
 
 def _timed_steps(result: dict) -> int:
@@ -156,13 +188,13 @@ def gpu_split(profiled: dict, scale: dict | None = None) -> dict:
     steps = _timed_steps(profiled)
     if not steps:
         raise ValueError("the profiled pass has no steps after the first two")
-    h200 = {FLOP: 0.0, MEMORY: 0.0, TRANSFER: 0.0}
+    measured = {FLOP: 0.0, MEMORY: 0.0, TRANSFER: 0.0}
     for name, t in times.items():
-        h200[kernel_class(name)] += t
-    h200 = {k: v / steps for k, v in h200.items()}
-    t4 = {k: v * scale[k] for k, v in h200.items()}
+        measured[kernel_class(name)] += t
+    measured = {k: v / steps for k, v in measured.items()}
+    t4 = {k: v * scale[k] for k, v in measured.items()}
     return {"profiled_steps": steps, "window_s": profiled["profile"].get("window_s"),
-            "h200_s_per_step": h200, "h200_gpu_s_per_step": sum(h200.values()),
+            "measured_s_per_step": measured, "measured_gpu_s_per_step": sum(measured.values()),
             "t4_s_per_step": t4, "t4_gpu_s_per_step": sum(t4.values())}
 
 
@@ -182,16 +214,16 @@ def used_graphs(timed: dict) -> bool:
     return bool((timed.get("cuda_graphs") or {}).get("captures"))
 
 
-T4 = {"name": "T4", "scale": SCALE, "host_factor": KAGGLE_CPU_FACTOR}  # the machine project() targets
+T4 = t4_machine("H200")  # the machine project() targets from H200 runs
 BASELINE_HOST = ("the baseline's host time per step (upper bound: this run's eager host time is not measured; "
                  "bench.compare's run shipped-graphs-off measures it)")
 
 
-def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = None, steps: int = 64,
+def project_run(timed: dict, profiled: dict, eager_host_measured: float | None = None, steps: int = 64,
                 eager_profiled: dict | None = None, eager_host_source: str | None = None,
                 machine: dict | None = None) -> dict:
     """One run on a T4 (or ``machine``: {"scale": per-class factors, "host_factor"}), uncalibrated.
-    ``eager_host_h200``: the H200 host time per step without graphs, for a run whose timed pass
+    ``eager_host_measured``: the measured machine's host time per step without graphs, for a run whose timed pass
     used graphs (None: its own wall time is the eager one), and ``eager_host_source`` where it came
     from (default: the baseline's, BASELINE_HOST). ``eager_profiled``: for such a run, its profiled
     pass with graphs off (the GPU work of the eager step, which the T4 runs where decide() says
@@ -202,7 +234,7 @@ def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = Non
     graphs = used_graphs(timed)
     eager_gpu = gpu
     if graphs:
-        host_graphs, host_eager = host, eager_host_h200
+        host_graphs, host_eager = host, eager_host_measured
         eager_source = eager_host_source or BASELINE_HOST
         if eager_profiled is not None:
             eager_gpu = gpu_split(eager_profiled, machine["scale"])
@@ -215,7 +247,7 @@ def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = Non
         eager_source = "this run's timed wall time per step (no CUDA graphs)"
         eager_gpu_source = "this run's profiled pass (no CUDA graphs)"
     if host_eager is None:
-        raise ValueError("a run with CUDA graphs needs the eager host time (eager_host_h200)")
+        raise ValueError("a run with CUDA graphs needs the eager host time (eager_host_measured)")
     t4_gpu_graphs = gpu["t4_gpu_s_per_step"] if graphs else None
     t4_gpu_eager = eager_gpu["t4_gpu_s_per_step"]
     t4_eager = host_eager * machine["host_factor"]
@@ -225,8 +257,8 @@ def project_run(timed: dict, profiled: dict, eager_host_h200: float | None = Non
     t4_host, t4_gpu, used = ((t4_graphs, t4_gpu_graphs, gpu) if graphs_on_t4 else (t4_eager, t4_gpu_eager, eager_gpu))
     step = max(t4_host, t4_gpu)
     return {
-        "h200": {"gpu_s_per_step": gpu["h200_gpu_s_per_step"], "by_class_s_per_step": gpu["h200_s_per_step"],
-                 "gpu_eager_s_per_step": eager_gpu["h200_gpu_s_per_step"],
+        "measured": {"gpu_s_per_step": gpu["measured_gpu_s_per_step"], "by_class_s_per_step": gpu["measured_s_per_step"],
+                 "gpu_eager_s_per_step": eager_gpu["measured_gpu_s_per_step"],
                  "host_s_per_step": host, "host_eager_s_per_step": host_eager,
                  "host_graphs_s_per_step": host_graphs, "graphs": graphs, "host_eager_source": eager_source,
                  "gpu_eager_source": eager_gpu_source, "profiled_steps": gpu["profiled_steps"]},
@@ -253,7 +285,7 @@ def solution_eager_host(base_timed: dict, sol_eager_timed: dict | None,
             and not used_graphs(sol_eager_timed):
         return host_per_step(sol_eager_timed), (
             f"the solution's own eager step: run {eager_run}'s timed pass (SOLUTION_CUDA_GRAPHS=0), its wall "
-            "time per step 3-N (host-bound on the H200)")
+            "time per step 3-N (host-bound on the measured machine)")
     return host_per_step(base_timed), BASELINE_HOST
 
 
@@ -263,9 +295,10 @@ def skipped(base_timed, base_prof, sol_timed, sol_prof, device: str | None = Non
     if shape != "shipped":
         return (f"the report's main run is {shape}, not shipped; the official baseline's figures are the shipped "
                 "data's at the defaults")
-    if device is not None and SOURCE_GPU not in device:
+    if device is not None and source_of(device) is None:
         return (f"these runs were measured on {'the CPU' if device == 'cpu' else device}, and the model turns "
-                f"{SOURCE_GPU} measurements into T4 estimates (a run on a real T4 needs no projection)")
+                f"{' or '.join(SOURCES)} (SXM) measurements into T4 estimates (a run on a real T4 needs no "
+                "projection)")
     for label, r in (("baseline", base_prof), ("solution", sol_prof)):
         if not r or not (r.get("profile") or {}).get("kernel_times_s"):
             return f"there is no profiled pass of the {label} (its GPU kernel times are the model's input)"
@@ -281,7 +314,7 @@ def project(base_timed: dict, base_prof: dict, sol_timed: dict, sol_prof: dict, 
             device: str | None = None, shape: str = "shipped", sol_prof_eager: dict | None = None,
             sol_eager_timed: dict | None = None) -> dict:
     """Both runs on a T4, calibrated against the official baseline (module docstring). Returns
-    {"model", "skipped": why} when the runs cannot be projected (no profile, not an H200, another
+    {"model", "skipped": why} when the runs cannot be projected (no profile, neither an H200 nor an H100, another
     shape than the shipped one). ``sol_prof_eager``: the solution's profiled pass with graphs off
     (None: its graphs profile stands in, an upper bound). ``sol_eager_timed``: the solution's timed
     run with graphs off (run shipped-graphs-off), whose wall time per step is its eager host time
@@ -289,12 +322,14 @@ def project(base_timed: dict, base_prof: dict, sol_timed: dict, sol_prof: dict, 
     why = skipped(base_timed, base_prof, sol_timed, sol_prof, device, shape)
     if why:
         return {"model": LABEL, "skipped": why}
-    base = project_run(base_timed, base_prof, steps=steps)
+    source = source_of(device) or "H200"
+    machine = t4_machine(source)
+    base = project_run(base_timed, base_prof, steps=steps, machine=machine)
     if sol_prof_eager is not None and not (sol_prof_eager.get("profile") or {}).get("kernel_times_s"):
         sol_prof_eager = None
     eager_host, eager_source = solution_eager_host(base_timed, sol_eager_timed)
-    sol = project_run(sol_timed, sol_prof, eager_host_h200=eager_host, steps=steps,
-                      eager_profiled=sol_prof_eager, eager_host_source=eager_source)
+    sol = project_run(sol_timed, sol_prof, eager_host_measured=eager_host, steps=steps,
+                      eager_profiled=sol_prof_eager, eager_host_source=eager_source, machine=machine)
     factor = OFFICIAL_BASELINE_TRAIN_S / base["train_s_raw"]
     error = base["train_s_raw"] / OFFICIAL_BASELINE_TRAIN_S - 1
     for r in (base, sol):
@@ -304,6 +339,7 @@ def project(base_timed: dict, base_prof: dict, sol_timed: dict, sol_prof: dict, 
     mem = base_timed.get("peak_mem_allocated_bytes")
     return {
         "model": LABEL,
+        "source": source,
         "baseline_train_s": base["train_s_calibrated"],
         "solution_train_s": sol["train_s_calibrated"],
         "baseline_train_s_raw": base["train_s_raw"],
@@ -323,11 +359,31 @@ def project(base_timed: dict, base_prof: dict, sol_timed: dict, sol_prof: dict, 
             "baseline_peak_allocated_gb": mem / 1e9 if mem else None,
             "official_memory_gb": OFFICIAL_BASELINE_MEMORY_GB,
         },
-        "constants": {"flop_scale": FLOP_SCALE, "memory_scale": MEM_SCALE, "pcie_scale": PCIE_SCALE,
+        "constants": {"flop_scale": machine["scale"][FLOP], "memory_scale": machine["scale"][MEMORY],
+                      "pcie_scale": PCIE_SCALE,
                       "kaggle_cpu_factor": KAGGLE_CPU_FACTOR, "t4_flop_fraction": T4_FLOP_FRACTION,
-                      "t4_bw_fraction": T4_BW_FRACTION, "h200_flop_fraction": H200_FLOP_FRACTION,
-                      "h200_bw_fraction": H200_BW_FRACTION},
+                      "t4_bw_fraction": T4_BW_FRACTION, "hopper_flop_fraction": HOPPER_FLOP_FRACTION,
+                      "hopper_bw_fraction": HOPPER_BW_FRACTION},
     }
+
+
+PARTITION_RUN = "gpu-bound-sm8"  # bench/runs.py: the nearest a T4 that can be measured
+
+
+def against_partition(proj: dict | None, entry: dict | None, run: str = PARTITION_RUN) -> dict | None:
+    """The projection's solution / baseline beside the one the 8-SM partition measured (``entry``: that
+    run's report entry; the median of its pairs where repeated), and how far apart (projected / measured
+    - 1). None when either side is missing."""
+    if not proj or proj.get("skipped") or not entry:
+        return None
+    measured = (entry.get("repeats") or {}).get("steps_ratio_median")
+    if measured is None:
+        measured = (entry.get("ratios") or {}).get("train_excl_first2_s")
+    if not measured:
+        return None
+    projected = 1 / proj["speedup"]
+    return {"run": run, "projected_ratio": projected, "measured_ratio": measured,
+            "difference": projected / measured - 1}
 
 
 def section(proj: dict | None) -> list[str]:
@@ -339,7 +395,7 @@ def section(proj: dict | None) -> list[str]:
         return out + [f"Not projected: {proj['skipped']}.", ""]
     c = proj["constants"]
     out += [f"A roofline model (bench/t4_projection.py; its docstring states every assumption), not a T4 "
-            f"run: each profiled kernel's H200 time scaled by its bound (FLOP-bound GEMMs and attention "
+            f"run: each profiled kernel's {proj.get('source', 'H200')} time scaled by its bound (FLOP-bound GEMMs and attention "
             f"x{c['flop_scale']:.1f}, memory-bound kernels x{c['memory_scale']:.1f}, host transfers "
             f"x{c['pcie_scale']:.0f}), the host time per step (timed pass) x{c['kaggle_cpu_factor']:g} "
             "for a Kaggle CPU, step = max(host, GPU); calibrated on the official T4 baseline "
@@ -358,14 +414,21 @@ def section(proj: dict | None) -> list[str]:
     mem = chk.get("baseline_peak_allocated_gb")
     out += ["", f"Calibration: {proj['calibration']}. Projected solution / baseline: "
             f"{1 / proj['speedup']:.3f} ({proj['speedup']:.2f}x faster).",
-            f"Solution's host time without graphs: {proj['solution']['h200']['host_eager_source']}.",
-            *([f"Solution's GPU time without graphs: {proj['solution']['h200']['gpu_eager_source']}."]
-              if proj['solution']['h200'].get('gpu_eager_source') else []),
+            *([_against_line(proj["against"])] if proj.get("against") else []),
+            f"Solution's host time without graphs: {proj['solution']['measured']['host_eager_source']}.",
+            *([f"Solution's GPU time without graphs: {proj['solution']['measured']['gpu_eager_source']}."]
+              if proj['solution']['measured'].get('gpu_eager_source') else []),
             "Beside the official baseline's other figures (not part of the model): this run's tokens at "
             f"{OFFICIAL_BASELINE_TRAIN_S:.0f} s give {'n/a' if tok is None else f'{tok:.0f}'} tokens/s "
             f"(official ~{OFFICIAL_BASELINE_TOKENS_PER_S:.0f}); peak allocated "
             f"{'n/a' if mem is None else f'{mem:.1f}'} GB (official ~{OFFICIAL_BASELINE_MEMORY_GB:.0f} GB).", ""]
     return out
+
+
+def _against_line(a: dict) -> str:
+    return (f"Checked against run {a['run']} (measured, not a model: the nearest a T4): steps 3-N solution / "
+            f"baseline {a['measured_ratio']:.3f} there, {a['projected_ratio']:.3f} projected; the projection is "
+            f"{abs(a['difference']):.0%} {'above' if a['difference'] >= 0 else 'below'} the measurement.")
 
 
 def summary(proj: dict | None) -> dict | None:
@@ -378,12 +441,15 @@ def summary(proj: dict | None) -> dict | None:
     keys = ("baseline_train_s", "solution_train_s", "calibration", "baseline_train_s_raw", "solution_train_s_raw",
             "calibration_factor", "calibration_error", "steps", "model")
     out = {k: proj[k] for k in keys}
+    for key in ("source", "against"):
+        if proj.get(key):
+            out[key] = proj[key]
     for variant in ("baseline", "solution"):
         t4 = proj[variant]["t4"]
         out[variant] = {"gpu_s_per_step": t4["gpu_s_per_step"], "host_s_per_step": t4["host_s_per_step"],
                         "graphs": t4["graphs"], "step_s": t4["step_s"], "bound": t4["bound"]}
     for key in ("gpu_eager_source", "host_eager_source"):
-        src = proj["solution"]["h200"].get(key)
+        src = proj["solution"]["measured"].get(key)
         if src:
             out["solution"][key] = src
     return out
@@ -448,7 +514,7 @@ def predict_partition(whole: dict, rates: dict, measured: dict, steps: int = 64,
         eager_prof = None
     eager_host, eager_source = solution_eager_host(whole["baseline"], whole.get("solution-graphs-off"), eager_run)
     runs = {"baseline": project_run(whole["baseline"], whole["baseline-profiled"], steps=steps, machine=machine),
-            "solution": project_run(whole["solution"], whole["solution-profiled"], eager_host_h200=eager_host,
+            "solution": project_run(whole["solution"], whole["solution-profiled"], eager_host_measured=eager_host,
                                     steps=steps, eager_profiled=eager_prof, eager_host_source=eager_source,
                                     machine=machine)}
     out = {"model": "bench/t4_projection.py with the partition's measured rates (no calibration)",

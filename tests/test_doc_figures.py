@@ -44,6 +44,16 @@ def test_the_table_states_each_figure_baseline_to_solution():
     assert "Текущие цифры: NVIDIA H200" in ru and "| прогон | шаги 3-64 (с) | длительность по Soup (с) |" in ru
     assert "- shipped: настройки по умолчанию" in ru and "раздел удержан на всех путях: да" in ru
     assert "Проекция на T4 (модель, не измерение)" in ru
+    assert "measured in the 8-SM partition" not in en  # no check against the partition in this summary
+
+
+def test_the_projection_line_says_how_far_it_is_from_the_8_sm_run():
+    summary = _summary()
+    summary["t4_projection"]["against"] = {"run": "gpu-bound-sm8", "projected_ratio": 0.435,
+                                           "measured_ratio": 0.382, "difference": 0.435 / 0.382 - 1}
+    assert "Solution / baseline projected 0.435, measured in the 8-SM partition 0.382 (projection +14%)" in \
+        df.render(summary, "en", steps=64)
+    assert "по проекции 0.435, замер в разделе из 8 SM 0.382 (проекция +14%)" in df.render(summary, "ru", steps=64)
 
 
 def test_runs_of_several_calls_name_their_calls():

@@ -59,7 +59,7 @@ def test_gpu_time_is_each_kernel_scaled_by_its_bound_per_profiled_step():
     g = t4.gpu_split(profiled({GEMM: 1.0, ATTN: 0.5, COPY: 2.0, DEQUANT: 1.0, H2D: 0.1}))
     n = STEPS - 2  # the profile covers steps 3..64
     assert g["profiled_steps"] == n
-    assert g["h200_s_per_step"][t4.FLOP] == pytest.approx(1.5 / n)
+    assert g["measured_s_per_step"][t4.FLOP] == pytest.approx(1.5 / n)
     assert g["t4_s_per_step"][t4.FLOP] == pytest.approx(1.5 / n * t4.FLOP_SCALE)
     assert g["t4_s_per_step"][t4.MEMORY] == pytest.approx(3.0 / n * t4.MEM_SCALE)
     assert g["t4_s_per_step"][t4.TRANSFER] == pytest.approx(0.1 / n * t4.PCIE_SCALE)
@@ -73,23 +73,23 @@ def test_step_is_the_slower_of_host_and_gpu():
     host_bound = t4.project_run(timed(0.25), profiled({COPY: 0.3}))
     assert host_bound["t4"]["bound"] == "host"
     assert host_bound["t4"]["step_s"] == pytest.approx(0.25 * t4.KAGGLE_CPU_FACTOR)
-    assert host_bound["h200"]["host_s_per_step"] == pytest.approx(0.25)
+    assert host_bound["measured"]["host_s_per_step"] == pytest.approx(0.25)
     assert host_bound["train_s_raw"] == pytest.approx(STEPS * 0.25 * t4.KAGGLE_CPU_FACTOR)
 
 
 def test_graph_captures_in_the_timed_steps_are_not_host_time_per_step():
-    r = t4.project_run(timed(0.1, graphs=True, capture_s=6.2), profiled({COPY: 0.1}), eager_host_h200=0.3)
-    assert r["h200"]["host_graphs_s_per_step"] == pytest.approx(0.1 - 6.2 / 62)
+    r = t4.project_run(timed(0.1, graphs=True, capture_s=6.2), profiled({COPY: 0.1}), eager_host_measured=0.3)
+    assert r["measured"]["host_graphs_s_per_step"] == pytest.approx(0.1 - 6.2 / 62)
 
 
 def test_a_gpu_bound_t4_runs_the_solution_without_graphs():
     """decide() would say off: the eager host time counts (here the baseline's, an upper bound)."""
-    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 3.0}), eager_host_h200=0.2)
-    assert r["h200"]["graphs"] is True and r["t4"]["graphs"] is False
+    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 3.0}), eager_host_measured=0.2)
+    assert r["measured"]["graphs"] is True and r["t4"]["graphs"] is False
     assert r["t4"]["host_s_per_step"] == pytest.approx(0.2 * t4.KAGGLE_CPU_FACTOR)
     assert r["t4"]["bound"] == "GPU"
     # a host-bound T4 step keeps the graphs, and their (smaller) host time counts
-    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 0.3}), eager_host_h200=0.2)
+    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 0.3}), eager_host_measured=0.2)
     assert r["t4"]["graphs"] is True
     assert r["t4"]["host_s_per_step"] == pytest.approx(0.05 * t4.KAGGLE_CPU_FACTOR)
     with pytest.raises(ValueError, match="eager host time"):
@@ -118,7 +118,7 @@ def test_calibration_puts_the_baseline_at_the_official_80_s_and_keeps_the_ratio(
         p["solution_train_s_raw"] / p["baseline_train_s_raw"])
     assert p["baseline"]["train_s_raw"] == pytest.approx(STEPS * p["baseline"]["t4"]["step_s"])
     # the solution's eager host time is the baseline's (its own is not measured with graphs)
-    assert p["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
+    assert p["solution"]["measured"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
     assert "applied to both runs" in p["calibration"] and "%" in p["calibration"]
     assert p["checks"]["baseline_tokens_per_s_at_official_time"] == pytest.approx(64567 / 80)
 
@@ -135,8 +135,23 @@ def test_runs_that_cannot_be_projected_say_why(change, why):
     assert why in t4.project(*args)["skipped"]
 
 
-def test_only_an_h200_shipped_run_is_projected():
+def test_an_h100_sxm_run_is_projected_with_the_h100s_bandwidth():
+    assert t4.source_of("NVIDIA H100 80GB HBM3") == "H100" and t4.source_of("NVIDIA H200") == "H200"
+    assert t4.mem_scale("H100") == pytest.approx(3.35e12 * 0.85 / (320e9 * 0.80))
+    assert t4.flop_scale("H100") == pytest.approx(t4.FLOP_SCALE)  # the same dense fp16 peak
+    h100, h200 = t4.project(*_pair(), device="NVIDIA H100 80GB HBM3"), t4.project(*_pair(), device="NVIDIA H200")
+    assert h100["source"] == "H100" and h200["source"] == "H200"
+    assert h100["constants"]["memory_scale"] == pytest.approx(t4.mem_scale("H100"))
+    # the same measured seconds of memory-bound work weigh less on a T4 when they came from the slower H100
+    b100, b200 = h100["baseline"]["t4"]["by_class_s_per_step"], h200["baseline"]["t4"]["by_class_s_per_step"]
+    assert b100[t4.MEMORY] == pytest.approx(b200[t4.MEMORY] * 3.35 / 4.8)
+    assert b100[t4.FLOP] == pytest.approx(b200[t4.FLOP])
+    assert "H100 time scaled" in "\n".join(t4.section(h100))
+
+
+def test_only_an_h200_or_h100_sxm_shipped_run_is_projected():
     assert "NVIDIA T4" in t4.project(*_pair(), device="NVIDIA T4")["skipped"]
+    assert "NVIDIA H100 PCIe" in t4.project(*_pair(), device="NVIDIA H100 PCIe")["skipped"]
     assert "measured on the CPU" in t4.project(*_pair(), device="cpu")["skipped"]
     assert "main run is long" in t4.project(*_pair(), device="NVIDIA H200", shape="long")["skipped"]
 
@@ -191,18 +206,18 @@ def test_a_gpu_bound_t4_takes_the_gpu_time_of_the_profile_without_graphs():
     """decide() on the T4 says off: the step is the eager one, host and GPU (the profile with graphs
     off: no bucket filler); the decision itself is made on that eager GPU time."""
     graphs_prof, eager_prof = profiled({COPY: 3.3}), profiled({COPY: 3.0})
-    r = t4.project_run(timed(0.05, graphs=True), graphs_prof, eager_host_h200=0.2, eager_profiled=eager_prof)
+    r = t4.project_run(timed(0.05, graphs=True), graphs_prof, eager_host_measured=0.2, eager_profiled=eager_prof)
     assert r["t4"]["graphs"] is False
     assert r["t4"]["gpu_s_per_step"] == pytest.approx(3.0 / 62 * t4.MEM_SCALE)
     assert r["t4"]["gpu_graphs_s_per_step"] == pytest.approx(3.3 / 62 * t4.MEM_SCALE)
-    assert r["h200"]["gpu_eager_s_per_step"] == pytest.approx(3.0 / 62)
-    assert "graphs off" in r["h200"]["gpu_eager_source"]
+    assert r["measured"]["gpu_eager_s_per_step"] == pytest.approx(3.0 / 62)
+    assert "graphs off" in r["measured"]["gpu_eager_source"]
     # without that pass the graphs profile stands in, and the result says so
-    r = t4.project_run(timed(0.05, graphs=True), graphs_prof, eager_host_h200=0.2)
+    r = t4.project_run(timed(0.05, graphs=True), graphs_prof, eager_host_measured=0.2)
     assert r["t4"]["gpu_s_per_step"] == pytest.approx(3.3 / 62 * t4.MEM_SCALE)
-    assert "upper bound" in r["h200"]["gpu_eager_source"]
+    assert "upper bound" in r["measured"]["gpu_eager_source"]
     # a host-bound T4 keeps the graphs: their own GPU time counts
-    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 0.33}), eager_host_h200=0.2,
+    r = t4.project_run(timed(0.05, graphs=True), profiled({COPY: 0.33}), eager_host_measured=0.2,
                        eager_profiled=profiled({COPY: 0.3}))
     assert r["t4"]["graphs"] is True
     assert r["t4"]["gpu_s_per_step"] == pytest.approx(0.33 / 62 * t4.MEM_SCALE)
@@ -246,7 +261,7 @@ def test_the_solutions_eager_host_time_is_its_own_graphs_off_run():
     bt, bp, st, sp = _pair()
     eager = timed(6.2 / 62)  # the solution timed with SOLUTION_CUDA_GRAPHS=0: no captures
     p = t4.project(bt, bp, st, sp, device="NVIDIA H200", sol_eager_timed=eager)
-    h = p["solution"]["h200"]
+    h = p["solution"]["measured"]
     assert h["host_eager_s_per_step"] == pytest.approx(6.2 / 62)  # not the baseline's 15.5 / 62
     assert "run shipped-graphs-off" in h["host_eager_source"] and "SOLUTION_CUDA_GRAPHS=0" in h["host_eager_source"]
     assert p["solution"]["t4"]["host_eager_s_per_step"] == pytest.approx(6.2 / 62 * t4.KAGGLE_CPU_FACTOR)
@@ -254,11 +269,11 @@ def test_the_solutions_eager_host_time_is_its_own_graphs_off_run():
     assert "run shipped-graphs-off" in "\n".join(t4.section(p))
     # without that run the baseline's stands in, and the result says so
     p = t4.project(bt, bp, st, sp, device="NVIDIA H200")
-    assert p["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
-    assert "upper bound" in p["solution"]["h200"]["host_eager_source"]
+    assert p["solution"]["measured"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
+    assert "upper bound" in p["solution"]["measured"]["host_eager_source"]
     # a "graphs off" run that captured graphs anyway is not an eager step
     p = t4.project(bt, bp, st, sp, device="NVIDIA H200", sol_eager_timed=timed(0.05, graphs=True))
-    assert p["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
+    assert p["solution"]["measured"]["host_eager_s_per_step"] == pytest.approx(15.5 / 62)
 
 
 def test_the_report_takes_the_eager_host_time_from_its_graphs_off_run(monkeypatch):
@@ -267,7 +282,7 @@ def test_the_report_takes_the_eager_host_time_from_its_graphs_off_run(monkeypatc
     others = {"shipped-graphs-off": {"data": "k.jsonl", "baseline": timed(15.4 / 62), "solution": timed(6.2 / 62)}}
     rep = compare.build_report(SimpleNamespace(argv=[]), "stand-in (full)", base, sol, base_prof, sol_prof,
                                load_workload(), shape="shipped", data="k.jsonl", others=others)
-    assert rep["t4_projection"]["solution"]["h200"]["host_eager_s_per_step"] == pytest.approx(6.2 / 62)
+    assert rep["t4_projection"]["solution"]["measured"]["host_eager_s_per_step"] == pytest.approx(6.2 / 62)
 
 
 # --- the model pointed at a measured machine: an SM partition -------------------------------------
@@ -338,3 +353,18 @@ def test_a_partitioned_run_gets_its_section_in_the_report(monkeypatch):
     run = report.summary(rep)["runs"]["gpu-bound-sm16"]
     assert run["partition"]["baseline"]["held_check"]["held"] is True and "prediction" in run
     assert "gpu-bound-sm16: 16-SM partition, baseline held, solution held" in report.summary_table(rep)
+
+
+def test_the_projection_is_checked_against_the_8_sm_run():
+    p = t4.project(*_pair(), device="NVIDIA H100 80GB HBM3")
+    projected = 1 / p["speedup"]
+    entry = {"ratios": {"train_excl_first2_s": 0.5},
+             "repeats": {"steps_ratio_median": projected / 1.1}}  # the median of the pairs wins over the table's
+    a = t4.against_partition(p, entry)
+    assert a["run"] == "gpu-bound-sm8" and a["measured_ratio"] == pytest.approx(projected / 1.1)
+    assert a["difference"] == pytest.approx(0.1)
+    assert t4.against_partition(p, {"ratios": {"train_excl_first2_s": projected}})["difference"] == pytest.approx(0)
+    assert t4.against_partition(p, None) is None and t4.against_partition({"skipped": "x"}, entry) is None
+    p["against"] = a
+    assert "the projection is 10% above the measurement" in "\n".join(t4.section(p))
+    assert t4.summary(p)["against"] == a and t4.summary(p)["source"] == "H100"
