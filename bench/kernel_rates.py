@@ -60,8 +60,8 @@ BYTE_MODEL = {
     "fp32_add_kernel": (2 * LAYERS, lambda t, r, rl: 2 * LAYERS * 12 * t * H, "2 a layer: two fp32 [T, H] in, one out"),
     "_add_rmsnorm_fwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 16 * t * H, "residual, x in; h, y out (fp32)"),
     "_add_rmsnorm_bwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 16 * t * H, "dy, h, the residual's gradient in; dh out"),
-    "_rmsnorm_fwd_kernel": (LAYERS + 1, lambda t, r, rl: (LAYERS + 1) * 8 * t * H, "x in, y out (fp32); 28 layers + the final norm"),
-    "_rmsnorm_bwd_dx_kernel": (LAYERS + 1, lambda t, r, rl: (LAYERS + 1) * 12 * t * H, "dy, x in; dx out"),
+    "_rmsnorm_fwd_kernel": (LAYERS, lambda t, r, rl: LAYERS * 8 * t * H, "x in, y out (fp32); each layer's input norm"),
+    "_rmsnorm_bwd_dx_kernel": (LAYERS, lambda t, r, rl: LAYERS * 12 * t * H, "dy, x in; dx out"),
 }
 
 

@@ -28,8 +28,8 @@ OLDEST_TORCH = (2, 6)  # the torch that brings Triton 3.2 (solution/env.py's OLD
 
 # (distribution, module that gives __version__, patch modules whose check() decides); every patch is listed
 LIBRARIES = (
-    ("transformers", "transformers", ("qwen2_rmsnorm", "qwen2_layer_node", "qwen2_unpad", "trainer_lengths",
-                                      "trainer_flops", "trainer_clip")),
+    ("transformers", "transformers", ("qwen2_layer_node", "qwen2_unpad", "trainer_lengths", "trainer_flops",
+                                      "trainer_clip")),
     ("peft", "peft", ("qwen2_layer_node", "peft_model_walks")),
     ("bitsandbytes", "bitsandbytes", ("qwen2_layer_node",)),
     ("trl", "trl", ("qwen2_lm_head_loss",)),

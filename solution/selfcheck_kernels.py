@@ -184,12 +184,24 @@ def _k_nf4_mlp(dev):
 
 
 def _k_rmsnorm(dev):
+    """The launchers as the node calls them: fp32 rows and weight, the weight frozen (no weight gradient)."""
+    import torch
+
     from solution import _references as R
-    from solution.kernels.rmsnorm import rmsnorm
+    from solution.kernels.rmsnorm import _launch_backward_dx, _launch_forward
 
     x, w = _randn(7, 40, device=dev, seed=16), 1 + _randn(40, device=dev, scale=0.5, seed=17)
-    errs = compare(lambda x, w: rmsnorm(x, w, EPS), lambda x, w: R.rmsnorm(x, w, EPS), [x, w], wrt=(0, 1))
-    return errs, ("_rmsnorm_fwd_kernel", "_rmsnorm_bwd_dx_kernel", "_rmsnorm_bwd_dw_kernel")
+    kept = {}
+
+    def fwd(x):
+        out, kept["rstd"] = _launch_forward(x, w, EPS)
+        return out
+
+    def bwd(g):
+        return (_launch_backward_dx(x, w, g, kept["rstd"]),)
+
+    errs = _fb(fwd, bwd, lambda x: R.rmsnorm(x, w.to(torch.float64), EPS), [x], (0,), (0,))
+    return errs, ("_rmsnorm_fwd_kernel", "_rmsnorm_bwd_dx_kernel")
 
 
 def _k_add_rmsnorm(dev):

@@ -1,6 +1,8 @@
 """Residual add + RMSNorm (solution/kernels/add_rmsnorm.py): its launchers, as the decoder-layer node
 calls them, wrapped here in a small autograd Function (``add_rmsnorm``, test-only) so that autograd's
-own rounding chain can be compared with theirs.
+own rounding chain can be compared with theirs. The node's norm weights are frozen and no kernel computes
+a weight gradient: where a test trains the weight, the wrapper computes its gradient with torch from the
+kernel's rstd (stock's formula: the sum over rows of grad_y * (h * rstd).to(h.dtype), in fp32).
 
 Checked against (a) the stock ops, ``h = residual + x`` then Qwen2RMSNorm's stock forward, run by
 autograd, (b) the exact math in fp64, and (c) where the result must be bit-identical, exact
@@ -27,7 +29,7 @@ import torch.utils.checkpoint as cp
 from solution.kernels import _launches
 from solution.kernels import rmsnorm as rmsnorm_mod
 from solution.kernels.add_rmsnorm import _grad_dtypes, _launch_backward, _launch_forward
-from solution.kernels.rmsnorm import _as_rows, _launch_backward_dw, rmsnorm_supported
+from solution.kernels.rmsnorm import rmsnorm_supported
 from torch.autograd.function import once_differentiable
 from tests.conftest import rel_err
 
@@ -45,6 +47,24 @@ DTYPES = [WORKLOAD, (F32, F32, F32), (F16, F16, F16), (F16, F16, F32), (F16, F32
 
 U16 = 2.0 ** -11  # fp16 unit roundoff: one rounding's largest relative error
 F16_TOL = 4 * U16  # two fp16 roundings, each possibly flipped against stock (the module docstring)
+
+
+def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """View t as [rows, n_cols] with unit column stride (what the launchers take); copies only when no
+    such view exists."""
+    if t.dim() == 0 or t.stride(-1) != 1:
+        t = t.contiguous()
+    try:
+        return t.view(-1, n_cols)
+    except RuntimeError:  # leading dims cannot be merged into one row stride
+        return t.reshape(-1, n_cols)
+
+
+def _weight_grad(h2, gy2, rstd, w_dtype):
+    """The norm weight's gradient in torch (no kernel computes it): fp32 sum over rows of
+    gy * (h * rstd).to(h.dtype), cast to the weight's dtype."""
+    normed = (h2.float() * rstd[:, None]).to(h2.dtype).float()
+    return (gy2.float() * normed).sum(0).to(w_dtype)
 
 
 # The launchers in autograd (what the node does by hand in its forward and backward).
@@ -82,7 +102,7 @@ class AddRMSNormFunction(torch.autograd.Function):
         if dtypes:
             gh2 = None if grad_h is None else _as_rows(grad_h, n_cols)
             grads = {dt: g.view(h.shape) for dt, g in zip(dtypes, _launch_backward(h2, w, gy2, gh2, rstd, dtypes))}
-        d_w = _launch_backward_dw(h2, gy2, rstd, w_dtype) if need_w else None
+        d_w = _weight_grad(h2, gy2, rstd, w_dtype) if need_w else None
         return grads.get(res_dtype) if need_res else None, grads.get(x_dtype) if need_x else None, d_w, None
 
 
@@ -305,7 +325,7 @@ def test_row_tilings(device, tiling, shape):
 
 
 def test_launches_and_frozen_weight(device):
-    """One forward launch, one backward launch, no weight-gradient kernel for a frozen weight."""
+    """One forward launch, one backward launch (the weight frozen, as the node's)."""
     r, x = make_inputs((2, 5, 40), *WORKLOAD[:2], device, seed=8)
     w = make_weight(40, F32, device, requires_grad=False)
     _launches.reset()

@@ -85,7 +85,6 @@ def _targets():
     from transformers.models.qwen2 import modeling_qwen2 as mq
 
     out = [
-        ("qwen2_rmsnorm", mq.Qwen2RMSNorm, "forward", "transformers.Qwen2RMSNorm.forward"),
         ("qwen2_layer_node", mq.Qwen2RMSNorm, "forward", "transformers.Qwen2RMSNorm.forward"),
         ("qwen2_layer_node", mq.Qwen2DecoderLayer, "forward", "transformers.Qwen2DecoderLayer.forward"),
         ("qwen2_layer_node", mq, "apply_rotary_pos_emb", "transformers.apply_rotary_pos_emb"),

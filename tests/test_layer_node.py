@@ -252,6 +252,36 @@ def test_hooked_layer_runs_stock(device, tiny_dir, autocast_ctx, monkeypatch):
         layer_node.forget()
 
 
+def test_a_layer_with_other_trainable_parameters_runs_stock(device, tiny_dir, autocast_ctx):
+    """The node computes gradients for q / v's LoRA A and B only: once another parameter of a layer
+    requires a gradient (here a norm weight, unfrozen after a step the node took), the plan is invalid
+    and the whole step runs stock's forward, which gives that parameter its gradient."""
+    import solution
+    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    from solution.settings import Settings
+    from solution.step import layer as layer_node
+
+    ids, mask, labels = _batch(device, [30, 17])
+    solution.revert()
+    solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
+    try:
+        model = qlora_tiny_model(tiny_dir, device)
+        norm = model.base_model.model.model.layers[1].input_layernorm.weight
+        launches = []
+        for unfrozen in (False, True):
+            norm.requires_grad_(unfrozen)
+            _launches.reset()
+            with autocast_ctx(), fused_lm_head_requested():
+                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
+            (out.loss * LOSS_SCALE).backward()
+            launches.append(_launches.LAUNCHES.get(NODE, 0))
+        assert launches[0] > 0 and launches[1] == 0, launches  # the node, then stock's forward
+        assert norm.grad is not None and bool(torch.isfinite(norm.grad).all()) and bool(norm.grad.abs().sum() > 0)
+    finally:
+        solution.revert()
+        layer_node.forget()
+
+
 class _SeededMasks:
     """A dropout mask source (packing.DropoutMaskSource's ``take``) as a CUDA graph's slots are one:
     masks handed out in call order, here drawn from a seeded CPU generator; counts its calls."""

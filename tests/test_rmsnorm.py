@@ -1,6 +1,7 @@
-"""Fused RMSNorm (solution/kernels/rmsnorm.py) against an fp64 reference and against stock
-transformers' Qwen2RMSNorm: forward, grad input, grad weight; odd sizes, non-contiguous inputs,
-both dtypes, torch.utils.checkpoint, autocast, and the patch's install / fallback / revert.
+"""Fused RMSNorm (solution/kernels/rmsnorm.py) through its launchers, as the decoder-layer node calls
+them (``_launch_forward`` -> out, rstd; ``_launch_backward_dx`` -> the input gradient), against an fp64
+reference and against stock transformers' Qwen2RMSNorm: forward, rstd, grad input; odd sizes, rows of
+any stride (inputs and upstream gradients), every fp16 / fp32 pair of input and weight.
 Row tiling: the interpreter's default (one big tile of many rows), the GPU's (one row per
 program) and small multi-row tiles with a partial last tile are all run, wherever the test runs.
 
@@ -13,15 +14,15 @@ Tolerances (relative L2 error, tests.conftest.rel_err):
     then dx), each erring by at most U16 against fp64: 2 U16. Against stock (same roundings, fp32
     inside) an fp32 difference of ~1e-7 can flip a rounding: one fp16 ulp, at most 2 U16, on each
     of the two: 4 U16.
+  * rstd (fp32, computed in fp32 from the input's values): 1e-5 against fp64, any dtype.
 """
 import pytest
 import torch
-import torch.utils.checkpoint as cp
 import triton
 
 from solution.kernels import _launches
 from solution.kernels import rmsnorm as rmsnorm_mod
-from solution.kernels.rmsnorm import MAX_HIDDEN, rmsnorm
+from solution.kernels.rmsnorm import _launch_backward_dx, _launch_forward
 from tests.conftest import rel_err
 
 Qwen2RMSNorm = pytest.importorskip("transformers.models.qwen2.modeling_qwen2").Qwen2RMSNorm
@@ -39,53 +40,42 @@ def tol(*dtypes) -> float:
     return F16_TOL if F16 in dtypes else 1e-5
 
 
-def ref_fp64(x, w, eps=EPS):
-    """The exact math in fp64 (no intermediate roundings)."""
-    x64, w64 = x.detach().double(), w.detach().double()
-    return w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps)
-
-
-def make_module(hidden, w_dtype, device, requires_grad=True):
+def make_module(hidden, w_dtype, device):
     m = Qwen2RMSNorm(hidden, eps=EPS).to(device=device, dtype=w_dtype)
     with torch.no_grad():
         m.weight.copy_(1.0 + 0.5 * torch.randn(hidden))  # not all ones: the weight must matter
-    m.weight.requires_grad_(requires_grad)
+    m.weight.requires_grad_(False)  # frozen, as the node's norm weights
     return m
 
 
-def run(fn, x, w, g):
-    """Forward + grads of (x, w) for upstream grad g."""
-    x = x.detach().requires_grad_(True)
-    out = fn(x)
-    wants = [x] + ([w] if w.requires_grad else [])
-    grads = torch.autograd.grad(out, wants, g)
-    return out, grads[0], (grads[1] if w.requires_grad else None)
+def ours(x2, w, g2):
+    """(out, rstd, dx) from the launchers, as the node calls them, for upstream gradient g2."""
+    out, rstd = _launch_forward(x2, w, EPS)
+    return out, rstd, _launch_backward_dx(x2, w, g2, rstd)
 
 
-def check_against_stock_and_ref(x, m):
-    """Our kernel vs stock module vs fp64 reference (forward, dx, dw)."""
+def check_against_stock_and_ref(x, m, g=None):
+    """The launchers vs the stock module vs the fp64 reference (forward, rstd, dx); x [rows, N] with a
+    unit column stride, g (default: random, contiguous) the output's upstream gradient."""
     w = m.weight
     out_dtype = torch.promote_types(x.dtype, w.dtype)
-    g = torch.randn(x.shape, dtype=out_dtype, device=x.device)
-    ours = run(lambda t: rmsnorm(t, w, EPS), x, w, g)
-    stock = run(m, x, w, g)
-    assert ours[0].dtype == stock[0].dtype == out_dtype and ours[0].shape == x.shape
-    assert ours[1].dtype == x.dtype and ours[1].shape == x.shape
+    if g is None:
+        g = torch.randn(x.shape, dtype=out_dtype, device=x.device)
+    out, rstd, dx = ours(x, w, g)
+    xs = x.detach().clone().requires_grad_(True)
+    stock = m(xs)
+    dxs = torch.autograd.grad(stock, xs, g)[0]
+    assert out.dtype == stock.dtype == out_dtype and out.shape == x.shape and out.is_contiguous()
+    assert dx.dtype == x.dtype and dx.shape == x.shape and dx.is_contiguous()
+    assert rstd.dtype == F32 and rstd.shape == (x.shape[0],)
     t = tol(x.dtype, w.dtype)
-    # forward vs fp64 and vs stock
-    assert rel_err(ours[0], ref_fp64(x, w)) < t
-    assert rel_err(ours[0], stock[0]) < t
-    # grads vs fp64 autograd (of the exact math) and vs stock
     x64 = x.detach().double().requires_grad_(True)
-    w64 = w.detach().double().requires_grad_(True)
-    ref64 = w64 * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + EPS)
-    dx64, dw64 = torch.autograd.grad(ref64, (x64, w64), g.double())
-    assert rel_err(ours[1], dx64) < t and rel_err(ours[1], stock[1]) < t
-    if w.requires_grad:
-        assert ours[2].dtype == w.dtype and ours[2].shape == w.shape
-        assert rel_err(ours[2], dw64) < t and rel_err(ours[2], stock[2]) < t
-    else:
-        assert ours[2] is None
+    rstd64 = torch.rsqrt(x64.pow(2).mean(-1) + EPS)
+    ref64 = w.detach().double() * x64 * rstd64[:, None]
+    dx64 = torch.autograd.grad(ref64, x64, g.double())[0]
+    assert rel_err(rstd, rstd64) < 1e-5
+    assert rel_err(out, ref64) < t and rel_err(out, stock) < t
+    assert rel_err(dx, dx64) < t and rel_err(dx, dxs) < t
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype", DTYPE_PAIRS)
@@ -100,9 +90,9 @@ def test_matches_stock_and_fp64(device, x_dtype, w_dtype, hidden, rows):
 @pytest.fixture(params=["one_row", "small_tiles"])
 def tiling(request, monkeypatch):
     """Force a row tiling on whatever runs the test: 'one_row' is the GPU's launch config (one row
-    per program; weight-gradient tiles 32 x 64), 'small_tiles' packs several rows per program in
-    tiles of 256 elements so the last tile is partial. (The interpreter's own default, one big
-    tile, is what every other test runs on the CPU.)"""
+    per program), 'small_tiles' packs several rows per program in tiles of 256 elements so the
+    last tile is partial. (The interpreter's own default, one big tile, is what every other test
+    runs on the CPU.)"""
     elems = {"one_row": 0, "small_tiles": 256}[request.param]
     monkeypatch.setattr(rmsnorm_mod, "GPU_TILE_ELEMS", elems)
     monkeypatch.setattr(rmsnorm_mod, "INTERP_TILE_ELEMS", elems)
@@ -120,185 +110,60 @@ def test_row_tilings(device, tiling, x_dtype, w_dtype, hidden, rows):
 
 
 def test_launch_configs(monkeypatch):
-    """GPU: one row per program, 32 x 64 weight-gradient tiles (the configs sm75_specs lists).
-    Interpreter: the tiny CI model's [2048, 64] rows in at most 2 programs per kernel."""
+    """GPU: one row per program (the configs sm75_specs lists). Interpreter: the tiny CI model's
+    [2048, 64] rows in at most 2 programs per kernel."""
     monkeypatch.setattr(rmsnorm_mod, "interpreter_enabled", lambda: False)
     block, _ = rmsnorm_mod._row_config(1536)
     assert rmsnorm_mod._rows_per_program(2048, block) == 1
-    assert rmsnorm_mod._dw_config(2048, 1536) == (32, 64)
     monkeypatch.setattr(rmsnorm_mod, "interpreter_enabled", lambda: True)
     block, _ = rmsnorm_mod._row_config(64)
     assert triton.cdiv(2048, rmsnorm_mod._rows_per_program(2048, block)) <= 2
-    block_m, block_n = rmsnorm_mod._dw_config(2048, 64)
-    assert triton.cdiv(2048, block_m) * triton.cdiv(64, block_n) <= 2
     assert rmsnorm_mod._rows_per_program(3, 2048) == 4  # never more rows than the input has (pow2)
 
 
 @pytest.mark.parametrize("x_dtype,w_dtype", [(F32, F32), (F16, F32)])
-def test_three_dim_input_and_frozen_weight(device, x_dtype, w_dtype):
-    """[B, L, H] as in the model, weight frozen as in the workload: no dw is computed."""
+def test_one_launch_each_way(device, x_dtype, w_dtype):
+    """The node's hidden size: one forward launch, one dx launch, nothing else."""
     torch.manual_seed(1)
-    m = make_module(1536, w_dtype, device, requires_grad=False)
-    x = torch.randn(2, 5, 1536, device=device).to(x_dtype)
+    m = make_module(1536, w_dtype, device)
+    x = torch.randn(10, 1536, device=device).to(x_dtype)
     _launches.reset()
     check_against_stock_and_ref(x, m)
-    assert _launches.LAUNCHES["_rmsnorm_bwd_dw_kernel"] == 0
-    assert _launches.LAUNCHES["_rmsnorm_fwd_kernel"] == 1 and _launches.LAUNCHES["_rmsnorm_bwd_dx_kernel"] == 1
+    assert dict(_launches.LAUNCHES) == {"_rmsnorm_fwd_kernel": 1, "_rmsnorm_bwd_dx_kernel": 1}
 
 
-@pytest.mark.parametrize("layout", ["row_slice", "strided_rows", "transposed"])
+@pytest.mark.parametrize("layout", ["row_slice", "strided_rows"])
 @pytest.mark.parametrize("x_dtype", [F32, F16])
-def test_non_contiguous_inputs(device, layout, x_dtype):
+def test_row_strided_inputs(device, layout, x_dtype):
+    """Rows that are not packed: each a slice of a wider row (row stride 130), or every other row
+    (row stride 200); the outputs are contiguous."""
     torch.manual_seed(2)
     hidden = 100
     m = make_module(hidden, F32, device)
-    if layout == "row_slice":      # each row a slice of a wider row: a [rows, N] view with row stride 130
-        x = torch.randn(4, 5, 130, device=device).to(x_dtype)[..., 10:10 + hidden]
-    elif layout == "strided_rows":  # every other token: leading dims cannot merge into one stride
-        x = torch.randn(3, 12, hidden, device=device).to(x_dtype)[:, ::2, :]
-    else:                           # hidden dim not unit stride: must be copied
-        x = torch.randn(hidden, 6, device=device).to(x_dtype).t()
-    assert not x.is_contiguous()
+    if layout == "row_slice":
+        x = torch.randn(20, 130, device=device).to(x_dtype)[:, 10:10 + hidden]
+    else:
+        x = torch.randn(24, hidden, device=device).to(x_dtype)[::2]
+    assert not x.is_contiguous() and x.stride(-1) == 1
     check_against_stock_and_ref(x, m)
 
 
-def test_non_contiguous_upstream_grad(device):
+def test_row_strided_upstream_grad(device):
     torch.manual_seed(3)
     m = make_module(100, F32, device)
-    x = torch.randn(6, 100, device=device, requires_grad=True)
-    g = torch.randn(100, 6, device=device).t()  # grad of the output with non-unit column stride
-    dx, dw = torch.autograd.grad(rmsnorm(x, m.weight, EPS), (x, m.weight), g)
-    dxs, dws = torch.autograd.grad(m(x), (x, m.weight), g)
-    assert rel_err(dx, dxs) < 1e-5 and rel_err(dw, dws) < 1e-5
+    x = torch.randn(6, 100, device=device)
+    g = torch.randn(6, 130, device=device)[:, 5:105]  # the output's gradient with row stride 130
+    assert not g.is_contiguous()
+    check_against_stock_and_ref(x, m, g)
 
 
 def test_empty_rows(device):
     m = make_module(16, F32, device)
-    x = torch.randn(0, 16, device=device, requires_grad=True)
-    out = rmsnorm(x, m.weight, EPS)
-    assert out.shape == (0, 16)
-    dx, dw = torch.autograd.grad(out, (x, m.weight), torch.ones_like(out))
-    assert dx.shape == (0, 16) and torch.equal(dw, torch.zeros_like(dw))
-
-
-@pytest.mark.parametrize("use_reentrant", [False, True])
-def test_under_checkpoint(device, use_reentrant):
-    """Recompute in backward (gradient checkpointing, as in the workload) gives the same grads."""
-    torch.manual_seed(4)
-    m = make_module(100, F32, device)
-    x = torch.randn(2, 9, 100, device=device, requires_grad=True)
-    g = torch.randn(2, 9, 100, device=device)
-
-    def block(t):  # a little graph around the norm, like a decoder layer
-        return rmsnorm(t * 1.5, m.weight, EPS) * 2.0
-
-    out = cp.checkpoint(block, x, use_reentrant=use_reentrant)
-    out.backward(g)  # reentrant checkpoint does not support autograd.grad(): use .grad fields
-    dx, dw = x.grad.clone(), m.weight.grad.clone()
-    x.grad = m.weight.grad = None
-    out_s = m(x * 1.5) * 2.0  # stock module, no checkpoint
-    out_s.backward(g)
-    dxs, dws = x.grad, m.weight.grad
-    assert rel_err(out, out_s) < 1e-5 and rel_err(dx, dxs) < 1e-5 and rel_err(dw, dws) < 1e-5
-
-
-# ------------------------------------------------------------------------------------------------
-# The patch
-# ------------------------------------------------------------------------------------------------
-@pytest.fixture
-def patched(monkeypatch):
-    """solution.apply() with only this op's patch, reverted afterwards."""
-    import solution
-    import solution._apply as apply_mod
-
-    solution.revert()
-    monkeypatch.setattr(apply_mod, "PATCHES", ["solution.patches.qwen2_rmsnorm"])
-    installed = solution.apply(verbose=False)
-    assert "qwen2_rmsnorm" in installed
-    yield
-    solution.revert()
-
-
-def test_apply_installs_and_revert_restores():
-    import solution
-    import solution._apply as apply_mod
-    from transformers.models.qwen2 import modeling_qwen2
-
-    original = modeling_qwen2.Qwen2RMSNorm.forward
-    solution.revert()
-    saved = apply_mod.PATCHES
-    apply_mod.PATCHES = ["solution.patches.qwen2_rmsnorm"]
-    try:
-        assert "qwen2_rmsnorm" in solution.apply(verbose=False)
-        assert modeling_qwen2.Qwen2RMSNorm.forward is not original
-        assert modeling_qwen2.Qwen2RMSNorm.forward._solution_stock is original
-    finally:
-        solution.revert()
-        apply_mod.PATCHES = saved
-    assert modeling_qwen2.Qwen2RMSNorm.forward is original
-    assert "forward" in modeling_qwen2.Qwen2RMSNorm.__dict__
-
-
-def test_patch_check_accepts_installed_transformers():
-    from solution.patches import qwen2_rmsnorm
-
-    assert qwen2_rmsnorm.check() is None
-
-
-@pytest.mark.parametrize("x_dtype,w_dtype", DTYPE_PAIRS)
-def test_patched_module_matches_stock(device, patched, x_dtype, w_dtype):
-    torch.manual_seed(5)
-    m = make_module(100, w_dtype, device)
-    x = torch.randn(3, 4, 100, device=device).to(x_dtype)
-    g = torch.randn(3, 4, 100, device=device).to(torch.promote_types(x_dtype, w_dtype))
+    x = torch.randn(0, 16, device=device)
     _launches.reset()
-    ours = run(m, x, m.weight, g)
-    assert _launches.LAUNCHES["_rmsnorm_fwd_kernel"] == 1  # the kernel really ran
-    stock = run(lambda t: type(m).forward._solution_stock(m, t), x, m.weight, g)
-    assert ours[0].dtype == stock[0].dtype
-    t = tol(x_dtype, w_dtype)
-    for a, b in zip(ours, stock):
-        assert rel_err(a, b) < t
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
-def test_patched_module_falls_back_for_other_dtypes(device, patched, dtype):
-    m = make_module(32, dtype, device)
-    x = torch.randn(3, 32, device=device, dtype=dtype)
-    _launches.reset()
-    out = m(x)
-    assert sum(_launches.LAUNCHES.values()) == 0  # stock path, no kernel
-    assert torch.equal(out, type(m).forward._solution_stock(m, x))
-
-
-def test_patched_module_falls_back_for_huge_hidden(device, patched):
-    m = make_module(MAX_HIDDEN + 2, F32, device)
-    x = torch.randn(2, MAX_HIDDEN + 2, device=device)
-    _launches.reset()
-    m(x)
+    out, rstd, dx = ours(x, m.weight, torch.randn(0, 16, device=device))
+    assert out.shape == dx.shape == (0, 16) and rstd.shape == (0,)
     assert sum(_launches.LAUNCHES.values()) == 0
-
-
-def test_patched_module_under_autocast_keeps_stock_dtypes(device, patched):
-    """Under fp16 autocast (the workload's mixed precision) the module sees the fp32 residual and
-    fp32 weight; the output must stay fp32 exactly like stock, and values must match."""
-    torch.manual_seed(6)
-    m = make_module(64, F32, device)
-    lin = torch.nn.Linear(64, 64).to(device)
-    x = torch.randn(2, 3, 64, device=device, requires_grad=True)
-    with torch.autocast(device_type=device, dtype=torch.float16):
-        ours = m(x)
-        y_ours = lin(ours)
-        stock = type(m).forward._solution_stock(m, x)
-        y_stock = lin(stock)
-    assert ours.dtype == stock.dtype == F32
-    assert y_ours.dtype == y_stock.dtype
-    assert rel_err(ours, stock) < 1e-5
-    dx = torch.autograd.grad(y_ours.float().sum(), x)[0]
-    dxs = torch.autograd.grad(y_stock.float().sum(), x)[0]
-    # the Linear ran in fp16 under autocast: its input (our fp32 norm output, ~1e-7 from stock's)
-    # and its input gradient are rounded to fp16, either rounding possibly flipped: 2 x 2 U16
-    assert rel_err(dx, dxs) < F16_TOL
 
 
 # ------------------------------------------------------------------------------------------------
@@ -309,21 +174,5 @@ def test_patched_module_under_autocast_keeps_stock_dtypes(device, patched):
 def test_gpu_workload_shape(x_dtype, w_dtype):
     torch.manual_seed(7)
     m = make_module(1536, w_dtype, "cuda")
-    x = torch.randn(4, 512, 1536, device="cuda").to(x_dtype)
+    x = torch.randn(4 * 512, 1536, device="cuda").to(x_dtype)
     check_against_stock_and_ref(x, m)
-
-
-@pytest.mark.gpu
-def test_gpu_patched_under_autocast_and_checkpoint(patched):
-    torch.manual_seed(8)
-    m = make_module(1536, F32, "cuda", requires_grad=False)
-    x = torch.randn(4, 377, 1536, device="cuda", requires_grad=True)
-    g = torch.randn(4, 377, 1536, device="cuda")
-    with torch.autocast("cuda", dtype=torch.float16):
-        out = cp.checkpoint(m, x, use_reentrant=False)
-        out_s = cp.checkpoint(lambda t: type(m).forward._solution_stock(m, t), x, use_reentrant=False)
-    assert out.dtype == out_s.dtype == F32
-    dx = torch.autograd.grad(out, x, g)[0]
-    dxs = torch.autograd.grad(out_s, x, g)[0]
-    assert rel_err(out, out_s) < 1e-5 and rel_err(dx, dxs) < 1e-5
-

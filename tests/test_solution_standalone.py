@@ -129,8 +129,7 @@ def test_solution_folder_alone_installs_and_reverts(tmp_path):
 
     installed = json.loads(_lines(out, "INSTALLED")[0])
     print("installed by apply() in the copied folder:", ", ".join(installed))
-    for name in ("qwen2_unpad", "qwen2_rmsnorm", "qwen2_layer_node", "qwen2_lm_head_loss", "trainer_lengths",
-                 "trainer_flops"):
+    for name in ("qwen2_unpad", "qwen2_layer_node", "qwen2_lm_head_loss", "trainer_lengths", "trainer_flops"):
         assert name in installed, f"{name} not installed from the copied folder:\n{out[-4000:]}"
     assert json.loads(_lines(out, "PROJECT_MODULES")[0]) == [], "solution pulled in bench / workload / tests"
     assert json.loads(_lines(out, "SOLUTION_OUTSIDE")[0]) == [], "a solution module came from outside the copy"

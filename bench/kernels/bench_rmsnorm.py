@@ -1,4 +1,5 @@
-"""GPU benchmark: stock Qwen2RMSNorm vs solution's fused Triton RMSNorm at the workload's shapes,
+"""GPU benchmark: stock Qwen2RMSNorm vs solution's fused Triton RMSNorm (kernels/rmsnorm.py's two
+launchers, as the decoder-layer node calls them for each layer's input norm) at the workload's shapes,
 and the decoder layer's residual add + post-attention RMSNorm, stock vs fused (add_rmsnorm).
 
     python bench/kernels/bench_rmsnorm.py --out rmsnorm.json
@@ -6,8 +7,10 @@ and the decoder layer's residual add + post-attention RMSNorm, stock vs fused (a
 Shapes: hidden 1536; tokens 4 x 512 = 2048 (a full batch) and 4 x 375 = 1500 (~ a real batch).
 Dtypes: x fp32 / weight fp32 (the workload: fp32 residual stream, weight cast to fp32 by peft's
 prepare_model_for_kbit_training) and x fp16 / weight fp32. The weight is frozen as in the workload
-(no weight gradient). Reports median times (triton.testing.do_bench) for forward and forward +
-backward, the memory the forward keeps alive for backward, and the peak memory of fwd + bwd.
+(no weight gradient). Stock runs under autograd; ours is ``_launch_forward`` (-> y, rstd), then
+``_launch_backward_dx`` (no autograd): its "saved for backward" is the per-row rstd (x is the caller's).
+Reports median times (triton.testing.do_bench) for forward and forward + backward, the memory the
+forward keeps alive for backward, and the peak memory of fwd + bwd.
 Rates (bench/kernels/_common.py, rates): bytes that must move = every input read once + every
 output written once, forward: x, weight -> y; backward: dy, x, weight -> dx (frozen weight; the
 saved per-row rstd is left out, it can be recomputed); forward + backward (timed together): the
@@ -18,7 +21,7 @@ Residual add + RMSNorm: ``h = residual + x; y = norm(h)`` with residual fp32 and
 attention output under fp16 autocast), 2048 x 1536, weight fp32 frozen; forward + backward takes
 upstream gradients for both h (the later ``residual + mlp_out``) and y (the MLP), as in the layer.
 Three implementations, printed as two stock-vs-ours pairs: the stock ops vs ``add_rmsnorm``, and
-torch's add followed by our RMSNorm kernel (what the RMSNorm patch alone runs) vs ``add_rmsnorm``.
+torch's add followed by our RMSNorm launchers (unfused; h's two gradients summed by torch) vs ``add_rmsnorm``.
 ``add_rmsnorm`` is solution/kernels/add_rmsnorm.py's two launchers as the decoder-layer node calls
 them (``_launch_forward``, then ``_launch_backward`` with both upstream gradients; no autograd):
 its "saved for backward" is the per-row rstd, and its gradients are returned, not accumulated.
@@ -36,8 +39,7 @@ import torch  # noqa: E402
 from bench.kernels._common import bench_args, fwd_and_fwd_bwd_rates, nbytes, print_stock_vs_ours  # noqa: E402
 import triton  # noqa: E402
 
-from solution.kernels import add_rmsnorm  # noqa: E402
-from solution.kernels.rmsnorm import rmsnorm  # noqa: E402
+from solution.kernels import add_rmsnorm, rmsnorm  # noqa: E402
 
 HIDDEN = 1536
 EPS = 1e-6
@@ -55,70 +57,82 @@ def _stock_module(w_dtype):
     return m
 
 
-def _memory(fn, x, g):
-    """(bytes kept alive by the forward besides its output, peak bytes above baseline of fwd+bwd)."""
+def _memory(fwd, bwd):
+    """For a forward ``fwd() -> (*outputs, state)`` and its backward ``bwd(*outputs, state)``: (bytes
+    the forward keeps alive for backward besides its outputs, peak bytes above baseline of fwd+bwd)."""
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    y = fn(x)
-    out_bytes = y.numel() * y.element_size()
-    kept = torch.cuda.memory_allocated() - base - out_bytes
-    y.backward(g)
+    res = fwd()
+    kept = torch.cuda.memory_allocated() - base - nbytes(*res[:-1])
+    grads = bwd(*res)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
-    x.grad = None
-    del y
+    del res, grads
     return kept, peak
+
+
+def _rows(impls, label: dict, grad_to_none, in_bytes, out_bytes) -> dict:
+    """{name: row} for ``impls`` ((name, fwd, bwd) as ``_memory`` takes them): median fwd and fwd+bwd
+    times, memory, and the rates of ``in_bytes(*outputs)`` / ``out_bytes(*outputs)``."""
+    timed = {}
+    for name, fwd, bwd in impls:
+        with torch.no_grad():
+            t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
+
+        def fwd_bwd(fwd=fwd, bwd=bwd):
+            bwd(*fwd())
+
+        t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=grad_to_none, return_mode="median")
+        kept, peak = _memory(fwd, bwd)
+        for t in grad_to_none:
+            t.grad = None
+        with torch.no_grad():
+            outs = fwd()[:-1]
+        row = {"impl": name, **label, "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "saved_for_bwd_MiB": kept / 2**20,
+               "peak_fwd_bwd_MiB": peak / 2**20}
+        timed[name] = fwd_and_fwd_bwd_rates(row, in_bytes(*outs), out_bytes(*outs))
+        del outs
+    return timed
 
 
 def bench_case(shape, x_dtype, w_dtype):
     torch.manual_seed(0)
     m = _stock_module(w_dtype)
+    w = m.weight
     stock_forward = type(m).forward  # the class's own forward (this script never calls apply())
-    fns = {"stock": lambda t: stock_forward(m, t), "ours": lambda t: rmsnorm(t, m.weight, EPS)}
     x = torch.randn(*shape, HIDDEN, device="cuda", dtype=x_dtype, requires_grad=True)
     g = torch.randn(*shape, HIDDEN, device="cuda", dtype=torch.promote_types(x_dtype, w_dtype))
-    rows = []
-    for name, fn in fns.items():
-        with torch.no_grad():
-            t_fwd = triton.testing.do_bench(lambda: fn(x), warmup=10, rep=50, return_mode="median")
+    x2, g2 = x.detach().view(-1, HIDDEN), g.view(-1, HIDDEN)
 
-        def fwd_bwd():
-            fn(x).backward(g)
+    def stock_fwd():
+        return stock_forward(m, x), None
 
-        t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[x], return_mode="median")
-        kept, peak = _memory(fn, x, g)
-        with torch.no_grad():
-            y = fn(x)
-        row = {"impl": name, "tokens": shape[0] * shape[1], "x_dtype": str(x_dtype).split(".")[-1],
-               "w_dtype": str(w_dtype).split(".")[-1], "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb,
-               "saved_for_bwd_MiB": kept / 2**20, "peak_fwd_bwd_MiB": peak / 2**20}
-        # fwd: x, w -> y; bwd: dy, x, w -> dx (x's shape and dtype)
-        rows.append(fwd_and_fwd_bwd_rates(row, nbytes(x, m.weight, y), nbytes(g, x, m.weight, x)))
-        del y
+    def stock_bwd(y, _):
+        y.backward(g)
+
+    def ours_fwd():  # (y, rstd)
+        return rmsnorm._launch_forward(x2, w, EPS)
+
+    def ours_bwd(y, rstd):
+        return rmsnorm._launch_backward_dx(x2, w, g2, rstd)
+
+    label = {"tokens": shape[0] * shape[1], "x_dtype": str(x_dtype).split(".")[-1],
+             "w_dtype": str(w_dtype).split(".")[-1]}
+    # fwd: x, w -> y; bwd: dy, x, w -> dx (x's shape and dtype)
+    timed = _rows((("stock", stock_fwd, stock_bwd), ("ours", ours_fwd, ours_bwd)), label, [x],
+                  lambda y: nbytes(x, w, y), lambda y: nbytes(g, x, w, x))
     # correctness guard: the benchmark must compare equal work
-    with torch.no_grad():
-        a, b = fns["ours"](x), fns["stock"](x)
-        rows[1]["max_abs_diff_vs_stock"] = (a.float() - b.float()).abs().max().item()
-    return rows
+    y_o, rstd = ours_fwd()
+    y_s = stock_forward(m, x)
+    dx_s = torch.autograd.grad(y_s, x, g)[0]
+    timed["ours"]["max_abs_diff_vs_stock"] = (y_o.float() - y_s.view_as(y_o).float()).abs().max().item()
+    dx_o = ours_bwd(y_o, rstd)
+    timed["ours"]["dx_max_abs_diff_vs_stock"] = (dx_o.float() - dx_s.view_as(dx_o).float()).abs().max().item()
+    return [timed["stock"], timed["ours"]]
 
 
 ADD_CASE = ((4, 512), torch.float32, torch.float16, torch.float32)  # shape, residual, x, weight
-
-
-def _memory_pair(fwd, bwd):
-    """_memory for a forward ``fwd() -> (h, y, state)`` and its backward ``bwd(h, y, state)``:
-    (bytes kept for backward besides h and y, peak fwd+bwd)."""
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    h, y, state = fwd()
-    kept = torch.cuda.memory_allocated() - base - sum(t.numel() * t.element_size() for t in (h, y))
-    grads = bwd(h, y, state)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    del h, y, state, grads
-    return kept, peak
 
 
 def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
@@ -131,10 +145,6 @@ def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
         h = r + x
         return h, stock_forward(m, h)
 
-    def add_then_ours(r, x):
-        h = r + x
-        return h, rmsnorm(h, m.weight, EPS)
-
     r = (torch.randn(*shape, HIDDEN, device="cuda") * 4).to(r_dtype).requires_grad_(True)
     x = torch.randn(*shape, HIDDEN, device="cuda", dtype=x_dtype, requires_grad=True)
     h_dtype = torch.promote_types(r_dtype, x_dtype)
@@ -144,13 +154,19 @@ def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
     gh2, gy2 = gh.view(-1, HIDDEN), gy.view(-1, HIDDEN)
     grad_dtypes = add_rmsnorm._grad_dtypes(r_dtype, x_dtype, True, True)
 
-    def autograd_pair(fn):
-        def fwd():
-            return (*fn(r, x), None)
+    def stock_fwd():
+        return (*stock(r, x), None)
 
-        def bwd(h, y, _):
-            torch.autograd.backward((h, y), (gh, gy))
-        return fwd, bwd
+    def stock_bwd(h, y, _):
+        torch.autograd.backward((h, y), (gh, gy))
+
+    def unfused_fwd():  # torch's add, then our RMSNorm's forward launcher: (h, y, rstd)
+        h = r2 + x2
+        return (h, *rmsnorm._launch_forward(h, m.weight, EPS))
+
+    def unfused_bwd(h, y, rstd):  # the norm's dx launcher; h's two gradients summed by torch, then cast
+        dh = gh2 + rmsnorm._launch_backward_dx(h, m.weight, gy2, rstd)
+        return [dh.to(dt) for dt in grad_dtypes]
 
     def fused_fwd():  # (h, y, rstd)
         return add_rmsnorm._launch_forward(r2, x2, m.weight, EPS, tuple(x.shape))
@@ -158,28 +174,13 @@ def bench_add_case(shape, r_dtype, x_dtype, w_dtype):
     def fused_bwd(h, y, rstd):
         return add_rmsnorm._launch_backward(h.view(-1, HIDDEN), m.weight, gy2, gh2, rstd, grad_dtypes)
 
-    impls = (("stock ops", *autograd_pair(stock)), ("add + our rmsnorm", *autograd_pair(add_then_ours)),
+    impls = (("stock ops", stock_fwd, stock_bwd), ("add + our rmsnorm", unfused_fwd, unfused_bwd),
              ("add_rmsnorm", fused_fwd, fused_bwd))
-    timed = {}
-    for name, fwd, bwd in impls:
-        with torch.no_grad():
-            t_fwd = triton.testing.do_bench(fwd, warmup=10, rep=50, return_mode="median")
-
-        def fwd_bwd(fwd=fwd, bwd=bwd):
-            bwd(*fwd())
-
-        t_fb = triton.testing.do_bench(fwd_bwd, warmup=10, rep=50, grad_to_none=[r, x], return_mode="median")
-        kept, peak = _memory_pair(fwd, bwd)
-        r.grad = x.grad = None
-        with torch.no_grad():
-            h, y, _ = fwd()
-        row = {"impl": name, "tokens": shape[0] * shape[1], "res_dtype": str(r_dtype).split(".")[-1],
-               "x_dtype": str(x_dtype).split(".")[-1], "w_dtype": str(w_dtype).split(".")[-1],
-               "fwd_ms": t_fwd, "fwd_bwd_ms": t_fb, "saved_for_bwd_MiB": kept / 2**20,
-               "peak_fwd_bwd_MiB": peak / 2**20}
-        # fwd: residual, x, w -> h, y; bwd: dh, dy, h, w -> d residual, dx (their shapes and dtypes)
-        timed[name] = fwd_and_fwd_bwd_rates(row, nbytes(r, x, m.weight, h, y), nbytes(gh, gy, h, m.weight, r, x))
-        del h, y
+    label = {"tokens": shape[0] * shape[1], "res_dtype": str(r_dtype).split(".")[-1],
+             "x_dtype": str(x_dtype).split(".")[-1], "w_dtype": str(w_dtype).split(".")[-1]}
+    # fwd: residual, x, w -> h, y; bwd: dh, dy, h, w -> d residual, dx (their shapes and dtypes)
+    timed = _rows(impls, label, [r, x], lambda h, y: nbytes(r, x, m.weight, h, y),
+                  lambda h, y: nbytes(gh, gy, h, m.weight, r, x))
     # correctness guard: the benchmark must compare equal work (h is exact, y within rounding)
     with torch.no_grad():
         (h_o, y_o, _), (h_s, y_s) = fused_fwd(), stock(r, x)

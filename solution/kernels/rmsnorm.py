@@ -1,17 +1,17 @@
-"""Fused RMSNorm (replaces ``Qwen2RMSNorm.forward``): per row of N, rstd = rsqrt(mean(x^2) + eps),
-out = weight * (fp32(x) * rstd).to(x.dtype) in promote(x.dtype, weight.dtype); one kernel forward
-(saves x and an fp32 rstd a row), one for dx, one for dw. Entry points: ``rmsnorm(x, weight, eps)``
-(autograd), ``_launch_forward`` / ``_launch_backward_dx`` (the decoder-layer node); fp16 / fp32,
-N <= MAX_HIDDEN. The @triton.jit helpers ``_row_tile``, ``_rms_scale_rows``, ``_rms_grad_rows``
-are shared with add_rmsnorm.py, so both compute the same numbers.
-What it replaces, why, risks, measurements: docs/kernels/rmsnorm.md.
+"""Fused RMSNorm for the decoder-layer node's input norm (stock ``Qwen2RMSNorm.forward``): per row of N,
+rstd = rsqrt(mean(x^2) + eps), out = weight * (fp32(x) * rstd).to(x.dtype) in promote(x.dtype, weight.dtype);
+one kernel forward (out and an fp32 rstd a row), one for dx (in x's dtype); no weight gradient. Entry points
+(solution/step/layer.py): ``_launch_forward(x2, weight, eps)`` -> (out, rstd) and
+``_launch_backward_dx(x2, weight, g2, rstd)`` -> dx, for [rows, N] inputs of any row stride and unit column
+stride (out, dx contiguous); fp16 / fp32, N <= MAX_HIDDEN (``rmsnorm_supported``). The @triton.jit helpers
+``_row_tile``, ``_rms_scale_rows``, ``_rms_grad_rows`` are shared with add_rmsnorm.py, so both compute the
+same numbers. What it replaces, why, risks, measurements: docs/kernels/rmsnorm.md.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from solution.env import interpreter_enabled
 from solution.kernels._launches import cdiv, launch, pow2_at_least
@@ -78,27 +78,6 @@ def _rmsnorm_bwd_dx_kernel(x_ptr, w_ptr, g_ptr, rstd_ptr, dx_ptr, n_rows, x_row_
     tl.store(dx_ptr + rows64[:, None] * dx_row_stride + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
-def _rmsnorm_bwd_dw_kernel(x_ptr, g_ptr, rstd_ptr, partial_ptr, x_row_stride, g_row_stride,
-                           n_rows, n_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """partial[row tile, col] = fp32 sum over the tile's BLOCK_M rows of g * (x * rstd).to(x.dtype);
-    grid (column blocks, row tiles). The launcher sums the partials with torch (no atomics)."""
-    col_block = tl.program_id(0)
-    row_tile = tl.program_id(1)
-    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    rows = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < n_rows
-    rows64 = rows.to(tl.int64)
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(x_ptr + rows64[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0)
-    g = tl.load(g_ptr + rows64[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0)
-    rstd = tl.load(rstd_ptr + rows, mask=row_mask, other=0.0)
-    normed = (x.to(tl.float32) * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    partial = tl.sum(g.to(tl.float32) * normed, axis=0)
-    tl.store(partial_ptr + row_tile.to(tl.int64) * n_cols + cols, partial, mask=col_mask)
-
-
 def _row_config(n_cols: int) -> tuple[int, int]:
     """(BLOCK, num_warps) for rows of n_cols elements: ~8-16 fp32 values per thread for one row."""
     block = pow2_at_least(max(n_cols, 1))
@@ -129,29 +108,6 @@ def _tile_elems() -> int:
 def _rows_per_program(n_rows: int, block: int) -> int:
     """BLOCK_ROWS: as many rows as fit the tile (at least 1, at most what the input has)."""
     return min(pow2_at_least(max(n_rows, 1)), _pow2_at_most(_tile_elems() // block))
-
-
-# Weight-gradient tiles on the GPU: [32 rows, 64 columns], 4 warps.
-_DW_BLOCK_M, _DW_BLOCK_N, _DW_WARPS = 32, 64, 4
-
-
-def _dw_config(n_rows: int, n_cols: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) of the weight-gradient tiles: the GPU's, or bigger within the tile budget."""
-    tile = _tile_elems()
-    if tile <= _DW_BLOCK_M * _DW_BLOCK_N:
-        return _DW_BLOCK_M, _DW_BLOCK_N
-    block_n = min(pow2_at_least(max(n_cols, 1)), _pow2_at_most(tile))
-    return min(pow2_at_least(max(n_rows, 1)), _pow2_at_most(tile // block_n)), block_n
-
-
-def _as_rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
-    """View t as [rows, n_cols] with unit column stride; copies only when no such view exists."""
-    if t.dim() == 0 or t.stride(-1) != 1:
-        t = t.contiguous()
-    try:
-        return t.view(-1, n_cols)
-    except RuntimeError:  # leading dims cannot be merged into one row stride
-        return t.reshape(-1, n_cols)
 
 
 def rmsnorm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -186,54 +142,6 @@ def _launch_backward_dx(x2, weight, g2, rstd):
     return dx
 
 
-def _launch_backward_dw(x2, g2, rstd, weight_dtype):
-    n_rows, n_cols = x2.shape
-    if n_rows == 0:
-        return torch.zeros(n_cols, dtype=weight_dtype, device=x2.device)
-    block_m, block_n = _dw_config(n_rows, n_cols)
-    row_tiles = cdiv(n_rows, block_m)
-    # [row tiles, N] fp32 partial sums: 2048 rows x 1536 -> 64 x 1536 x 4 B = 384 KB.
-    partial = torch.empty((row_tiles, n_cols), dtype=torch.float32, device=x2.device)
-    grid = (cdiv(n_cols, block_n), row_tiles)
-    launch(_rmsnorm_bwd_dw_kernel, grid, "_rmsnorm_bwd_dw_kernel",
-           x2, g2, rstd, partial, x2.stride(0), g2.stride(0), n_rows, n_cols,
-           BLOCK_M=block_m, BLOCK_N=block_n, num_warps=_DW_WARPS)
-    return partial.sum(0).to(weight_dtype)
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """autograd wrapper: forward saves x (as a [rows, N] view, no copy when possible) and rstd."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float):
-        n_cols = x.shape[-1]
-        x2 = _as_rows(x, n_cols)
-        w = weight if weight.is_contiguous() else weight.contiguous()
-        out, rstd = _launch_forward(x2, w, float(eps))
-        ctx.save_for_backward(x2, w, rstd)
-        ctx.x_shape = x.shape
-        ctx.weight_dtype = weight.dtype
-        return out.view(x.shape)
-
-    @staticmethod
-    @once_differentiable  # no double backward: raise instead of silently wrong 2nd derivatives
-    def backward(ctx, grad_out: torch.Tensor):
-        x2, w, rstd = ctx.saved_tensors
-        g2 = _as_rows(grad_out, x2.shape[1])
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = _launch_backward_dx(x2, w, g2, rstd).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = _launch_backward_dw(x2, g2, rstd, ctx.weight_dtype)
-        return dx, dw, None
-
-
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * (x.float() * rstd).to(x.dtype)``, x [..., N] fp16/fp32 (any strides), weight [N]
-    fp16/fp32: a contiguous tensor of x's shape in promote(x.dtype, weight.dtype); differentiable."""
-    return RMSNormFunction.apply(x, weight, eps)
-
-
 _TRITON_TYPE = {torch.float16: "*fp16", torch.float32: "*fp32"}
 
 
@@ -262,12 +170,3 @@ def sm75_specs():
                              "dx_row_stride": "i32", "n_cols": "i32",
                              "BLOCK_ROWS": "constexpr", "BLOCK": "constexpr"},
                "constexprs": constexprs}
-    for x_dt, g_dt in ((f32, f32), (f16, f16), (f16, f32)):
-        yield {"name": f"bwd dw x={_TRITON_TYPE[x_dt][1:]} g={_TRITON_TYPE[g_dt][1:]} "
-                       f"BLOCK_M={_DW_BLOCK_M} BLOCK_N={_DW_BLOCK_N}", "fn": _rmsnorm_bwd_dw_kernel,
-               "num_warps": _DW_WARPS,
-               "signature": {"x_ptr": _TRITON_TYPE[x_dt], "g_ptr": _TRITON_TYPE[g_dt], "rstd_ptr": "*fp32",
-                             "partial_ptr": "*fp32", "x_row_stride": "i32", "g_row_stride": "i32",
-                             "n_rows": "i32", "n_cols": "i32",
-                             "BLOCK_M": "constexpr", "BLOCK_N": "constexpr"},
-               "constexprs": {"BLOCK_M": _DW_BLOCK_M, "BLOCK_N": _DW_BLOCK_N}}

@@ -3,7 +3,6 @@
 PATCHES lists them in install order; solution._apply walks it.
 """
 PATCHES = [
-    "solution.patches.qwen2_rmsnorm",
     "solution.patches.qwen2_layer_node",
     "solution.patches.qwen2_lm_head_loss",
     "solution.patches.qwen2_unpad",

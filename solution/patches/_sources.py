@@ -69,7 +69,7 @@ ACCEPTED: dict[str, dict[str, str]] = {
     "trl.entropy_from_logits": {
         "cfeed25ed40872baac62ba7748bf4a43e994377da6236ac84b3b99252702fc93": "0.29.0-0.29.1",
     },
-    # qwen2_rmsnorm and the decoder-layer node (qwen2_layer_node): the norm's formula
+    # the decoder-layer node (qwen2_layer_node): the norm's formula, which kernels/rmsnorm.py reproduces
     "transformers.Qwen2RMSNorm.forward": {
         "790fa612e4fa57acfcbea31da45f92ba91f9016f7260ef539f61c5530ba06a5f": "5.16.1-5.24.0",
     },

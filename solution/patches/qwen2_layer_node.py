@@ -38,8 +38,7 @@ def _mirrored():
     return (("transformers.Qwen2DecoderLayer.forward", mq.Qwen2DecoderLayer.__dict__.get("forward")),
             ("transformers.Qwen2Attention.forward", mq.Qwen2Attention.__dict__.get("forward")),
             ("transformers.Qwen2MLP.forward", mq.Qwen2MLP.__dict__.get("forward")),
-            ("transformers.Qwen2RMSNorm.forward", getattr(mq.Qwen2RMSNorm.forward, "_solution_stock",
-                                                          mq.Qwen2RMSNorm.forward)),
+            ("transformers.Qwen2RMSNorm.forward", mq.Qwen2RMSNorm.__dict__.get("forward")),
             ("transformers.apply_rotary_pos_emb", getattr(mq, "apply_rotary_pos_emb", None)),
             ("transformers.rotate_half", getattr(mq, "rotate_half", None)),
             ("peft.tuners.lora.bnb.Linear4bit.forward", lora_bnb.Linear4bit.__dict__.get("forward")),
@@ -89,9 +88,16 @@ def _lora_state(mod, dropout):
             b is not None and b._parameters.get("weight"))
 
 
-def _validator(layer, sides, linears):
+def _frozen(layer, trained) -> tuple:
+    """The layer's parameters other than ``trained`` (the q / v LoRA A and B weights): the node computes no
+    gradient for them, so it takes the layer only while none of them requires one."""
+    ids = {id(p) for p in trained}
+    return tuple(p for p in layer.parameters() if id(p) not in ids)
+
+
+def _validator(layer, sides, linears, frozen):
     """A plan's per-step check (attribute reads only): no hooks or instance-level forwards on the layer's
-    modules, the same ``_lora_state``, the same packed weights."""
+    modules, the same ``_lora_state``, the same packed weights, no ``frozen`` parameter requiring a gradient."""
     modules = tuple(layer.modules())
     states = [(mod, dropout, _lora_state(mod, dropout)) for mod, dropout in sides]
 
@@ -99,7 +105,8 @@ def _validator(layer, sides, linears):
         for m in modules:
             if own_hooks(m) or "forward" in m.__dict__:
                 return False
-        return (all(_lora_state(mod, dropout) == st for mod, dropout, st in states)
+        return (not any(p.requires_grad for p in frozen)
+                and all(_lora_state(mod, dropout) == st for mod, dropout, st in states)
                 and all(_weight_same(mod, plan) for mod, plan in linears))
 
     return valid
@@ -227,7 +234,10 @@ def build(layer, x):
     if (q.plan.n_out != n_heads * head_dim or v.plan.n_out != n_kv * head_dim
             or plans["o_proj"].k != n_heads * head_dim or n_heads % n_kv):
         return "projection shapes"
-    valid = _validator(layer, [(attn.q_proj, q.dropout), (attn.v_proj, v.dropout)], linears)
+    frozen = _frozen(layer, (q.wa, q.wb, v.wa, v.wb))
+    if any(p.requires_grad for p in frozen):
+        return "parameters other than q_proj / v_proj's LoRA A and B require gradients (the node computes only those)"
+    valid = _validator(layer, [(attn.q_proj, q.dropout), (attn.v_proj, v.dropout)], linears, frozen)
     return LayerPlan(q=q, v=v, k=plans["k_proj"], k_bias16=_bnb.linear4bit_bias(attn.k_proj), o=plans["o_proj"],
                      mlp=(gate, up, down), policy=settings.current().memory_policy,
                      norm1_w=norms[0].weight, norm2_w=norms[1].weight, eps1=float(norms[0].variance_epsilon),
