@@ -14,8 +14,9 @@ import torch
 
 from solution.settings import Settings
 from solution.step import cuda_graphs, graph_buffers, graph_decision, lengths, packing
+from tests._qlora_step import run_qlora
 from tests.conftest import rel_err
-from tests.test_unpad import LOSS_SCALE, STEP_REL, _lora_model, _right_padded_batch
+from tests.test_unpad import STEP_REL, _lora_model, _right_padded_batch
 
 
 def test_make_unpadded_with_a_filler_row():
@@ -384,51 +385,28 @@ def _four_batches():
 
 def _train_steps(model_dir, batches, plan, graphs: str, monkeypatch, profile=None, ckpt=None):
     """The tiny QLoRA model trained on ``plan`` ((batch index, zero_grad first) per step) with
-    $SOLUTION_CUDA_GRAPHS=graphs, every patch on: per step (loss, gradients, generator offset), and
-    (graphs captured, failure) of the model's runner (None: no runner). ``profile``: row lengths
-    noted as patches/trainer_lengths does, so that their buckets are captured ahead. ``ckpt``:
-    gradient checkpointing on, with use_reentrant=ckpt (None: off)."""
-    import solution
-    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
-    from tests.test_unpad import qlora_tiny_model
-
+    $SOLUTION_CUDA_GRAPHS=graphs, every patch on (tests/_qlora_step.py): per step (loss, gradients,
+    generator offset), and (graphs captured, failure) of the model's runner (None: no runner).
+    ``profile``: row lengths noted as patches/trainer_lengths does, so that their buckets are captured
+    ahead. ``ckpt``: gradient checkpointing on, with use_reentrant=ckpt (None: off)."""
     monkeypatch.setenv("SOLUTION_CUDA_GRAPHS", graphs)
-    solution.revert()
-    assert "qwen2_unpad" in solution.apply(verbose=False)
     lengths.clear()
     if profile is not None:  # as a profile whose simulated runs all meet them
         lengths.note(profile, batch=1, steps=len(profile))
     try:
-        model = qlora_tiny_model(model_dir)
-        if ckpt is not None:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt})
-            model.enable_input_require_grads()
-            model.train()
-        torch.manual_seed(0)
-        torch.cuda.manual_seed(0)
-        steps = []
-        for b, zero in plan:
-            ids, mask, labels = batches[b]
-            if zero:
-                model.zero_grad(set_to_none=True)
-            with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
-                # num_items_in_batch: the Trainer passes it; transformers hands it to every layer
-                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False,
-                            num_items_in_batch=torch.tensor(50, device="cuda"))
-            (out.loss * LOSS_SCALE).backward()  # normal fp16 gradients: STEP_REL's condition
-            grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
-            steps.append((out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()))
-            # as the Trainer (its training_step returns loss.detach()): this step's autograd graph is
-            # not kept into the next step. Kept, its AccumulateGrad nodes (made on the eager steps'
-            # stream) would be reused by a capture's backward in the next forward, which must then
-            # wait on the legacy stream: the capture fails (cudaErrorStreamCaptureImplicit), as
-            # test_replay_check_in_auto_mode_gpu found (auto mode captures after eager steps)
-            del out
-        runner = cuda_graphs.runner_of(model.base_model.model.model)
-        return steps, (None if runner is None else (len(runner.graphs), runner.failed))
+        # num_items_in_batch: the Trainer passes it; transformers hands it to every layer
+        run = run_qlora(model_dir, [batches[b] for b, _ in plan], apply=True, ckpt=ckpt, num_items_in_batch=50,
+                        accumulate={i for i, (_, zero) in enumerate(plan) if not zero}, after_steps=_graphs_state)
     finally:
         lengths.clear()
-        solution.revert()
+    assert "qwen2_unpad" in run.installed
+    return run.steps, run.after_steps
+
+
+def _graphs_state(model):
+    """(graphs captured, failure) of the model's CUDA-graph runner; None: no runner."""
+    runner = cuda_graphs.runner_of(model.base_model.model.model)
+    return None if runner is None else (len(runner.graphs), runner.failed)
 
 
 def _assert_trains_like_eager(eager, graphed):

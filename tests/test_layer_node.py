@@ -22,52 +22,26 @@ import torch
 from solution.kernels import _launches
 from solution.step.layer import CHECKPOINT_COUNT as CKPT
 from solution.step.layer import NODE_COUNT as NODE
-from tests.test_unpad import LOSS_SCALE, STEP_REL, _right_padded_batch, qlora_tiny_model
+from tests._qlora_step import run_qlora
+from tests.test_unpad import STEP_REL, _right_padded_batch, qlora_tiny_model
 
 
-def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1, loss_scale=LOSS_SCALE,
-          **settings_kw):
-    """``steps`` training forwards + backwards (no optimizer: the same weights) on the tiny QLoRA
-    model after solution.apply() with or without the node: (losses, LoRA grads of the last step,
-    generator offset or CPU RNG state, our launches by name). ``loss_scale``: the backward starts
-    from loss x loss_scale, as fp16 training's GradScaler makes it (its first steps: 1024; None: from
-    the loss itself). Unscaled, the tiny model's fp16 gradients on the GPU are subnormal (~1e-5), where
-    one rounding is no longer 2^-11 of the value and STEP_REL would not hold for stock against itself."""
-    import solution
-    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1):
+    """``steps`` training steps on ``batch`` (tests/_qlora_step.py: from loss x LOSS_SCALE, no optimizer)
+    after solution.apply() with or without the node, every dropout at p = ``dropout``: (losses, LoRA
+    grads of the last step, generator offset or CPU RNG state, our launches by name)."""
     from solution.settings import Settings
 
-    solution.revert()
-    skip = frozenset() if node else frozenset({"qwen2_layer_node"})
-    installed = solution.apply(verbose=False, settings=Settings(skip_patches=skip, cuda_graphs="0", precompile=False,
-                                                                **settings_kw))
-    assert ("qwen2_layer_node" in installed) == node
-    try:
-        model = qlora_tiny_model(model_dir, device)
+    def set_dropout(model):
         for m in model.modules():
             if isinstance(m, torch.nn.Dropout):
                 m.p = dropout
-        if ckpt is not None:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": ckpt})
-            model.enable_input_require_grads()
-            model.train()
-        torch.manual_seed(0)
-        if device == "cuda":
-            torch.cuda.manual_seed(0)
-        _launches.reset()
-        ids, mask, labels = batch
-        losses = []
-        for _ in range(steps):
-            model.zero_grad(set_to_none=True)
-            with autocast_ctx(), fused_lm_head_requested():
-                out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-            (out.loss if loss_scale is None else out.loss * loss_scale).backward()
-            losses.append(out.loss.detach().float())
-        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-        rng = torch.cuda.default_generators[0].get_offset() if device == "cuda" else torch.get_rng_state()
-        return torch.stack(losses), grads, rng, dict(_launches.LAUNCHES)
-    finally:
-        solution.revert()
+
+    skip = frozenset() if node else frozenset({"qwen2_layer_node"})
+    run = run_qlora(model_dir, [batch] * steps, device=device, autocast_ctx=autocast_ctx, ckpt=ckpt,
+                    setup=set_dropout, apply=Settings(skip_patches=skip, cuda_graphs="0", precompile=False))
+    assert ("qwen2_layer_node" in run.installed) == node
+    return torch.stack([s.loss for s in run.steps]), run.steps[-1].grads, run.steps[-1].rng, run.launches
 
 
 def _lengths(device, lengths):

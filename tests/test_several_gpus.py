@@ -132,22 +132,25 @@ def test_qlora_model_spread_over_two_gpus_matches_stock_gpu(tmp_path):
         pytest.skip("needs two CUDA GPUs")
     from solution.kernels import _launches
     from solution.step import decoder
-    from tests.test_unpad import STEP_REL, _qlora_step, _right_padded_batch
+    from tests._qlora_step import run_qlora
+    from tests.test_unpad import STEP_REL, _right_padded_batch
     from workload.model_standin import write_standin
 
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
-    ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
+    batch = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
     spread = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": 1,
               "model.norm": 1, "lm_head": 0}
-    loss_s, grads_s, _ = _qlora_step(model_dir, ids, mask, labels, patched=False, device_map=spread)
+    loss_s, grads_s, _ = run_qlora(model_dir, [batch], device_map=spread).steps[0]
     _launches.reset()
     calls = []
     real = decoder.unpadded_forward
     decoder.unpadded_forward = lambda *a: calls.append(1) or real(*a)
     try:
-        loss_o, grads_o, _ = _qlora_step(model_dir, ids, mask, labels, patched=True, device_map=spread)
+        packed = run_qlora(model_dir, [batch], device_map=spread, apply=True)
     finally:
         decoder.unpadded_forward = real
+    assert "qwen2_unpad" in packed.installed
+    loss_o, grads_o, _ = packed.steps[0]
     assert calls == [] and _launches.LAUNCHES["nf4_dequant_cast"] > 0
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("layers.1" in n for n in grads_s)

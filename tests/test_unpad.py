@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from solution.step import packing
+from tests._qlora_step import run_qlora
 from tests.conftest import rel_err
 from tests.test_lm_head_loss import tiny_qwen2
 
@@ -240,31 +241,6 @@ def qlora_tiny_model(model_dir, device="cuda", device_map=None):
     return model.train()
 
 
-def _qlora_step(model_dir, ids, mask, labels, patched: bool, setup=None, device_map=None):
-    """One training forward + backward (from loss x LOSS_SCALE) of qlora_tiny_model (``setup(model)`` first, if given; its
-    ``device_map``) on the same seed, stock or with every patch (solution.apply()): (loss, LoRA
-    gradients, the CUDA generator's offset after the step)."""
-    import solution
-    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
-
-    solution.revert()
-    if patched:
-        assert "qwen2_unpad" in solution.apply(verbose=False)
-    try:
-        model = qlora_tiny_model(model_dir, device_map=device_map)
-        if setup is not None:
-            setup(model)
-        torch.manual_seed(0)
-        torch.cuda.manual_seed_all(0)  # every GPU's generator (a model spread over two draws on both)
-        with torch.autocast("cuda", dtype=torch.float16), fused_lm_head_requested():
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-        (out.loss * LOSS_SCALE).backward()
-        grads = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
-        return out.loss.detach().float(), grads, torch.cuda.default_generators[0].get_offset()
-    finally:
-        solution.revert()
-
-
 @pytest.mark.gpu
 def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     """The workload's stack on a tiny model: NF4 double-quant weights (bitsandbytes), peft LoRA
@@ -279,11 +255,13 @@ def test_qlora_model_packed_matches_stock_gpu(device, tmp_path):
     from workload.model_standin import write_standin
 
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
-    ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
+    batch = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 
-    loss_s, grads_s, _ = _qlora_step(model_dir, ids, mask, labels, patched=False)
+    loss_s, grads_s, _ = run_qlora(model_dir, [batch]).steps[0]
     _launches.reset()
-    loss_o, grads_o, _ = _qlora_step(model_dir, ids, mask, labels, patched=True)
+    packed = run_qlora(model_dir, [batch], apply=True)
+    assert "qwen2_unpad" in packed.installed
+    loss_o, grads_o, _ = packed.steps[0]
     assert _launches.LAUNCHES["nf4_dequant_cast"] > 0
     assert _launches.LAUNCHES["efficient_attention_varlen"] > 0
     assert rel_err(loss_o, loss_s) < 1e-3
@@ -305,15 +283,12 @@ def test_qlora_gradient_checkpointing_matches_stock_gpu(device, tmp_path, monkey
     from workload.model_standin import write_standin
 
     model_dir = write_standin(tmp_path / "tiny", size="tiny")
-    ids, mask, labels = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
+    batch = _right_padded_batch([40, 17, 64, 9], 64, vocab=100, device="cuda")
 
-    def checkpointed(model):  # what prepare_model_for_kbit_training(use_gradient_checkpointing=True) adds
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        model.enable_input_require_grads()
-        model.train()
-
-    loss_s, grads_s, off_s = _qlora_step(model_dir, ids, mask, labels, patched=False, setup=checkpointed)
-    loss_o, grads_o, off_o = _qlora_step(model_dir, ids, mask, labels, patched=True, setup=checkpointed)
+    loss_s, grads_s, off_s = run_qlora(model_dir, [batch], ckpt=reentrant).steps[0]
+    packed = run_qlora(model_dir, [batch], ckpt=reentrant, apply=True)
+    assert "qwen2_unpad" in packed.installed
+    loss_o, grads_o, off_o = packed.steps[0]
     assert off_o == off_s
     assert rel_err(loss_o, loss_s) < 1e-3
     assert set(grads_o) == set(grads_s) and any("lora_B" in n for n in grads_s)

@@ -14,10 +14,10 @@ that the tiny model's fp16 gradients are not subnormal).
 from __future__ import annotations
 
 import pytest
-import torch
 
+from tests._qlora_step import run_qlora
 from tests.conftest import rel_err
-from tests.test_unpad import LOSS_SCALE, STEP_REL, _right_padded_batch, qlora_tiny_model
+from tests.test_unpad import STEP_REL, _right_padded_batch
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +27,10 @@ def tiny_dir(tmp_path_factory):
     return write_standin(tmp_path_factory.mktemp("tiny") / "m", size="tiny")
 
 
-def _wrap(model, where: str | None):
+def _wrap(model, where: str | None, calls: list) -> None:
     """Install the wrapper or hook named by ``where`` on the model's first decoder layer (None:
-    nothing); returns the list that counts its calls."""
+    nothing); it counts its calls in ``calls``."""
     layer = model.base_model.model.model.layers[0]
-    calls = []
     if where == "layer forward":
         original = layer.forward  # the bound class forward; the wrapper goes on the instance, as mock.patch.object puts it
 
@@ -51,35 +50,20 @@ def _wrap(model, where: str | None):
             return original(*args, **kwargs)
 
         q.forward = counted_q
-    return calls
 
 
 def _step(model_dir, device, batch, where, reentrant, patched, autocast_ctx):
-    import solution
-    from solution.patches.qwen2_lm_head_loss import fused_lm_head_requested
+    """One checkpointed step (use_reentrant=``reentrant``; tests/_qlora_step.py: from loss x LOSS_SCALE,
+    normal fp16 gradients as STEP_REL needs), stock or with the solution, the wrapper ``where`` on the
+    first layer: (loss, LoRA gradients, the wrapper's calls after the forward, after the backward)."""
     from solution.settings import Settings
 
-    solution.revert()
-    if patched:
-        solution.apply(verbose=False, settings=Settings(cuda_graphs="0", precompile=False))
-    try:
-        model = qlora_tiny_model(model_dir, device)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-        model.enable_input_require_grads()
-        model.train()
-        calls = _wrap(model, where)
-        torch.manual_seed(0)
-        if device == "cuda":
-            torch.cuda.manual_seed(0)
-        ids, mask, labels = batch
-        with autocast_ctx(), fused_lm_head_requested():
-            out = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False)
-        forward_calls = len(calls)
-        (out.loss * LOSS_SCALE).backward()  # normal fp16 gradients (tests/test_unpad.py, STEP_REL)
-        grads = {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
-        return out.loss.detach().float(), grads, forward_calls, len(calls)
-    finally:
-        solution.revert()
+    calls = []
+    run = run_qlora(model_dir, [batch], device=device, autocast_ctx=autocast_ctx, ckpt=reentrant,
+                    apply=Settings(cuda_graphs="0", precompile=False) if patched else False,
+                    setup=lambda model: _wrap(model, where, calls), after_forward=lambda model: len(calls))
+    loss, grads, _ = run.steps[0]
+    return loss, grads, run.after_forward[0], len(calls)
 
 
 _UNWRAPPED: dict = {}
