@@ -23,7 +23,7 @@ from solution.kernels import _launches
 from solution.step.layer import CHECKPOINT_COUNT as CKPT
 from solution.step.layer import NODE_COUNT as NODE
 from tests._qlora_step import run_qlora
-from tests.test_unpad import STEP_REL, _right_padded_batch, qlora_tiny_model
+from tests.test_unpad import LOSS_SCALE, STEP_REL, _right_padded_batch, qlora_tiny_model
 
 
 def _step(model_dir, device, batch, node: bool, autocast_ctx, dropout=0.05, ckpt=None, steps=1):
