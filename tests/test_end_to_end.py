@@ -52,7 +52,7 @@ def test_compare_runs_soup_twice_and_all_rules_pass(tmp_path, capsys):
     first = printed.index(report_mod.CPU_FIRST_LINE)  # the summary opens with the CPU's caveats
     assert printed[first + 1] == report_mod.CPU_FP32_LINE
     assert ("T4 projection (a model, not a measurement): not made, because these runs were measured on the CPU, "
-            "and the model turns H200 measurements into T4 estimates (a run on a real T4 needs no projection).") in printed
+            "and the model turns H200 or H100 (SXM) measurements into T4 estimates (a run on a real T4 needs no projection).") in printed
     assert "| GPU kernel time, steps 3-2 (s) | n/a | <= 1/3 | not measured |" in md  # no GPU profiler here
     assert "steps 3-64" not in md  # the labels are the run's steps (2), not the default workload's
     assert "**no 4-bit quantization" in md.split("| metric |")[0]  # said in the header: Soup's CPU has no NF4
