@@ -9,13 +9,14 @@
 # Named runs (bench/runs.py; each a baseline-vs-solution comparison under stated conditions):
 #   RUNS=shipped,shipped-graphs-off bash scripts/gpu_run.sh runs
 # runs bench.compare --runs "$RUNS" into $OUT/runs-<names joined by +>, its summary.json and report.md
-# copied beside results.tgz as runs-<names joined by ->-summary.json / -report.md. The whole named set in calls of <= 10
-# minutes, as measured on an H100 (2026-12-07, one warm machine, wall time of each call, all with
-# --no-host-split): the notebook's quick default (`bash scripts/run_notebook.sh $OUT/notebook`, the
-# profiled shipped run) 254 s; tests (TEST_WORKERS=14; the suite 108 s) + RUNS=shipped-graphs-off
-# --repeat 3 --no-profile 309 s; RUNS=gpu-bound-sm8 --repeat 3 --no-profile 314 s;
-# RUNS=ckpt,shipped-cold,gpu-bound-sm16 --no-profile 216 s; RUNS=long,short --no-profile 137 s;
-# RUNS=outliers,shipped-same-allocator --no-profile 140 s. Each machine start costs ~60 s or more.
+# copied beside results.tgz as runs-<names joined by ->-summary.json / -report.md. The whole named set in four calls of
+# <= 10 minutes on one warm H100 (2026-12-07, wall time of each call, all with --no-host-split; BENCH_COMMIT set):
+#   1. tests (TEST_WORKERS=14 TEST_TIMEOUT=230; the suite 112 s) + RUNS=shipped-graphs-off --repeat 3 --no-profile: 327 s
+#   2. RUNS=gpu-bound-sm8 --repeat 3 --no-profile (+ BENCHES=bench_rmsnorm bench): 323 s
+#   3. RUNS=shipped (profiled), then RUNS=ckpt,shipped-cold,gpu-bound-sm16 --no-profile, each with its own OUT and
+#      WORK (two gpu_run.sh invocations in one call): 465 s
+#   4. RUNS=long,short,outliers,shipped-same-allocator --no-profile: 274 s
+# The first call's machine start costs ~60 s or more; the four fit the 1,800 s of a session with ~290 s left.
 # then, here, from the calls' unpacked results.tgz: one report with every run and the call each came from
 # (the T4 projection and the partition's prediction need the shipped runs' results):
 #   python -m bench.rebuild_report DIR_1/runs-... DIR_2/runs-... ... --into ALL_DIR
