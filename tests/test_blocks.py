@@ -65,7 +65,7 @@ def test_qkv_grad_sum_both_branches(device, n, drop):
 
 
 @pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("cast_b", [0, 1, 2, 3])
+@pytest.mark.parametrize("cast_b", [0, 1, 3])
 def test_dequant_launch_casts_both_branches(device, n, cast_b):
     """nf4_dequant_cast_kernel with no dequantization programs (n_deq_programs = 0): the casts of
     _cast_block alone, each CAST_B mode."""
@@ -83,8 +83,6 @@ def test_dequant_launch_casts_both_branches(device, n, cast_b):
     assert torch.equal(a16, a.half())
     if cast_b == 1:
         assert torch.equal(b16, b.half())
-    if cast_b == 2:
-        assert torch.equal(b16, (a.half().float() * 1.5).half())
     if cast_b == 3:
         assert torch.equal(b16, ((a * b.float()) * 1.5).half())
 

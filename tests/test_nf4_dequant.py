@@ -129,13 +129,12 @@ def test_rejects_fp4(device):
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered in cast")  # the interpreter's numpy cast of 70000
-@pytest.mark.parametrize("cast_a,cast_b", [(True, 0), (True, 1), (True, 2), (False, 2)])
+@pytest.mark.parametrize("cast_a,cast_b", [(True, 0), (True, 1)])
 @pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
 def test_fused_casts(cast_a, cast_b, state_dtype, device):
     """The fused launch (nf4_dequant_cast_kernel): the weight bits are those of the plain kernel,
-    the casts those of torch (fp32 -> fp16 round to nearest even, overflow to inf, subnormals;
-    the scaled copy = fp16(fp16(a) * s) as torch's fp16 tensor * float), nothing written past
-    the outputs; with dequant=False only the casts run. (NaN is left out: its payload bits are
+    the casts those of torch (fp32 -> fp16 round to nearest even, overflow to inf, subnormals),
+    nothing written past the outputs; with dequant=False only the casts run. (NaN is left out: its payload bits are
     not part of the contract.)"""
     packed, qs = quantize((40, 96), state_dtype, True, device)
     plan = DequantPlan(packed, qs)
@@ -166,8 +165,6 @@ def test_fused_casts(cast_a, cast_b, state_dtype, device):
                 assert same_bits(a16[:n], a_ref) and (a16[n:] == 7).all()
             if cast_b == 1:
                 assert same_bits(b16[:n], b.to(torch.float16))
-            if cast_b == 2:
-                assert same_bits(b16[:n], a_ref * 2.0)
             if cast_b:
                 assert (b16[n:] == 7).all()
 

@@ -585,9 +585,8 @@ def test_nf4_dequant_special_scales(device, state_dtype, nested):
 def test_nf4_dequant_cast_launch(device):
     """The fp16 casts fused into the dequantization launch (``_cast_block``), every mode the layers
     use, on fp32 activations / gradients holding inf, NaN, 65504, 65519 (-> 65504), 65520 and 70000
-    (-> inf): mode A fp16(a) = torch's a.to(fp16); B=1 fp16(b); B=2 fp16(fp16(a) * s) = peft's fp16
-    ``g16 * scaling`` (40000 * 2 -> inf); B=3 fp16((a * keep) * scale) = torch.native_dropout's value
-    (inf * dropped = NaN), cast."""
+    (-> inf): mode A fp16(a) = torch's a.to(fp16); B=1 fp16(b); B=3 fp16((a * keep) * scale) =
+    torch.native_dropout's value (inf * dropped = NaN), cast, with and without mode A."""
     import solution.kernels.nf4_dequant as nd
     from tests.test_nf4_dequant import quantize
 
@@ -607,17 +606,16 @@ def test_nf4_dequant_cast_launch(device):
     from solution.kernels.lora_nf4 import _native_dropout_scale
 
     w16 = torch.empty(qs.shape, dtype=F16, device=device)
-    for cast_b, bb, scaling, want_b in ((1, b, 1.0, b.to(F16)), (2, None, 2.0, a.to(F16) * 2.0),
+    for cast_b, bb, scaling, want_b in ((1, b, 1.0, b.to(F16)),
                                         (3, keep, _native_dropout_scale(0.3), dropped_value.to(F16))):
         a16, b16 = torch.empty(n, dtype=F16, device=device), torch.empty(n, dtype=F16, device=device)
         plan.launch(w16, a=a, a16=a16, b=bb, b16=b16, cast_b=cast_b, scaling=scaling)
         assert_like_stock(a16, a.to(F16), 0.0, "fp16(a)", exact=True, expect_nonfinite=True)
         assert_like_stock(b16, want_b, 0.0, f"cast mode {cast_b}", exact=True, expect_nonfinite=True)
-    # mode 2 from an fp16 gradient (CAST_A off: the LoRA backward with an fp16 incoming gradient)
-    a_half = a.to(F16)
+    # mode 3 with CAST_A off (the layer node's v: dropout(x) only, x16 being q's)
     b16 = torch.empty(n, dtype=F16, device=device)
-    plan.launch(w16, dequant=False, a=a_half, b16=b16, cast_b=2, scaling=2.0)
-    assert_like_stock(b16, a_half * 2.0, 0.0, "fp16 a * s", exact=True, expect_nonfinite=True)
+    plan.launch(w16, a=a, b=keep, b16=b16, cast_b=3, scaling=_native_dropout_scale(0.3))
+    assert_like_stock(b16, dropped_value.to(F16), 0.0, "dropout(x) only", exact=True, expect_nonfinite=True)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -96,8 +96,6 @@ def _cast_elems(offs, mask, a_ptr, a16_ptr, b_ptr, b16_ptr, scaling,
     if CAST_B == 1:
         b16 = load_block(b_ptr + offs, mask, 0.0, MASKED).to(tl.float16)
         store_block(b16_ptr + offs, b16, mask, MASKED)
-    if CAST_B == 2:
-        store_block(b16_ptr + offs, (a16.to(tl.float32) * scaling).to(tl.float16), mask, MASKED)
     if CAST_B == 3:
         keep = load_block(b_ptr + offs, mask, 0, MASKED).to(tl.float32)
         store_block(b16_ptr + offs, ((a_raw.to(tl.float32) * keep) * scaling).to(tl.float16), mask, MASKED)
@@ -107,9 +105,8 @@ def _cast_elems(offs, mask, a_ptr, a16_ptr, b_ptr, b16_ptr, scaling,
 def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
                 CAST_A: tl.constexpr, CAST_B: tl.constexpr, BLOCK: tl.constexpr):
     """Elements [pid * BLOCK, (pid + 1) * BLOCK) of one or two same-sized contiguous tensors, cast
-    as torch's ``.to(torch.float16)``: CAST_A: a16 = fp16(a); CAST_B 1: b16 = fp16(b); 2: b16 =
-    fp16(fp32(fp16(a)) * scaling); 3: b a bool dropout mask, b16 = fp16((fp32(a) * mask) * scaling)
-    (native_dropout's value). Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
+    as torch's ``.to(torch.float16)``: CAST_A: a16 = fp16(a); CAST_B 1: b16 = fp16(b); 3: b a bool
+    dropout mask, b16 = fp16((fp32(a) * mask) * scaling) (native_dropout's value). Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
     start = pid * BLOCK
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
@@ -288,7 +285,7 @@ class DequantPlan:
                b: torch.Tensor | None = None, b16: torch.Tensor | None = None,
                cast_b: int = 0, scaling: float = 1.0) -> None:
         """Dequantize into ``out`` (fp16, contiguous, ``numel`` elements) and, when ``a`` is given,
-        make ``_cast_block``'s casts in the same launch (a16 if given; cast_b 1-3 into b16). a, b,
+        make ``_cast_block``'s casts in the same launch (a16 if given; cast_b 1 or 3 into b16). a, b,
         a16, b16: contiguous, the same number of elements (< MAX_CAST_ELEMENTS). ``dequant=False``:
         the casts only. round_bf16: round the weight through bf16 (bnb's backward, bf16 states)."""
         if a is None:
@@ -350,9 +347,7 @@ def sm75_specs():
     cast_variants = [("fp32", True, 0, (False, True)),   # NF4 linear: x / grad fp32 -> fp16
                      ("fp32", True, 1, (False,)),        # LoRA forward: x and dropout(x) -> fp16
                      ("fp32", True, 3, (False,)),        # LoRA forward: x, and dropout(x) from the mask
-                     ("fp32", False, 3, (False,)),       # the layer node's v: dropout(x) only (x16 is q's)
-                     ("fp32", True, 2, (False, True)),   # LoRA backward: g16 and fp16(g16 * s)
-                     ("fp16", False, 2, (False, True))]  # LoRA backward, fp16 gradient
+                     ("fp32", False, 3, (False,))]       # the layer node's v: dropout(x) only (x16 is q's)
     for src, cast_a, cast_b, roundings in cast_variants:
         for round_bf16 in roundings:
             sig = dict(common)
