@@ -1,7 +1,7 @@
 """Causal attention over packed rows of different lengths, no padded position: PyTorch's
 memory-efficient attention kernels in their variable-length mode (``cu_seqlens``, causal from the
 top left within each row). Entry points: ``varlen_forward`` / ``varlen_backward`` (CUDA; q, k, v
-[1, N, H, D] contiguous, same heads, fp16 / fp32, ``supported``), ``rows_reference`` (any device),
+[1, N, H, D] contiguous, same heads, fp16 / fp32, a D that ``preflight`` ran), ``rows_reference`` (any device),
 ``preflight`` and ``schema_refusal`` (asked by step/attention.py before the kernel is used).
 What it replaces, why, risks, measurements: docs/kernels/attn_varlen.md.
 """
@@ -13,13 +13,6 @@ import torch.nn.functional as F
 from solution.kernels._launches import record
 
 CAUSAL_FROM_TOP_LEFT = 1  # aten's custom_mask_type for SDPA's is_causal
-
-
-def supported(q: torch.Tensor) -> bool:
-    """Inputs the variable-length kernel takes: fp16 or fp32, head dim <= 128 and a multiple of 8
-    (its aligned kernels); the device is asked elsewhere."""
-    d = q.shape[-1]
-    return q.dtype in (torch.float16, torch.float32) and d <= 128 and d % 8 == 0
 
 
 def _forward(q, k, v, cu_seqlens, max_len, scale):

@@ -56,14 +56,13 @@ class LayerPlan:
     memory policy. Made by the planner (patches/qwen2_layer_node.py); ``valid``: its per-step check."""
 
     __slots__ = ("q", "v", "k", "k_bias16", "o", "mlp", "policy", "norm1_w", "norm2_w", "eps1", "eps2",
-                 "n_heads", "n_kv", "head_dim", "groups", "scale", "valid")
+                 "n_heads", "n_kv", "head_dim", "scale", "valid")
 
     def __init__(self, *, q: LoraPlan, v: LoraPlan, k, k_bias16, o, mlp, policy, norm1_w, norm2_w, eps1, eps2,
                  n_heads, n_kv, head_dim, scale, valid):
         self.q, self.v, self.k, self.k_bias16, self.o, self.mlp = q, v, k, k_bias16, o, tuple(mlp)
         self.policy, self.norm1_w, self.norm2_w, self.eps1, self.eps2 = policy, norm1_w, norm2_w, eps1, eps2
         self.n_heads, self.n_kv, self.head_dim, self.scale = n_heads, n_kv, head_dim, scale
-        self.groups = n_heads // n_kv
         self.valid = valid
 
 
