@@ -18,6 +18,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
+
+from solution import settings
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,20 +44,15 @@ print(json.dumps({"imports_s": t1 - t0, "utils_s": t2 - t1, "compiles": times}))
 """
 
 
-def _env(cache: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiles for the GPU target
-    env["TRITON_CACHE_DIR"] = cache
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def one_process(entries: list[dict], arch: int) -> dict:
     """One compile process over ``entries`` in an empty cache: wall time and its parts."""
     with tempfile.TemporaryDirectory(prefix="precompile-timing-") as tmp:
         path = Path(tmp) / "entries.json"
         path.write_text(json.dumps(entries), encoding="utf-8")
         t = time.perf_counter()
-        out = subprocess.run([sys.executable, "-c", _CHILD, str(arch), str(path)], env=_env(str(Path(tmp) / "cache")),
+        # as the precompile's own processes: for the GPU target, never the interpreter; solution/ from cwd
+        env = {**settings.child_environ(drop=("TRITON_INTERPRET",)), "TRITON_CACHE_DIR": str(Path(tmp) / "cache")}
+        out = subprocess.run([sys.executable, "-c", _CHILD, str(arch), str(path)], env=env,
                              capture_output=True, text=True, check=True, cwd=str(ROOT))
         wall = time.perf_counter() - t
     parts = json.loads(out.stdout.strip().splitlines()[-1])
@@ -69,19 +67,13 @@ def processes(entries: list[dict], arch: int, n: int) -> dict:
     """The precompile's own compile processes (``_start_workers``), ``n`` of them, in an empty cache."""
     from solution import precompile
 
-    with tempfile.TemporaryDirectory(prefix="precompile-timing-") as tmp:
-        old = os.environ.get("TRITON_CACHE_DIR")
-        os.environ["TRITON_CACHE_DIR"] = str(Path(tmp) / "cache")
-        try:
-            t = time.perf_counter()
-            started = precompile._start_workers(entries, ("cuda", arch, 32), workers=n)
-            done = precompile._wait_workers(*started) if started else 0
-            wall = time.perf_counter() - t
-        finally:
-            if old is None:
-                os.environ.pop("TRITON_CACHE_DIR", None)
-            else:
-                os.environ["TRITON_CACHE_DIR"] = old
+    # the workers inherit this process's environment: an empty cache for them alone
+    with tempfile.TemporaryDirectory(prefix="precompile-timing-") as tmp, \
+            mock.patch.dict(os.environ, {"TRITON_CACHE_DIR": str(Path(tmp) / "cache")}):
+        t = time.perf_counter()
+        started = precompile._start_workers(entries, ("cuda", arch, 32), workers=n)
+        done = precompile._wait_workers(*started) if started else 0
+        wall = time.perf_counter() - t
     return {"arch": arch, "processes": n, "entries": len(entries), "compiled": done, "wall_s": wall}
 
 
@@ -110,9 +102,10 @@ def main(argv=None) -> int:
     if not entries:
         print(f"error: the manifest has no entries usable with Triton {triton.__version__}")
         return 2
-    counts = counts or sorted({1, max(1, precompile.worker_count(len(entries)))})
+    workers = precompile.worker_count(len(entries))
+    counts = counts or sorted({1, max(1, workers)})
     res = {"triton": triton.__version__, "cpus": len(os.sched_getaffinity(0)), "quota": precompile.cpu_quota(),
-           "worker_count": precompile.worker_count(len(entries)), "one_process": [], "processes": []}
+           "worker_count": workers, "one_process": [], "processes": []}
     print(f"precompile timing: {len(entries)} entries (Triton {res['triton']}), {res['cpus']} CPUs here "
           f"(quota {res['quota']}); apply() would start {res['worker_count']} compile process(es)")
     for arch in archs:
@@ -120,7 +113,8 @@ def main(argv=None) -> int:
         res["one_process"].append(r)
         slow = ", ".join(f"{k} {s:.2f}" for k, s in r["slowest"])
         print(f"  one process, sm_{arch}: {r['wall_s']:.2f} s wall = start {r['start_s']:.2f} + imports "
-              f"{r['imports_s']:.2f} + CUDA utils {r['utils_s']:.2f} + compiles {r['compiles_s']:.2f} (slowest: {slow})")
+              f"{r['imports_s']:.2f} + CUDA utils {r['utils_s']:.2f} + compiles {r['compiles_s']:.2f} "
+              f"(slowest: {slow})")
         for n in counts:
             p = processes(entries, arch, n)
             res["processes"].append(p)

@@ -106,7 +106,8 @@ def _cast_block(pid, a_ptr, a16_ptr, b_ptr, b16_ptr, n, scaling,
                 CAST_A: tl.constexpr, CAST_B: tl.constexpr, BLOCK: tl.constexpr):
     """Elements [pid * BLOCK, (pid + 1) * BLOCK) of one or two same-sized contiguous tensors, cast
     as torch's ``.to(torch.float16)``: CAST_A: a16 = fp16(a); CAST_B 1: b16 = fp16(b); 3: b a bool
-    dropout mask, b16 = fp16((fp32(a) * mask) * scaling) (native_dropout's value). Whole blocks unmasked, the last one masked (kernels/_blocks.py)."""
+    dropout mask, b16 = fp16((fp32(a) * mask) * scaling) (native_dropout's value). Whole blocks
+    unmasked, the last one masked (kernels/_blocks.py)."""
     start = pid * BLOCK
     offs = start + tl.arange(0, BLOCK)
     mask = offs < n
