@@ -1,6 +1,6 @@
 """What the background precompile (solution/precompile.py) costs on this machine's CPUs, each measurement in an
 empty Triton cache: one compile process timed in parts (its start and imports, Triton's CUDA utility module, each
-recorded entry), then the precompile's own compile processes, N at a time, over the same entries.
+recorded entry, its C launcher's build apart), then the precompile's own compile processes, N at a time, over the same entries.
 
     python -m bench.precompile_timing [--arch 75] [--processes 1,4] [--limit N] [--json FILE]
 
@@ -31,6 +31,13 @@ t0 = time.perf_counter()
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from solution import precompile
+launchers = []  # the C launcher builds inside each compile (gcc; only where the CUDA driver library is found)
+build = precompile._build_launcher
+def timed_build(*a):
+    t = time.perf_counter()
+    build(*a)
+    launchers.append(time.perf_counter() - t)
+precompile._build_launcher = timed_build
 t1 = time.perf_counter()
 precompile._build_driver_utils()
 t2 = time.perf_counter()
@@ -40,7 +47,7 @@ for e in json.load(open(sys.argv[2], encoding="utf-8")):
     a = time.perf_counter()
     precompile.compile_record(precompile.resolve_kernel(e["kernel"]), e["specialization_data"], target)
     times.append([e["kernel"].rsplit(".", 1)[-1], time.perf_counter() - a])
-print(json.dumps({"imports_s": t1 - t0, "utils_s": t2 - t1, "compiles": times}))
+print(json.dumps({"imports_s": t1 - t0, "utils_s": t2 - t1, "compiles": times, "launchers_s": sum(launchers)}))
 """
 
 
@@ -58,7 +65,7 @@ def one_process(entries: list[dict], arch: int) -> dict:
     parts = json.loads(out.stdout.strip().splitlines()[-1])
     compiles = sum(s for _, s in parts["compiles"])
     return {"arch": arch, "entries": len(entries), "wall_s": wall, "imports_s": parts["imports_s"],
-            "utils_s": parts["utils_s"], "compiles_s": compiles,
+            "utils_s": parts["utils_s"], "compiles_s": compiles, "launchers_s": parts["launchers_s"],
             "start_s": wall - parts["imports_s"] - parts["utils_s"] - compiles,
             "slowest": sorted(parts["compiles"], key=lambda c: -c[1])[:3]}
 
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
         slow = ", ".join(f"{k} {s:.2f}" for k, s in r["slowest"])
         print(f"  one process, sm_{arch}: {r['wall_s']:.2f} s wall = start {r['start_s']:.2f} + imports "
               f"{r['imports_s']:.2f} + CUDA utils {r['utils_s']:.2f} + compiles {r['compiles_s']:.2f} "
-              f"(slowest: {slow})")
+              f"(of which C launchers {r['launchers_s']:.2f}; slowest: {slow})")
         for n in counts:
             p = processes(entries, arch, n)
             res["processes"].append(p)

@@ -14,6 +14,7 @@ def test_times_one_process_in_parts_and_the_precompiles_own_processes(tmp_path, 
     (one,) = res["one_process"]
     assert one["arch"] == 75 and one["entries"] == 2 and len(one["slowest"]) == 2
     parts = one["start_s"] + one["imports_s"] + one["utils_s"] + one["compiles_s"]
+    assert 0 <= one["launchers_s"] <= one["compiles_s"]
     assert one["compiles_s"] > 0 and abs(parts - one["wall_s"]) < 1e-6  # the parts add up to the wall time
     (procs,) = res["processes"]
     assert procs == {**procs, "arch": 75, "processes": 1, "entries": 2, "compiled": 2}
