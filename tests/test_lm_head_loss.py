@@ -87,9 +87,11 @@ def ours(h, w, labels, compute_dtype, num_items=None, grad_out=1.0, **kw):
     res = fused_lm_head_loss(h, w, shift_labels_like_stock(labels), compute_dtype=compute_dtype,
                              num_items_in_batch=num_items, **kw)
     (res.loss * grad_out).backward()
-    correct = res.token_correct.sum()
+    shift = shift_labels_like_stock(labels)
+    valid = shift != IGNORE_INDEX  # trl's accuracy from our argmax, as the patch computes it
+    correct = ((res.token_argmax == shift) & valid).sum()
     return dict(loss=res.loss.detach(), grad=h.grad, entropy=res.token_entropy, argmax=res.token_argmax,
-                correct=correct, total=res.num_valid, token_loss=res.token_loss, res=res)
+                correct=correct, total=valid.sum(), token_loss=res.token_loss, res=res)
 
 
 def ref_fp64(h, w, labels, num_items=None):

@@ -371,15 +371,11 @@ class LMHeadLossOutput:
     token_loss: fp32 [...] cross-entropy of each position against its (shifted) label, 0.0 where
     the label is -100 (NaN where it is out of range): loss = token_loss.sum() / divisor.
     token_entropy: fp32 [...] entropy (nats) of softmax(logits) at every position (what trl's
-    entropy_from_logits returns). token_argmax: int64 [...] argmax of the logits at every position.
-    token_correct: bool [...] argmax == shift label and shift label != -100.
-    num_valid: int64 scalar tensor, number of non-ignored shift labels."""
+    entropy_from_logits returns). token_argmax: int64 [...] argmax of the logits at every position."""
     loss: torch.Tensor
     token_loss: torch.Tensor
     token_entropy: torch.Tensor
     token_argmax: torch.Tensor
-    token_correct: torch.Tensor
-    num_valid: torch.Tensor
 
 
 def shift_labels_like_stock(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
@@ -424,20 +420,15 @@ def fused_lm_head_loss(hidden: torch.Tensor, weight: torch.Tensor, shift_labels:
     loss_sum, entropy, argmax, token_loss = _FusedLMHeadCE.apply(
         hidden2d, weight, labels1d, compute_dtype, chunk_rows, block_v, block_rows, want_grad, cache_weight,
         labelled_rows)
-    labels1d = labels1d.to(argmax.device)
-    valid = labels1d != IGNORE_INDEX
-    num_valid = valid.sum()
     # Same normalization as transformers' fixed_cross_entropy.
     if num_items_in_batch is None:
-        loss = loss_sum / num_valid
+        loss = loss_sum / (labels1d.to(loss_sum.device) != IGNORE_INDEX).sum()
     else:
         if torch.is_tensor(num_items_in_batch):
             num_items_in_batch = num_items_in_batch.to(loss_sum.device)
         loss = loss_sum / num_items_in_batch
-    correct = (argmax == labels1d) & valid
     return LMHeadLossOutput(loss=loss, token_loss=token_loss.view(lead_shape),
-                            token_entropy=entropy.view(lead_shape), token_argmax=argmax.view(lead_shape),
-                            token_correct=correct.view(lead_shape), num_valid=num_valid)
+                            token_entropy=entropy.view(lead_shape), token_argmax=argmax.view(lead_shape))
 
 
 def sm75_specs():
