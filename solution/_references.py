@@ -117,22 +117,6 @@ def nf4_mlp(x, gate16, up16, down16) -> torch.Tensor:
     return swiglu(nf4_linear(x, gate16, None), nf4_linear(x, up16, None)) @ _f64(down16).t()
 
 
-def pad_heads(rows: torch.Tensor, lengths: list[int], seqlen: int, rep: int) -> torch.Tensor:
-    """Packed rows [N, H, D] -> padded [B, H * rep, S, D], head h from input head h // rep, zeros at pads."""
-    n, heads, d = rows.shape
-    out = rows.new_zeros((len(lengths), heads * rep, seqlen, d), dtype=torch.float64)
-    start = 0
-    for b, length in enumerate(lengths):
-        out[b, :, :length] = _f64(rows[start:start + length]).repeat_interleave(rep, dim=1).transpose(0, 1)
-        start += length
-    return out
-
-
-def unpad_heads(padded: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """Padded [B, H, S, D] -> the real tokens' rows [N, H, D], row after row."""
-    return torch.cat([_f64(padded[b, :, :length]).transpose(0, 1) for b, length in enumerate(lengths)])
-
-
 def causal_attention_rows(q, k, v, lengths: list[int], scale: float) -> torch.Tensor:
     """Causal attention of each packed row on its own: q, k, v [1, N, H, D] -> [1, N, H, D]."""
     outs = []
