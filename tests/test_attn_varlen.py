@@ -54,7 +54,7 @@ LENGTHS = [7, 64, 130, 1]
 def test_row_offsets():
     info = packing.make_unpadded([3, 1, 2], 4, torch.device("cpu"))
     assert info.cu_seqlens.dtype == torch.int32 and info.cu_seqlens.tolist() == [0, 3, 4, 6]
-    assert info.arange.tolist() == list(range(6))
+    assert info.idx.tolist() == [0, 1, 2, 4, 8, 9] and info.positions.tolist() == [0, 1, 2, 0, 0, 1]
 
 
 def _qkv(n, heads, d, dtype, device, seed=0):

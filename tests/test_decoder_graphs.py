@@ -27,7 +27,7 @@ def test_make_unpadded_with_a_filler_row():
     assert info.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1, 2, 3]
     assert info.cu_seqlens.tolist() == [0, 3, 8, 10, 14] and info.cu_seqlens.dtype == torch.int32
     plain = packing.make_unpadded([3, 5, 2], 5, torch.device("cpu"))
-    assert torch.equal(info.src, plain.src) and info.arange.tolist() == list(range(14))
+    assert plain.lengths == (3, 5, 2) and plain.idx.tolist() == info.idx.tolist()[:10]
     assert info.max_len == 5 and plain.max_len == 5
     longer = packing.make_unpadded([3, 2], 4, torch.device("cpu"), extra=7)  # longer than any row: cyclic
     assert longer.idx.tolist()[5:] == [0, 1, 2, 0, 1, 2, 0] and longer.positions.tolist()[5:] == list(range(7))
@@ -35,7 +35,7 @@ def test_make_unpadded_with_a_filler_row():
 
 def test_max_len_bound():
     info = packing.make_unpadded([3, 5], 5, torch.device("cpu"))
-    bounded = packing.Unpadded(idx=info.idx, positions=info.positions, src=info.src, batch=2, seqlen=5,
+    bounded = packing.Unpadded(idx=info.idx, positions=info.positions, batch=2, seqlen=5,
                                lengths=info.lengths, max_len_bound=64)
     assert bounded.max_len == 64 and bounded.n_tokens == 8
 

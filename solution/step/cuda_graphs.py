@@ -82,9 +82,8 @@ class _LayerGraphs:
 
     def info(self, capture: packing.Unpadded) -> packing.Unpadded:
         """The Unpadded the captured layers see: this graph's buffers and row bound."""
-        return packing.Unpadded(idx=self.arange, positions=self.pos[0], src=self.arange, batch=capture.batch,
-                                seqlen=capture.seqlen, lengths=capture.lengths, arange=self.arange,
-                                cu_seqlens=self.cu_seqlens, max_len_bound=self.bound)
+        return packing.Unpadded(idx=self.arange, positions=self.pos[0], batch=capture.batch, seqlen=capture.seqlen,
+                                lengths=capture.lengths, cu_seqlens=self.cu_seqlens, max_len_bound=self.bound)
 
     def load(self, info: packing.Unpadded, h, cos, sin) -> None:
         """This step's inputs into the graph's buffers (h's values; its autograd edge stays with the replay)."""

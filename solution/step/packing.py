@@ -18,17 +18,15 @@ import torch
 class Unpadded:
     """Where the N real tokens of a right-padded [batch, seqlen] batch are (tensors on the device).
     idx: int64 [N], flat positions b * seqlen + t, in order; positions: int64 [N], each token's position in
-    its row (RoPE's); src: int64 [batch * seqlen], each padded position's packed index, -1 at pads (idx's
-    inverse); lengths: real tokens per row (host ints); arange: int64 [N], 0..N-1; cu_seqlens: int32
+    its row (RoPE's); batch, seqlen: the padded batch's shape (dropout's draws); lengths: real tokens per row
+    (host ints); cu_seqlens: int32
     [rows + 1], each row's start and N (variable-length attention's offsets); max_len_bound: when set, the
     longest row attention must allow for instead of max(lengths) (a CUDA graph's bound for its bucket)."""
     idx: torch.Tensor
     positions: torch.Tensor
-    src: torch.Tensor
     batch: int
     seqlen: int
     lengths: tuple[int, ...]
-    arange: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
     max_len_bound: int | None = None
 
@@ -58,11 +56,9 @@ def make_unpadded(lengths: list[int], seqlen: int, device: torch.device, extra: 
     """Index tensors for a right-padded batch with these row lengths (built on the host, one copy). ``extra``
     > 0 adds a CUDA-graph bucket's filler row: the first ``extra`` tokens of the longest row (cyclically), at
     positions 0..extra-1 with its own ``cu_seqlens`` entry (it attends only to itself); gathers through ``idx``
-    give it real values (finite where those are). ``lengths`` then ends with ``extra``; ``src`` ignores it."""
+    give it real values (finite where those are). ``lengths`` then ends with ``extra``."""
     flat = torch.cat([torch.arange(b * seqlen, b * seqlen + n) for b, n in enumerate(lengths)])
     pos = torch.cat([torch.arange(n) for n in lengths])
-    src = torch.full((len(lengths) * seqlen,), -1, dtype=torch.int64)
-    src[flat] = torch.arange(flat.numel())
     if extra > 0:
         longest = max(range(len(lengths)), key=lambda b: lengths[b])
         ar = torch.arange(extra)
@@ -71,11 +67,10 @@ def make_unpadded(lengths: list[int], seqlen: int, device: torch.device, extra: 
         lengths = list(lengths) + [extra]
     n = flat.numel()
     starts = torch.tensor([0] + list(lengths), dtype=torch.int64).cumsum(0)
-    packed = torch.cat([flat, pos, src, torch.arange(n), starts]).to(device)  # one host-to-device copy
-    b, m = len(lengths) - (extra > 0), src.numel()  # batch: the padded batch's rows (the draws' shape)
-    return Unpadded(idx=packed[:n], positions=packed[n:2 * n], src=packed[2 * n:2 * n + m], batch=b,
-                    seqlen=seqlen, lengths=tuple(lengths), arange=packed[2 * n + m:3 * n + m],
-                    cu_seqlens=packed[3 * n + m:].to(torch.int32))
+    packed = torch.cat([flat, pos, starts]).to(device)  # one host-to-device copy
+    b = len(lengths) - (extra > 0)  # batch: the padded batch's rows (the draws' shape)
+    return Unpadded(idx=packed[:n], positions=packed[n:2 * n], batch=b, seqlen=seqlen, lengths=tuple(lengths),
+                    cu_seqlens=packed[2 * n:].to(torch.int32))
 
 
 class DropoutMaskSource:
