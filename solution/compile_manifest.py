@@ -72,11 +72,15 @@ def same_record_format(recorded: str, running: str) -> bool:
     return all(lo <= _version_tuple(v)[:2] <= hi for v in (recorded, running))
 
 
-def add_to_manifest(compile_log_json: Path, arch: str, triton_version: str, path: Path | None = None) -> int:
-    """Add our kernels' compiles from a compile log (.json) to the manifest, tagged; returns how many were new."""
+def add_to_manifest(compile_log_json: Path, arch: str, triton_version: str, path: Path | None = None,
+                    replace: bool = False) -> int:
+    """Add our kernels' compiles from a compile log (.json) to the manifest, tagged; returns how many were new.
+    ``replace``: the entries of this arch and Triton version are the log's alone (those it lacks are dropped)."""
     log = json.loads(Path(compile_log_json).read_text(encoding="utf-8"))
     path = manifest_path() if path is None else path
     entries = load_manifest(path)
+    if replace:
+        entries = [e for e in entries if (e["arch"], e["triton"]) != (arch, triton_version)]
     seen = {(e["arch"], e["triton"], e["kernel"], e["specialization_data"]) for e in entries}
     added = 0
     for row in log.get("compiles", []):

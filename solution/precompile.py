@@ -409,6 +409,8 @@ def main(argv=None) -> int:
     add.add_argument("--arch", help="GPU architecture it was recorded on, e.g. sm_75 (default: the log's)")
     add.add_argument("--triton", help="Triton version it was recorded with (default: the log's)")
     add.add_argument("--manifest", type=Path, default=None, help=f"default: {MANIFEST}")
+    add.add_argument("--replace", action="store_true", help="the log's compiles replace the entries of its "
+                     "architecture and Triton version (a complete cold run's record: stale entries dropped)")
     comp = sub.add_parser("compile", help="(a compile process of the background precompile) compile entries "
                           "for a target into Triton's disk cache, no GPU needed")
     comp.add_argument("entries_json", type=Path)
@@ -423,8 +425,11 @@ def main(argv=None) -> int:
     if not arch or not version:
         print("error: the log does not say its architecture / Triton version; pass --arch and --triton")
         return 2
-    n = add_to_manifest(args.compile_log_json, arch, version, args.manifest)
-    print(f"added {n} specializations ({arch}, Triton {version}) to {args.manifest or manifest_path()}")
+    before = len(load_manifest(args.manifest))
+    n = add_to_manifest(args.compile_log_json, arch, version, args.manifest, replace=args.replace)
+    dropped = before + n - len(load_manifest(args.manifest))
+    print(f"added {n} specializations ({arch}, Triton {version}) to {args.manifest or manifest_path()}"
+          + (f"; dropped {dropped} of that architecture and version the log does not have" if args.replace else ""))
     return 0
 
 

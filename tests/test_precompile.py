@@ -41,6 +41,15 @@ def test_manifest_round_trip_and_background_preload(tmp_path, monkeypatch):
     # no record of 3.9.0 or 3.4.0: those of 3.6.0, the same record format; none for 3.3.1 (another one)
     assert precompile.entries_for(entries, "3.9.0") == here == precompile.entries_for(entries, "3.4.0")
     assert precompile.entries_for(entries, "3.3.1") == [] and precompile.entries_for(entries, "4.0.0") == []
+    # --replace: a complete run's record replaces its architecture and version; the others stay
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"compiles": [{"kernel": "solution.kernels.swiglu._swiglu_fwd_kernel",
+                                               "specialization_data": "B"}]}), encoding="utf-8")
+    assert precompile.main(["add", str(short), "--arch", "sm_75", "--triton", "3.6.0", "--replace",
+                            "--manifest", str(manifest)]) == 0
+    after = precompile.load_manifest(manifest)
+    assert [e["specialization_data"] for e in after if (e["arch"], e["triton"]) == ("sm_75", "3.6.0")] == ["B"]
+    assert len(after) == 5  # sm_90 3.6.0's two and sm_75 3.2.0's two untouched
 
     assert precompile.resolve_kernel("torch.nn.functional.linear") is None
     assert precompile.resolve_kernel("solution.kernels.rmsnorm.no_such_kernel") is None
