@@ -309,8 +309,7 @@ def _node_backward(plan: LayerPlan, sc: StepContext, kept, meta, grad_out, needs
     # the residual add hands g to h2 and fp16(g) to the MLP (cast in the down weight's dequantization launch)
     dy = nf4_mlp.mlp_backward(plan.mlp, plan.policy, mlp_saved, g2)
     del mlp_saved
-    d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2,
-                                                [torch.float32, torch.float16])
+    d_res, d_o16 = add_rmsnorm._launch_backward(h2, plan.norm2_w, dy, g2, rstd2)
     del dy
     d_attn16 = plan.o.input_grad16(d_o16)
     # attention's gradients to the projections' fp16 GEMM inputs; k's input gradient only when x needs one
