@@ -425,11 +425,14 @@ def main(argv=None) -> int:
     if not arch or not version:
         print("error: the log does not say its architecture / Triton version; pass --arch and --triton")
         return 2
-    before = len(load_manifest(args.manifest))
-    n = add_to_manifest(args.compile_log_json, arch, version, args.manifest, replace=args.replace)
-    dropped = before + n - len(load_manifest(args.manifest))
-    print(f"added {n} specializations ({arch}, Triton {version}) to {args.manifest or manifest_path()}"
-          + (f"; dropped {dropped} of that architecture and version the log does not have" if args.replace else ""))
+    def keys():  # this architecture's and version's records
+        return {e["specialization_data"] for e in load_manifest(args.manifest) if (e["arch"], e["triton"]) == (arch, version)}
+
+    before = keys()
+    add_to_manifest(args.compile_log_json, arch, version, args.manifest, replace=args.replace)
+    after = keys()
+    print(f"{len(after - before)} specializations added ({arch}, Triton {version}) to {args.manifest or manifest_path()}"
+          + (f", {len(before - after)} dropped (not in the log), {len(after)} now" if args.replace else ""))
     return 0
 
 
