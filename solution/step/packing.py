@@ -19,9 +19,9 @@ class Unpadded:
     """Where the N real tokens of a right-padded [batch, seqlen] batch are (tensors on the device).
     idx: int64 [N], flat positions b * seqlen + t, in order; positions: int64 [N], each token's position in
     its row (RoPE's); batch, seqlen: the padded batch's shape (dropout's draws); lengths: real tokens per row
-    (host ints); cu_seqlens: int32
-    [rows + 1], each row's start and N (variable-length attention's offsets); max_len_bound: when set, the
-    longest row attention must allow for instead of max(lengths) (a CUDA graph's bound for its bucket)."""
+    (host ints); cu_seqlens: int32 [rows + 1], each row's start and N (variable-length attention's offsets);
+    max_len_bound: when set, the longest row attention must allow for instead of max(lengths) (a CUDA
+    graph's bound for its bucket)."""
     idx: torch.Tensor
     positions: torch.Tensor
     batch: int
