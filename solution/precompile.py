@@ -425,12 +425,13 @@ def main(argv=None) -> int:
     if not arch or not version:
         print("error: the log does not say its architecture / Triton version; pass --arch and --triton")
         return 2
-    def keys():  # this architecture's and version's records
-        return {e["specialization_data"] for e in load_manifest(args.manifest) if (e["arch"], e["triton"]) == (arch, version)}
+    def records():  # this architecture's and Triton version's, as the manifest holds them now
+        return {e["specialization_data"] for e in load_manifest(args.manifest)
+                if (e["arch"], e["triton"]) == (arch, version)}
 
-    before = keys()
+    before = records()
     add_to_manifest(args.compile_log_json, arch, version, args.manifest, replace=args.replace)
-    after = keys()
+    after = records()
     print(f"{len(after - before)} specializations added ({arch}, Triton {version}) to {args.manifest or manifest_path()}"
           + (f", {len(before - after)} dropped (not in the log), {len(after)} now" if args.replace else ""))
     return 0
