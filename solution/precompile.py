@@ -192,9 +192,10 @@ def cpu_quota() -> int | None:
     return max(1, math.ceil(quota_us / period_us))
 
 
-def _start_workers(entries: list[dict], target: tuple, workers: int):
+def _start_workers(entries: list[dict], target: tuple, workers: int, with_torch: bool = False):
     """Start ``workers`` compile processes for ``entries`` and ``target`` (backend, arch, warp size), round
-    robin; returns what ``_wait_workers`` needs, or None (error noted: the preload compiles everything)."""
+    robin, each with a stand-in for torch (``with_torch``: the real one, for bench.precompile_timing); returns
+    what ``_wait_workers`` needs, or None (error noted: the preload compiles everything)."""
     import tempfile
 
     try:
@@ -207,7 +208,7 @@ def _start_workers(entries: list[dict], target: tuple, workers: int):
             # they compile for the GPU target, never in Triton's interpreter
             env = settings.child_environ(drop=("TRITON_INTERPRET",))
             # each leads its own process group, so that ending it also ends its compiler (ptxas)
-            proc = subprocess.Popen(_worker_command(part, target, out), stdout=subprocess.DEVNULL,
+            proc = subprocess.Popen(_worker_command(part, target, out, with_torch), stdout=subprocess.DEVNULL,
                                     stderr=subprocess.DEVNULL, env=env, start_new_session=True,
                                     cwd=str(Path(__file__).resolve().parent.parent))
             _procs.append(proc)
@@ -219,12 +220,12 @@ def _start_workers(entries: list[dict], target: tuple, workers: int):
     return tmp, procs
 
 
-def _worker_command(part: Path, target: tuple, out: Path) -> list[str]:
+def _worker_command(part: Path, target: tuple, out: Path, with_torch: bool = False) -> list[str]:
     """A compile process's command: compile ``part``'s entries for ``target``, write the count to ``out``."""
     import sys
 
     return [sys.executable, "-m", "solution.precompile", "compile", str(part), "--target",
-            ":".join(map(str, target)), "--done", str(out)]
+            ":".join(map(str, target)), "--done", str(out)] + (["--with-torch"] if with_torch else [])
 
 
 def _wait_workers(tmp, procs, deadline: float | None = None) -> int:
@@ -416,6 +417,7 @@ def main(argv=None) -> int:
     comp.add_argument("entries_json", type=Path)
     comp.add_argument("--target", required=True, help="backend:arch:warp_size, e.g. cuda:75:32")
     comp.add_argument("--done", type=Path, help="write {\"done\": N} here")
+    comp.add_argument("--with-torch", action="store_true", help="import the real torch (default: a stand-in)")
     args = ap.parse_args(argv)
     if args.cmd == "compile":
         return _compile_main(args)
@@ -437,7 +439,77 @@ def main(argv=None) -> int:
     return 0
 
 
+class _StandIn:
+    """What a compile process's kernel modules get for each name they take from torch: every attribute, call,
+    item and subclass another stand-in. Those modules only define their launchers and autograd classes there;
+    the compile reads nothing of torch (``test_precompile``: the same cache keys as with torch)."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn(f"{self._name}.{name}")
+
+    def __call__(self, *args, **kwargs):
+        return _StandIn(f"{self._name}()")
+
+    def __getitem__(self, key):
+        return _StandIn(f"{self._name}[]")
+
+    def __mro_entries__(self, bases):
+        return (object, )
+
+    def __repr__(self) -> str:
+        return f"<stand-in {self._name}>"
+
+
+class _StandInFinder:
+    """Serves ``torch`` and every ``torch.*`` module as a package of stand-ins (``install_torch_stand_in``)."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        import importlib.machinery
+
+        if name != "torch" and not name.startswith("torch."):
+            return None
+        return importlib.machinery.ModuleSpec(name, _StandInFinder, is_package=True)
+
+    @staticmethod
+    def create_module(spec):
+        import types
+
+        class StandInModule(types.ModuleType):
+            def __getattr__(self, attr: str):
+                if attr.startswith("__"):
+                    raise AttributeError(attr)
+                return _StandIn(f"{self.__name__}.{attr}")
+
+        module = StandInModule(spec.name)
+        module.__path__ = []
+        return module
+
+    @staticmethod
+    def exec_module(module) -> None:
+        pass
+
+
+def install_torch_stand_in() -> bool:
+    """Make ``import torch`` (and ``torch.*``) in this process give stand-ins, unless torch is imported
+    already; returns whether it did. Only for a compile process: it imports our kernel modules and compiles,
+    never launches (torch's import is ~40% of its time on the machines measured, docs/PERFORMANCE.md)."""
+    import sys
+
+    if "torch" in sys.modules:
+        return False
+    sys.meta_path.insert(0, _StandInFinder)
+    return True
+
+
 def _compile_main(args) -> int:
+    if not args.with_torch:
+        install_torch_stand_in()
     from triton.backends.compiler import GPUTarget
 
     backend, arch, warp = args.target.split(":")

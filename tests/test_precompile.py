@@ -247,6 +247,73 @@ def test_shipped_records_match_the_kernels_as_they_are():
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
 
 
+# Prints {kernel: JITFunction.cache_key} for every shipped record's kernel, and whether torch was a stand-in. The
+# disk cache's key of a compile is that cache_key with the record's own data (signature, constexprs, options) and
+# Triton's and the backend's keys: equal cache_keys mean the compile process's entries are the ones training
+# looks up.
+_CACHE_KEYS = r"""
+import json, sys
+from solution import precompile
+if sys.argv[1] == "stand-in":
+    assert precompile.install_torch_stand_in()
+keys = {}
+for e in precompile.load_manifest(precompile.MANIFEST):
+    fn = precompile.resolve_kernel(e["kernel"])
+    keys[e["kernel"]] = None if fn is None else fn.cache_key
+print(json.dumps({"stand_in": type(sys.modules["torch"]).__name__ == "StandInModule", "keys": keys}))
+"""
+
+
+def test_a_compile_process_needs_no_torch_and_gets_the_same_cache_keys():
+    """A compile process imports a stand-in for torch (``install_torch_stand_in``: its import is ~40% of the
+    process's time), so it must see each kernel exactly as the training process does: the same source and
+    constexpr globals, hence the same disk-cache entries. A kernel that came to depend on torch at import
+    (a constexpr global computed with torch) fails here."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = {}
+    for mode in ("stand-in", "torch"):
+        proc = subprocess.run([sys.executable, "-c", _CACHE_KEYS, mode], env=env, capture_output=True, text=True,
+                              timeout=300, cwd=str(Path(__file__).resolve().parent.parent))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["stand-in"]["stand_in"] and not out["torch"]["stand_in"]
+    keys = out["torch"]["keys"]
+    assert keys and None not in keys.values()
+    assert out["stand-in"]["keys"] == keys
+
+
+def test_the_torch_stand_in_stands_for_what_the_kernel_modules_use():
+    """Attributes, calls, items, subclasses and submodule imports of the stand-in give stand-ins; dunder
+    lookups fail as on an ordinary object; an imported torch is never replaced."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from solution import precompile
+assert precompile.install_torch_stand_in()
+import torch, torch.nn.functional as F
+from torch.autograd import Function
+class Node(torch.autograd.Function):
+    pass
+@torch.no_grad()
+def f():
+    pass
+assert isinstance(Node(), object) and repr(F.silu) == "<stand-in torch.nn.functional.silu>"
+assert repr(torch._C.DisableTorchFunctionSubclass) == "<stand-in torch._C.DisableTorchFunctionSubclass>"
+assert not hasattr(torch.float16, "__deepcopy__") and repr(torch.empty(3)[0]).startswith("<stand-in")
+assert not precompile.install_torch_stand_in()  # once torch is in sys.modules, never again
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          cwd=str(Path(__file__).resolve().parent.parent))
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
 def test_worker_count_leaves_a_core_for_soup(monkeypatch):
     """One compile process per core this process may use (its affinity), less one, at most 4."""
     import os
@@ -383,7 +450,7 @@ def test_a_compile_process_that_never_returns_is_ended(fresh_precompile, monkeyp
     sleepers = [[sys.executable, "-c", "import time; time.sleep(3600)"],
                 [sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                                        "time.sleep(3600)"]]
-    monkeypatch.setattr(precompile, "_worker_command", lambda part, target, out: sleepers.pop(0))
+    monkeypatch.setattr(precompile, "_worker_command", lambda *a: sleepers.pop(0))
     started = []
     real_start = precompile._start_workers
     monkeypatch.setattr(precompile, "_start_workers", lambda *a: started.append(real_start(*a)) or started[-1])
