@@ -107,12 +107,13 @@ if [ -n "$out" ] && [ -f "$log" ]; then python3 -m solution.precompile add "$log
 # This GPU's own figures beside the H200's in docs/PERFORMANCE.md: each of our kernels' achieved
 # bandwidth in the profiled pass, against a copy measured on this GPU (bench/kernel_rates.py), and
 # the launch-configuration model (bench/launch_table.py); and what the background precompile costs
-# on this notebook's CPUs (bench/precompile_timing.py; ~25 s on the project's 2-core CPU machine).
+# on this notebook's CPUs, with the compile processes' torch stand-in and with the real torch in turn
+# (bench/precompile_timing.py; ~40 s on the project's 2-core CPU machine).
 # They go next to the report (and into the notebook's zip).
 if [ -n "$out" ] && [ -f "$out/solution-profiled/result.json" ]; then
   python3 -m bench.kernel_rates "$out/solution-profiled/result.json" --measure-copy | tee "$out/kernel_rates.md" || true
   python3 -m bench.launch_table > "$out/launch_table.md" 2>&1 || true
-  python3 -m bench.precompile_timing --json "$out/precompile_timing.json" | tee "$out/precompile_timing.md" || true
+  python3 -m bench.precompile_timing --torch stand-in,real --json "$out/precompile_timing.json" | tee "$out/precompile_timing.md" || true
 fi
 if [ "${T4_VARIANTS:-0}" = "1" ]; then
   python3 -m bench.variants --out runs/variants-t4 --timed default balanced=SOLUTION_MEMORY_POLICY=balanced \
