@@ -498,7 +498,9 @@ class _StandInFinder:
 def install_torch_stand_in() -> bool:
     """Make ``import torch`` (and ``torch.*``) in this process give stand-ins, unless torch is imported
     already; returns whether it did. Only for a compile process: it imports our kernel modules and compiles,
-    never launches (torch's import is ~40% of its time on the machines measured, docs/PERFORMANCE.md)."""
+    never launches (torch's import is ~40% of its time on the machines measured, docs/PERFORMANCE.md). A
+    Triton whose compile needed torch would fail an entry here: counted, and the training process's preload
+    compiles it (slower, never another binary: the cache key holds the kernel's source and constexprs)."""
     import sys
 
     if "torch" in sys.modules:
