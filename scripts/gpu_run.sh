@@ -16,7 +16,10 @@
 #   3. RUNS=shipped (profiled), then RUNS=ckpt,shipped-cold,gpu-bound-sm16 --no-profile, each with its own OUT and
 #      WORK (two gpu_run.sh invocations in one call): 465 s
 #   4. RUNS=long,short,outliers,shipped-same-allocator --no-profile: 274 s
-# The first call's machine start costs ~60 s or more; the four fit the 1,800 s of a session with ~290 s left.
+# The first call's machine start costs ~60-300 s; the four fit the 1,800 s of a session with ~290 s left at
+# those times. On a slower host (another H100, the same day) call 1 took 403 s, gpu-bound-sm8 x3 ~420 s,
+# shipped (profiled) ~300 s and shipped-cold ~120 s: start at once, keep the calls back to back (a machine
+# idle 30 s goes back), and put the call most needed first.
 # then, here, from the calls' unpacked results.tgz: one report with every run and the call each came from
 # (the T4 projection and the partition's prediction need the shipped runs' results):
 #   python -m bench.rebuild_report DIR_1/runs-... DIR_2/runs-... ... --into ALL_DIR
