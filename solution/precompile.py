@@ -24,6 +24,7 @@ import signal
 import subprocess
 import threading
 import time
+import types
 from pathlib import Path
 
 from solution import settings
@@ -465,8 +466,17 @@ class _StandIn:
         return f"<stand-in {self._name}>"
 
 
+class _StandInModule(types.ModuleType):
+    """``torch`` or a ``torch.*`` module in a compile process: a package whose every attribute is a stand-in."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _StandIn(f"{self.__name__}.{name}")
+
+
 class _StandInFinder:
-    """Serves ``torch`` and every ``torch.*`` module as a package of stand-ins (``install_torch_stand_in``)."""
+    """Serves ``torch`` and every ``torch.*`` module as a ``_StandInModule`` (``install_torch_stand_in``)."""
 
     @staticmethod
     def find_spec(name, path=None, target=None):
@@ -478,15 +488,7 @@ class _StandInFinder:
 
     @staticmethod
     def create_module(spec):
-        import types
-
-        class StandInModule(types.ModuleType):
-            def __getattr__(self, attr: str):
-                if attr.startswith("__"):
-                    raise AttributeError(attr)
-                return _StandIn(f"{self.__name__}.{attr}")
-
-        module = StandInModule(spec.name)
+        module = _StandInModule(spec.name)
         module.__path__ = []
         return module
 

@@ -260,7 +260,7 @@ keys = {}
 for e in precompile.load_manifest(precompile.MANIFEST):
     fn = precompile.resolve_kernel(e["kernel"])
     keys[e["kernel"]] = None if fn is None else fn.cache_key
-print(json.dumps({"stand_in": type(sys.modules["torch"]).__name__ == "StandInModule", "keys": keys}))
+print(json.dumps({"stand_in": isinstance(sys.modules["torch"], precompile._StandInModule), "keys": keys}))
 """
 
 
