@@ -4,11 +4,14 @@ compare-shapes and compare-cold steps of scripts/gpu_run.sh, each its own 10-min
     python -m bench.summary_merge A/summary.json B/summary.json ... -o OUT.json
 
 Every file must come from the same commit and the same GPU (else a one-line error, exit 2,
-nothing written). A run key found in more than one file keeps its first file's figures (said on
+nothing written). The runs come in the registry's order (bench/runs.py), any other after them.
+With --mixed-commits the commits may differ (the GPU may not): the merged file's
+"commit" names every commit, the first file's first, and each run keeps its own call's commit. A run key found in more than one file keeps its first file's figures (said on
 stderr). The merged file has the summaries' schema, its date the first file's, and
 "merged_from": the files, in order; every run keeps the call it came from ("call": commit, date,
 command; taken from its summary where the run does not carry it). The T4 projection is the first
-one with figures; a projection or partition prediction that needs runs of several calls (the
+one with figures, checked against run gpu-bound-sm8 where the projection's file lacks that run and
+another file has it (bench/t4_projection.py: against_partition); a projection or partition prediction that needs runs of several calls (the
 solution's eager host time from run shipped-graphs-off, the partition's prediction from the
 shipped run) is made by bench.rebuild_report, which reads the runs' results.
 """
@@ -19,10 +22,14 @@ import json
 import sys
 from pathlib import Path
 
+from bench import t4_projection
+from bench.runs import RUNS
 
-def merge(summaries: list[dict], names: list[str] | None = None) -> tuple[dict, list[str]]:
-    """(merged summary, notes on run keys given twice). Raises ValueError on different commits or
-    GPUs, or on a file that is not a summary."""
+
+def merge(summaries: list[dict], names: list[str] | None = None,
+          mixed_commits: bool = False) -> tuple[dict, list[str]]:
+    """(merged summary, notes on run keys given twice). Raises ValueError on different GPUs, on
+    different commits unless ``mixed_commits``, or on a file that is not a summary."""
     names = names or [f"summary {i + 1}" for i in range(len(summaries))]
     if not summaries:
         raise ValueError("no summary to merge")
@@ -30,7 +37,7 @@ def merge(summaries: list[dict], names: list[str] | None = None) -> tuple[dict, 
         if not isinstance(s, dict) or not {"gpu", "date", "commit", "runs"} <= set(s):
             raise ValueError(f"{name} is not a bench.compare summary.json (want gpu, date, commit, runs)")
     first = summaries[0]
-    for key in ("commit", "gpu"):
+    for key in ("gpu",) if mixed_commits else ("commit", "gpu"):
         seen = {s[key] for s in summaries}
         if len(seen) > 1:
             raise ValueError(f"refusing to merge summaries of different {key}s: "
@@ -43,11 +50,18 @@ def merge(summaries: list[dict], names: list[str] | None = None) -> tuple[dict, 
                 continue
             call = figures.get("call") or {"commit": s["commit"], "date": s["date"], "command": s.get("command")}
             runs[key], origin[key] = {**figures, "call": call}, name
+    order = {name: i for i, name in enumerate(RUNS)}
+    runs = dict(sorted(runs.items(), key=lambda item: order.get(item[0], len(order))))
     # the T4 projection (bench/t4_projection.py) comes from the shipped shape's report: the first
     # summary that has one with figures (not skipped) gives it
     projections = [s.get("t4_projection") for s in summaries if isinstance(s.get("t4_projection"), dict)]
     projection = next((p for p in projections if "skipped" not in p), projections[0] if projections else None)
-    return {"gpu": first["gpu"], "date": first["date"], "commit": first["commit"], "runs": runs,
+    if projection and not projection.get("against"):
+        against = t4_projection.against_partition(projection, runs.get(t4_projection.PARTITION_RUN))
+        if against:
+            projection = {**projection, "against": against}
+    commits = list(dict.fromkeys(s["commit"] for s in summaries))
+    return {"gpu": first["gpu"], "date": first["date"], "commit": ", ".join(commits), "runs": runs,
             "t4_projection": projection, "merged_from": list(names)}, notes
 
 
@@ -56,6 +70,8 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("summaries", nargs="+", type=Path, help="summary.json files written by bench.compare")
     ap.add_argument("-o", "--out", type=Path, required=True, help="the merged file to write")
+    ap.add_argument("--mixed-commits", action="store_true",
+                    help="merge summaries of different commits (each run keeps its call's commit)")
     args = ap.parse_args(argv)
     try:
         loaded = []
@@ -64,7 +80,7 @@ def main(argv=None) -> int:
                 loaded.append(json.loads(path.read_text(encoding="utf-8")))
             except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
                 raise ValueError(f"cannot read {path}: {exc}") from exc
-        merged, notes = merge(loaded, [str(p) for p in args.summaries])
+        merged, notes = merge(loaded, [str(p) for p in args.summaries], args.mixed_commits)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

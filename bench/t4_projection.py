@@ -372,8 +372,9 @@ PARTITION_RUN = "gpu-bound-sm8"  # bench/runs.py: the nearest a T4 that can be m
 
 def against_partition(proj: dict | None, entry: dict | None, run: str = PARTITION_RUN) -> dict | None:
     """The projection's solution / baseline beside the one the 8-SM partition measured (``entry``: that
-    run's report entry; the median of its pairs where repeated), and how far apart (projected / measured
-    - 1). None when either side is missing."""
+    run's report entry or summary.json entry; the median of its pairs where repeated), and how far apart
+    (projected / measured - 1). ``proj``: the report's projection or its summary.json form (which
+    carries the raw trainings, not the speedup). None when either side is missing."""
     if not proj or proj.get("skipped") or not entry:
         return None
     measured = (entry.get("repeats") or {}).get("steps_ratio_median")
@@ -381,7 +382,8 @@ def against_partition(proj: dict | None, entry: dict | None, run: str = PARTITIO
         measured = (entry.get("ratios") or {}).get("train_excl_first2_s")
     if not measured:
         return None
-    projected = 1 / proj["speedup"]
+    speedup = proj.get("speedup") or proj["baseline_train_s_raw"] / proj["solution_train_s_raw"]
+    projected = 1 / speedup
     return {"run": run, "projected_ratio": projected, "measured_ratio": measured,
             "difference": projected / measured - 1}
 

@@ -388,3 +388,22 @@ def test_rebuild_report_from_run_folders(tmp_path):
     assert (tmp_path / "report.md").read_text(encoding="utf-8").startswith("> **Rebuilt** by `bench.rebuild_report`")
     assert json.loads((tmp_path / "summary.json").read_text(encoding="utf-8"))["commit"] == "abc1234"
     assert compare._gpu.__name__ == "_gpu" and compare.git_commit.__name__ == "git_commit"  # put back
+
+
+def test_merge_of_mixed_commits_names_them_and_checks_the_projection_against_the_partition(tmp_path):
+    a = _summary(runs=("shipped", "ckpt"))
+    a["t4_projection"] = {"baseline_train_s": 80.0, "solution_train_s": 34.0, "baseline_train_s_raw": 75.0,
+                          "solution_train_s_raw": 30.0}
+    b = _summary(commit="def5678", runs=("gpu-bound-sm8",))
+    b["runs"]["gpu-bound-sm8"]["repeats"] = {"steps_ratio_median": 0.5}
+    with pytest.raises(ValueError, match="different commits"):
+        summary_merge.merge([a, b])
+    merged, _ = summary_merge.merge([a, b], mixed_commits=True)
+    assert merged["commit"] == "abc1234, def5678"
+    assert merged["runs"]["gpu-bound-sm8"]["call"]["commit"] == "def5678"
+    assert merged["runs"]["ckpt"]["call"]["commit"] == "abc1234"
+    against = merged["t4_projection"]["against"]
+    assert against["run"] == "gpu-bound-sm8" and against["projected_ratio"] == pytest.approx(0.4)
+    assert against["difference"] == pytest.approx(-0.2)
+    with pytest.raises(ValueError, match="different gpus"):
+        summary_merge.merge([a, _summary(gpu="other", runs=("long",))], mixed_commits=True)
