@@ -9,17 +9,14 @@
 # Named runs (bench/runs.py; each a baseline-vs-solution comparison under stated conditions):
 #   RUNS=shipped,shipped-graphs-off bash scripts/gpu_run.sh runs
 # runs bench.compare --runs "$RUNS" into $OUT/runs-<names joined by +>, its summary.json and report.md
-# copied beside results.tgz as runs-<names joined by ->-summary.json / -report.md. The whole named set in four calls of
-# <= 10 minutes on one warm H100 (2026-12-07, wall time of each call, all with --no-host-split; BENCH_COMMIT set):
-#   1. tests (TEST_WORKERS=14 TEST_TIMEOUT=230; the suite 112 s) + RUNS=shipped-graphs-off --repeat 3 --no-profile: 327 s
-#   2. RUNS=gpu-bound-sm8 --repeat 3 --no-profile (+ BENCHES=bench_rmsnorm bench): 323 s
-#   3. RUNS=shipped (profiled), then RUNS=ckpt,shipped-cold,gpu-bound-sm16 --no-profile, each with its own OUT and
-#      WORK (two gpu_run.sh invocations in one call): 465 s
-#   4. RUNS=long,short,outliers,shipped-same-allocator --no-profile: 274 s
-# The first call's machine start costs ~60-300 s; the four fit the 1,800 s of a session with ~290 s left at
-# those times. On a slower host (another H100, the same day) call 1 took 403 s, gpu-bound-sm8 x3 ~420 s,
-# shipped (profiled) ~300 s and shipped-cold ~120 s: start at once, keep the calls back to back (a machine
-# idle 30 s goes back), and put the call most needed first.
+# copied beside results.tgz as runs-<names joined by ->-summary.json / -report.md. The whole named set:
+# scripts/gpu_pipeline.sh with scripts/named_set.plan (its stages in turn in one background process across
+# calls). Stage times on one H100 with a slow host (2026-12-07, wall time): warm-up run 79 s, ckpt +
+# gpu-bound-sm16 243 s, long + short + outliers + shipped-same-allocator 432 s, shipped (profiled) 361 s,
+# shipped-cold 114 s, shipped-graphs-off x3 310 s, gpu-bound-sm8 x3 ~420 s, tests ~150 s: ~2,100 s with
+# the machine's start, more than a session's 1,800 s of device time (a fast host's four calls took ~1,390 s).
+# On such a host run the set in two sessions on one commit: check that commit out for the second session's
+# calls, so that every run carries it.
 # then, here, from the calls' unpacked results.tgz: one report with every run and the call each came from
 # (the T4 projection and the partition's prediction need the shipped runs' results):
 #   python -m bench.rebuild_report DIR_1/runs-... DIR_2/runs-... ... --into ALL_DIR
