@@ -440,3 +440,64 @@ def test_rebuild_takes_the_same_pair_from_the_repeated_folders(tmp_path):
     run = json.loads((into / "summary.json").read_text(encoding="utf-8"))["runs"]["shipped"]
     assert run["repeats"]["chosen"] == 3
     assert run["solution"]["train_excl_first2_s"] == pytest.approx(2 * 0.6)
+
+
+# --- scripts/gpu_pipeline.sh and scripts/named_set.plan ----------------------------------------------
+
+def test_gpu_pipeline_runs_the_stages_in_turn_and_brings_each_back_once(tmp_path):
+    """Two stages through a stub gpu_run.sh (it records its environment and steps): both run in turn
+    in the pipeline's copy of the tree, each comes back as one tar, a later poll brings nothing twice,
+    and a second start on the same machine is refused."""
+    import os
+    import shutil
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    tree = tmp_path / "tree"
+    (tree / "scripts").mkdir(parents=True)
+    shutil.copy(root / "scripts" / "gpu_pipeline.sh", tree / "scripts")
+    (tree / "scripts" / "gpu_run.sh").write_text(
+        '#!/usr/bin/env bash\nmkdir -p "$OUT"\n'
+        'echo "pwd=$PWD args=$* RUNS=${RUNS:-} ARGS=${COMPARE_ARGS:-}" > "$OUT/seen.txt"\n', encoding="utf-8")
+    (tree / "plan").write_text('# a comment\n'
+                               'one|RUNS=shipped COMPARE_ARGS="--repeat 3 --no-profile"|runs\n'
+                               '\n'
+                               'two||tests bench\n', encoding="utf-8")
+    pipe, out = tmp_path / "pipe", tmp_path / "out"
+    env = {**os.environ, "PIPE": str(pipe), "OUT": str(out)}
+    script = str(tree / "scripts" / "gpu_pipeline.sh")
+    proc = subprocess.run(["bash", script, "start", "plan", "60"], env=env, capture_output=True, text=True,
+                          timeout=120, cwd=str(tree))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all stages ended" in proc.stdout
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[1:] if line.strip()}
+    assert rows["one"][0] == "ended" and rows["one"][2] == "0" and rows["two"][0] == "ended"
+    with tarfile.open(out / "stage-one.tar") as tar:
+        seen = tar.extractfile("out-one/seen.txt").read().decode()
+        assert "one.log" in tar.getnames()
+    assert f"pwd={pipe / 'tree'} args=runs RUNS=shipped ARGS=--repeat 3 --no-profile" in seen
+    with tarfile.open(out / "stage-two.tar") as tar:
+        assert "args=tests bench RUNS= ARGS=" in tar.extractfile("out-two/seen.txt").read().decode()
+    for f in out.iterdir():
+        f.unlink()
+    proc = subprocess.run(["bash", script, "poll", "5"], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=str(tree))
+    assert proc.returncode == 0 and "all stages ended" in proc.stdout and not list(out.iterdir())
+    proc = subprocess.run(["bash", script, "start", "plan"], env=env, capture_output=True, text=True, timeout=60,
+                          cwd=str(tree))
+    assert proc.returncode == 2 and "already started" in proc.stdout
+
+
+def test_the_named_set_plan_runs_every_named_run_once():
+    from pathlib import Path
+
+    plan = (Path(__file__).resolve().parent.parent / "scripts" / "named_set.plan").read_text(encoding="utf-8")
+    named = []
+    for line in plan.splitlines():
+        if line.strip() and not line.startswith("#"):
+            assign = line.split("|")[1]
+            if "RUNS=" in assign:
+                named += assign.split("RUNS=")[1].split()[0].split(",")
+    assert sorted(named) == sorted(runs.RUNS)
