@@ -4,14 +4,15 @@ compare-shapes and compare-cold steps of scripts/gpu_run.sh, each its own 10-min
     python -m bench.summary_merge A/summary.json B/summary.json ... -o OUT.json
 
 Every file must come from the same commit and the same GPU (else a one-line error, exit 2,
-nothing written). The runs come in the registry's order (bench/runs.py), any other after them.
-With --mixed-commits the commits may differ (the GPU may not): the merged file's
-"commit" names every commit, the first file's first, and each run keeps its own call's commit. A run key found in more than one file keeps its first file's figures (said on
-stderr). The merged file has the summaries' schema, its date the first file's, and
-"merged_from": the files, in order; every run keeps the call it came from ("call": commit, date,
-command; taken from its summary where the run does not carry it). The T4 projection is the first
-one with figures, checked against run gpu-bound-sm8 where the projection's file lacks that run and
-another file has it (bench/t4_projection.py: against_partition); a projection or partition prediction that needs runs of several calls (the
+nothing written). With --mixed-commits the commits may differ (the GPU may not): the merged file's
+"commit" names every commit, the first file's first, and each run keeps its own call's commit. The
+runs come in the registry's order (bench/runs.py), any other after them. A run key found in more
+than one file keeps its first file's figures (said on stderr). The merged file has the summaries'
+schema, its date the first file's, and "merged_from": the files, in order; every run keeps the call
+it came from ("call": commit, date, command; taken from its summary where the run does not carry
+it). The T4 projection is the first one with figures, checked against run gpu-bound-sm8 where the
+projection's file lacks that run and another file has it (bench/t4_projection.py:
+against_partition); a projection or partition prediction that needs runs of several calls (the
 solution's eager host time from run shipped-graphs-off, the partition's prediction from the
 shipped run) is made by bench.rebuild_report, which reads the runs' results.
 """
