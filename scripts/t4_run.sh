@@ -10,10 +10,9 @@
 # solution), profiled, and the rule check. SOLUTION_WHEELS=DIR (no network): the packages come from
 # the wheels in DIR (pip --no-index --find-links DIR), and only those not already installed.
 # With T4_VARIANTS=1 it then also profiles the solution's settings side by side, timed runs included
-# (step time): runs/variants-t4/variants.md, ~12 more runs. Each variant differs from its reference
-# in ONE thing: "balanced", "memory" (memory policies), "eager" (no CUDA graphs) and "bucket64"
-# (64-token buckets) from "default"; "padded" (attention on the padded layout) from "eager": the
-# padded layout turns the graphs off (docs/cuda_graphs.md, section 4), so both run without them.
+# (step time): runs/variants-t4/variants.md, 10 more runs (5 settings, each profiled and timed). Each
+# differs from "default" in ONE thing: "balanced", "memory" (memory policies), "eager" (no CUDA graphs),
+# "bucket64" (64-token buckets).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # One GPU: on Kaggle's "GPU T4 x2" the Trainer would otherwise spread the run over both cards
