@@ -34,7 +34,8 @@
 #      added to each compare step's own options, so it can override them),
 #      VARIANTS (bench.variants labels, e.g. "eager=SOLUTION_CUDA_GRAPHS=0 memory=SOLUTION_MEMORY_POLICY=memory"),
 #      VARIANT_ARGS (e.g. --baseline), TIMED_VARIANTS (timed solution runs, one table: "LABEL[=VAR=VALUE,...]
-#      ...", a label starting with "baseline" runs the baseline; TIMED_COLD=1: each in its own empty Triton cache;
+#      ...", a label starting with "baseline" runs the baseline, one starting with "old" the solution of the
+#      tree in TIMED_OLD_TREE (scripts/commit_pairs.sh writes one); TIMED_COLD=1: each in its own empty Triton cache;
 #      TIMED_EXTRA: bench.run_one options, @L for the label), TIMED_TIMEOUT, MEMORY_VARIANTS (default "solution"), ORIGINS_VARIANTS (default "solution"), ORIGINS_TIMEOUT,
 #      CPROFILE_VARIANTS (default "baseline solution"), CPROFILE_TIMEOUT, HOSTSPLIT_VARIANTS, HOSTSPLIT_TIMEOUT,
 #      COMPARE_TIMEOUT, TEST_TIMEOUT, TEST_WORKERS (pytest-xdist workers, one file each; default 6 on >= 12 CPUs with xdist, 0 serial), BENCH_TIMEOUT, VARIANTS_TIMEOUT, MEMORY_TIMEOUT.
@@ -128,18 +129,26 @@ for step in $steps; do
       run_each memory --memory-peak md ${MEMORY_TIMEOUT:-180} 32 ${MEMORY_VARIANTS:-solution} ;;
     timed)
       # Settings side by side, one unprofiled run each (bench/timed_table.py prints the table).
-      M=.cache/models/qwen2.5-1.5b-instruct-standin-full
+      M=$PWD/.cache/models/qwen2.5-1.5b-instruct-standin-full
       python3 -c "from workload.model_standin import write_standin; write_standin('$M', size='full')" >/dev/null 2>&1
       specs=()
       for spec in ${TIMED_VARIANTS:-default}; do
         label=${spec%%=*}; settings=""; [ "$label" != "$spec" ] && settings=${spec#*=}
-        v=solution; case $label in baseline*) v=baseline ;; esac
+        v=solution tree=$PWD
+        case $label in
+          baseline*) v=baseline ;;
+          old*) tree=$(cd "${TIMED_OLD_TREE:-/nonexistent}" 2>/dev/null && pwd) \
+                  || { echo "error: label $label needs TIMED_OLD_TREE (a tree from scripts/commit_pairs.sh)"; rc=1; continue; } ;;
+        esac
         envs=(); IFS=, read -ra envs <<< "$settings"
-        cache=$OUT/timed-$label/triton-cache; rm -rf "$cache"
+        work=$(cd "$OUT" && pwd) data=$PWD/workload/data/kazakh_instructions.jsonl
+        cache=$work/timed-$label/triton-cache; rm -rf "$cache"
         [ "${TIMED_COLD:-0}" = 1 ] && envs+=("TRITON_CACHE_DIR=$cache" "TORCHINDUCTOR_CACHE_DIR=$cache-inductor")
-        env "${envs[@]}" timeout ${TIMED_TIMEOUT:-150} python3 -m bench.run_one --variant $v --model $M \
-          --data workload/data/kazakh_instructions.jsonl --workdir "$OUT/timed-$label" \
-          $(echo "${TIMED_EXTRA:-}" | sed "s/@L/$label/g") > "$OUT/timed-$label.log" 2>&1 || rc=1
+        # run from its tree with that tree's packages (PYTHONPATH ends with this tree's path: swapped)
+        pp="${PYTHONPATH%"$PWD"}$tree"
+        (cd "$tree" && env PYTHONPATH="$pp" "${envs[@]}" timeout ${TIMED_TIMEOUT:-150} python3 -m bench.run_one \
+          --variant $v --model "$M" --data "$data" --workdir "$work/timed-$label" \
+          $(echo "${TIMED_EXTRA:-}" | sed "s/@L/$label/g")) > "$OUT/timed-$label.log" 2>&1 || rc=1
         grep -h "^\[solution\]" "$OUT/timed-$label.log" | grep -v "^\[solution\] captured" | head -8
         specs+=("$label=$OUT/timed-$label/result.json")
       done
